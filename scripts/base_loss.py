@@ -1,0 +1,78 @@
+"""
+Bits per byte of a saved base model on the train and val shards, plus a few greedy samples.
+
+    python -m scripts.base_loss                      # largest base model, last step
+    torchrun --nproc_per_node=8 -m scripts.base_loss --model_tag=d20 --split_tokens=20971520
+"""
+
+import torch
+
+from nanochat.checkpoint_manager import load_model
+from nanochat.common import compute_cleanup, compute_init, print0
+from nanochat.configurator import parse_flags_or_exit
+from nanochat.dataloader import tokenizing_distributed_data_loader
+from nanochat.loss_eval import evaluate_bpb
+from nanochat.tokenizer import get_token_bytes
+from nanochat.training import autocast_ctx, resolve_dtype
+
+DEFAULTS = dict(
+    device_type="",
+    source="base",  # base|mid|sft|rl
+    model_tag="",
+    model_step=-1,
+    device_batch_size=32,
+    split_tokens=20 * 524288,  # tokens evaluated per split
+    max_seq_len=-1,  # default: the model's sequence_len
+    dtype="auto",
+    num_samples_tokens=16,
+)
+
+PROMPTS = [
+    "The capital of France is",
+    "The chemical symbol of gold is",
+    "If yesterday was Friday, then tomorrow will be",
+    "The opposite of hot is",
+    "The planets of the solar system are:",
+    "My favorite color is",
+    "If 5*x + 3 = 13, then x is",
+]
+
+
+def main(argv=None):
+    config = parse_flags_or_exit(DEFAULTS, argv, description=__doc__)
+    ddp, rank, local_rank, world_size, device = compute_init(config["device_type"] or None)
+    dtype = resolve_dtype(config["dtype"], device.type)
+    model, tokenizer, meta = load_model(config["source"], device, phase="eval", model_tag=config["model_tag"] or None,
+                                        step=config["model_step"] if config["model_step"] >= 0 else None)
+    T = config["max_seq_len"] if config["max_seq_len"] > 0 else model.config.sequence_len
+    B = config["device_batch_size"]
+    steps = max(1, config["split_tokens"] // (B * T * world_size))
+    token_bytes = get_token_bytes(device=device)
+    results = {}
+    for split in ("train", "val"):
+        loader = tokenizing_distributed_data_loader(B, T, split, device=device.type, tokenizer=tokenizer)
+        with autocast_ctx(device.type, dtype):
+            bpb = evaluate_bpb(model, loader, steps, token_bytes)
+        results[f"{split} bpb"] = bpb
+        print0(f"{split} bpb: {bpb:.4f} ({steps} batches of {B}x{T} per rank)")
+    samples = []
+    if rank == 0:
+        for prompt in PROMPTS:
+            tokens = tokenizer(prompt, prepend="<|bos|>")
+            with autocast_ctx(device.type, dtype):
+                out = list(model.generate(tokens, max_tokens=config["num_samples_tokens"], temperature=0))
+            text = prompt + tokenizer.decode(out)
+            samples.append(text)
+            print0(repr(text))
+        try:
+            from nanochat.report import get_report
+
+            get_report().log(section="Base model loss", data=[results, {"samples": samples}])
+        except ImportError:
+            pass
+    compute_cleanup()
+    return results
+
+
+if __name__ == "__main__":
+    main()

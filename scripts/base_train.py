@@ -1,0 +1,269 @@
+"""
+Pretrain the base model.
+
+    python -m scripts.base_train --depth=4 --max_seq_len=256 --device_batch_size=8 --total_batch_size=4096 ...
+    torchrun --nproc_per_node=8 -m scripts.base_train --depth=20
+    torchrun --nproc_per_node=8 -m scripts.base_train --depth=40 --use_fsdp=1
+
+Flags use nanochat's names; `--a_b=v` and `--a-b v` both work; unknown flags are errors (run with --help).
+The loop below reads top to bottom: evaluate / sample / checkpoint when due, then one optimisation step.
+"""
+
+import os
+import time
+
+import torch
+
+from nanochat.checkpoint_manager import checkpoint_root
+from nanochat.common import compute_cleanup, compute_init, get_wandb, print0, print_banner
+from nanochat.configurator import parse_flags_or_exit
+from nanochat.dataloader import tokenizing_distributed_data_loader
+from nanochat.gpt import config_for_depth
+from nanochat.loss_eval import evaluate_bpb
+from nanochat.tokenizer import get_token_bytes, get_tokenizer
+from nanochat import training as T
+
+DEFAULTS = dict(
+    run="dummy",  # wandb run name; "dummy" = no wandb
+    device_type="",  # cuda|cpu|mps; empty = autodetect
+    # model
+    depth=20,
+    max_seq_len=2048,
+    init="normal",  # normal | nanochat
+    attn="auto",  # auto | sdpa | fa3
+    # horizon: the first one set wins
+    num_iterations=-1,
+    target_flops=-1.0,
+    target_param_data_ratio=20,  # Chinchilla: tokens = ratio * params
+    # batch
+    device_batch_size=32,
+    total_batch_size=524288,  # tokens per optimisation step
+    # optimisation
+    embedding_lr=0.2,
+    unembedding_lr=0.004,
+    matrix_lr=0.02,
+    weight_decay=0.0,
+    use_muon=True,
+    grad_clip=1.0,
+    warmup_ratio=0.0,
+    warmdown_ratio=0.2,
+    final_lr_frac=0.0,
+    # periodic actions (<= 0 turns one off)
+    eval_every=250,
+    eval_tokens=20 * 524288,
+    core_metric_every=2000,
+    core_metric_max_per_task=500,
+    sample_every=2000,
+    save_every=-1,  # intermediate checkpoints; the final step is always saved
+    resume_from_step=-1,
+    model_tag="",  # default: d{depth}
+    # systems
+    compile=True,  # torch.compile on CUDA (ignored elsewhere)
+    dtype="auto",  # auto | bfloat16 | float32
+    use_fsdp=False,
+    fsdp_reduce_dtype="float32",
+    data_world_size=1,  # single process only: read data as W ranks would, to reproduce a W-rank run exactly
+    seed=42,
+)
+
+# On CPU some defaults mean hours of work before the first training step; scale them down unless set explicitly.
+CPU_EVAL_STEPS = 4
+
+
+def main(argv=None):
+    config = parse_flags_or_exit(DEFAULTS, argv, description=__doc__)
+    user_config = dict(config)
+    print_banner()
+
+    ddp, rank, local_rank, world_size, device = compute_init(config["device_type"] or None, seed=config["seed"])
+    device_type = device.type
+    master = rank == 0
+    dtype = T.resolve_dtype(config["dtype"], device_type)
+    autocast = lambda: T.autocast_ctx(device_type, dtype)  # noqa: E731
+    if config["data_world_size"] > 1 and world_size > 1:
+        raise ValueError("--data_world_size is for single-process runs that reproduce a multi-rank run; unset it")
+    data_world = max(world_size, config["data_world_size"])
+
+    # tokenizer and model
+    tokenizer = get_tokenizer()
+    token_bytes = get_token_bytes(device=device)
+    vocab_size = tokenizer.get_vocab_size()
+    model_config = config_for_depth(config["depth"], vocab_size, config["max_seq_len"])
+    model = T.build_model(model_config, device, config["init"], config["attn"], config["use_fsdp"], config["fsdp_reduce_dtype"])
+    orig_model = model  # uncompiled, for eval, sampling and saving
+    if config["compile"] and device_type == "cuda":
+        model = torch.compile(model, dynamic=False)
+    num_params = orig_model.num_params()
+    flops_per_token = orig_model.estimate_flops()
+    print0(f"Model d{config['depth']}: {model_config} | {num_params:,} params | attn {orig_model.attn_backend} | "
+           f"{flops_per_token:.3e} FLOPs/token")
+
+    # batch arithmetic
+    B, Tlen = config["device_batch_size"], config["max_seq_len"]
+    grad_accum, tokens_per_fwdbwd = T.batch_arithmetic(config["total_batch_size"], B, Tlen, data_world)
+    total_batch = tokens_per_fwdbwd * grad_accum
+    print0(f"Batch: {B} x {Tlen} x {data_world} rank(s) x {grad_accum} accumulation = {total_batch:,} tokens/step")
+
+    # horizon
+    if config["num_iterations"] > 0:
+        num_iterations = config["num_iterations"]
+    elif config["target_flops"] > 0:
+        num_iterations = round(config["target_flops"] / (flops_per_token * total_batch))
+    elif config["target_param_data_ratio"] > 0:
+        num_iterations = config["target_param_data_ratio"] * num_params // total_batch
+    else:
+        raise ValueError("set one of --num_iterations, --target_flops or --target_param_data_ratio to a positive value")
+    num_iterations = max(int(num_iterations), 1)
+    print0(f"Training for {num_iterations:,} steps = {num_iterations * total_batch:,} tokens "
+           f"(tokens:params = {num_iterations * total_batch / num_params:.2f}), "
+           f"{flops_per_token * num_iterations * total_batch:.3e} FLOPs")
+
+    eval_steps = max(1, config["eval_tokens"] // tokens_per_fwdbwd) if config["eval_every"] > 0 else 0
+    if device_type == "cpu" and config["eval_tokens"] == DEFAULTS["eval_tokens"] and eval_steps > CPU_EVAL_STEPS:
+        print0(f"Note: on CPU the default --eval_tokens={DEFAULTS['eval_tokens']} would take {eval_steps} eval batches; "
+               f"using {CPU_EVAL_STEPS}. Set --eval_tokens explicitly to override.")
+        eval_steps = CPU_EVAL_STEPS
+
+    # optimizers
+    optimizers = T.setup_optimizers(
+        orig_model, use_fsdp=config["use_fsdp"], unembedding_lr=config["unembedding_lr"],
+        embedding_lr=config["embedding_lr"], matrix_lr=config["matrix_lr"],
+        weight_decay=config["weight_decay"], use_muon=config["use_muon"],
+    )
+
+    # checkpoints and resume
+    model_tag = config["model_tag"] or f"d{config['depth']}"
+    checkpoint_dir = os.path.join(checkpoint_root("base"), model_tag)
+    meter = T.ProgressMeter(total_batch, flops_per_token, device, world_size, num_iterations)
+    start_step, min_val_bpb, val_bpb = 0, float("inf"), None
+    loader_states = [None] * (data_world if world_size == 1 else 1)
+    if config["resume_from_step"] >= 0:
+        start_step = config["resume_from_step"]
+        meta, my_state = T.load_train_state(checkpoint_dir, start_step, orig_model, optimizers, device, config["use_fsdp"])
+        loop = meta["loop_state"]
+        meter.load_state_dict(loop["meter"])
+        min_val_bpb, val_bpb = loop["min_val_bpb"], meta.get("val_bpb")
+        loader_states = loop["data_loader_states"] if world_size == 1 else [my_state]
+        print0(f"Resumed from step {start_step} in {checkpoint_dir}")
+
+    # data: one loader per data rank (exactly one under torchrun)
+    data_ranks = range(data_world) if world_size == 1 else [rank]
+    train_loaders = [
+        tokenizing_distributed_data_loader(B, Tlen, "train", device=device_type, resume_state_dict=st, tokenizer=tokenizer,
+                                           rank=r, world_size=data_world)
+        for r, st in zip(data_ranks, loader_states)
+    ]
+    # micro-batches go round the data ranks A at a time, as each real rank would take A in a row
+    micro = {"i": 0}
+
+    def next_batch():
+        k = (micro["i"] // grad_accum) % len(train_loaders)
+        micro["i"] += 1
+        x, y, state = next(train_loaders[k])
+        loader_states[k] = state
+        return x, y
+
+    def build_val_loader():
+        return tokenizing_distributed_data_loader(B, Tlen, "val", device=device_type, tokenizer=tokenizer)
+
+    wandb_run = get_wandb(config["run"], "nanochat", user_config, master)
+
+    def sample():
+        prompts = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then tomorrow will be",
+                   "The opposite of hot is", "The planets of the solar system are:"]
+        orig_model.eval()
+        for prompt in prompts:
+            tokens = tokenizer(prompt, prepend="<|bos|>")
+            with autocast():
+                out = list(orig_model.generate(tokens, max_tokens=16, temperature=0))
+            print0(f"  {prompt!r} -> {tokenizer.decode(out)!r}")
+        orig_model.train()
+
+    def save(step):
+        loop_state = {"meter": meter.state_dict(), "min_val_bpb": min_val_bpb,
+                      "data_loader_states": loader_states if world_size == 1 else None}
+        meta = {"model_config": vars(model_config), "user_config": user_config, "val_bpb": val_bpb,
+                "device_batch_size": B, "max_seq_len": Tlen, "loop_state": loop_state}
+        my_state = loader_states[0] if len(loader_states) == 1 else None  # this rank's; W virtual ranks live in loop_state
+        T.save_train_state(checkpoint_dir, step, orig_model, optimizers, meta, my_state, config["use_fsdp"])
+
+    # ---------------------------------------------------------------- the loop
+    core_metric = None
+    curve_loss, curve_bpb = [], []  # for the report's plots
+    step = start_step
+    for step in range(start_step, num_iterations + 1):
+        last_step = step == num_iterations
+
+        if T.every(step, config["eval_every"], last_step):
+            orig_model.eval()
+            with autocast():
+                val_bpb = evaluate_bpb(orig_model, build_val_loader(), eval_steps, token_bytes)
+            orig_model.train()
+            min_val_bpb = min(min_val_bpb, val_bpb)
+            curve_bpb.append((step, val_bpb))
+            print0(f"step {step:05d} | val bpb: {val_bpb:.4f}")
+            wandb_run.log({"step": step, "val/bpb": val_bpb})
+
+        if T.every(step, config["core_metric_every"], last_step) and step > 0:
+            from nanochat.core_eval import evaluate_model
+
+            orig_model.eval()
+            with autocast():
+                out = evaluate_model(orig_model, tokenizer, device, max_per_task=config["core_metric_max_per_task"])
+            orig_model.train()
+            core_metric = out.get("core_metric")
+            print0(f"step {step:05d} | CORE: {core_metric:.4f}" + (" (partial)" if out.get("partial") else ""))
+            wandb_run.log({"step": step, "core_metric": core_metric})
+
+        if T.every(step, config["sample_every"], last_step) and (master or config["use_fsdp"]):
+            sample()  # under FSDP every rank runs the forward (the all-gathers are collective); rank 0 prints
+
+        if step > start_step and (T.every(step, config["save_every"], last_step, at_last=False) or last_step):
+            save(step)
+
+        if last_step:
+            break
+
+        lrm = T.lr_multiplier(step, num_iterations, config["warmup_ratio"], config["warmdown_ratio"], config["final_lr_frac"])
+        T.apply_schedule(optimizers, lrm, T.muon_momentum(step))
+        t0 = time.time()
+        loss, grad_norm, _ = T.train_step(model, optimizers, next_batch, grad_accum * len(train_loaders), config["grad_clip"], autocast)
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.time() - t0
+        T.assert_finite(loss, step)
+        fields = meter.update(step, loss, dt)
+        curve_loss.append((step + 1, fields["loss"]))
+        print0(meter.format(step, fields, lrm, f" | gnorm: {grad_norm:.3f}" if grad_norm is not None else ""))
+        wandb_run.log({"step": step, "train/loss": fields["loss"], "train/raw_loss": loss, "train/lrm": lrm,
+                       "train/tok_per_sec": fields["tok_per_sec"], "train/mfu": fields["mfu"]})
+
+    # ---------------------------------------------------------------- wrap up
+    if master:
+        print0(f"Peak memory: {torch.cuda.max_memory_allocated() / 1024**2:.0f} MiB" if device_type == "cuda" else "")
+        print0(f"Total training time: {T.format_duration(meter.total_time)} | min val bpb: {min_val_bpb:.4f}")
+        try:
+            from nanochat.report import get_report
+
+            report = get_report()
+            if curve_loss:
+                report.log_curve("Base training loss", *zip(*curve_loss), ylabel="loss (EMA)")
+            if curve_bpb:
+                report.log_curve("Base validation bpb", *zip(*curve_bpb), ylabel="bits per byte")
+            report.log(section="Base model training", data=[
+                user_config,
+                {"Number of parameters": num_params, "FLOPs per token": f"{flops_per_token:e}",
+                 "Calculated number of iterations": num_iterations, "Tokens per step": total_batch,
+                 "Number of training tokens": num_iterations * total_batch, "DDP world size": world_size},
+                {"Minimum validation bpb": min_val_bpb, "Final validation bpb": val_bpb, "CORE metric": core_metric,
+                 "Total training time": T.format_duration(meter.total_time)},
+            ])
+        except ImportError:
+            pass
+    wandb_run.finish()
+    compute_cleanup()
+    return {"val_bpb": val_bpb, "min_val_bpb": min_val_bpb, "num_iterations": num_iterations, "step": step}
+
+
+if __name__ == "__main__":
+    main()

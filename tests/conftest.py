@@ -1,0 +1,100 @@
+"""
+Shared fixtures: a tiny but real nanochat base directory (WikiText-2 shards + a trained tokenizer), built once per
+test session, and helpers to run torchrun from tests.
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+WIKITEXT = SHARED_DATA / "pretrain" / "wikitext-2"
+
+
+def require_shared(path):
+    if not Path(path).exists():
+        pytest.skip(f"real test data not found at {path} (expected ../shared/data beside the repo)")
+    return Path(path)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(base_dir=None, **extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"  # two ranks on two cores: no oversubscription
+    env["PYTHONUNBUFFERED"] = "1"
+    if base_dir is not None:
+        env["NANOCHAT_BASE_DIR"] = str(base_dir)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_torchrun(args, nproc=2, env=None, timeout=300, extra_launcher_args=()):
+    """Run `torchrun --nproc_per_node=N ... args` with gloo on CPU; fail the test with its output on error/timeout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *extra_launcher_args]
+    if not any(a.startswith("--master_port") or a.startswith("--rdzv") or a == "--standalone" for a in extra_launcher_args):
+        cmd += ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    cmd += list(args)
+    try:
+        p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun timed out after {timeout}s: {' '.join(cmd)}\n{e.stdout}\n{e.stderr}")
+    if p.returncode != 0:
+        pytest.fail(f"torchrun failed ({p.returncode}): {' '.join(cmd)}\nSTDOUT:\n{p.stdout[-6000:]}\nSTDERR:\n{p.stderr[-6000:]}")
+    return p
+
+
+@pytest.fixture(scope="session")
+def tiny_base_dir(tmp_path_factory):
+    """
+    A base dir with WikiText-2 imported as shards (small row groups so several ranks get data) and a 512-token
+    tokenizer trained on it. Tests that write checkpoints should copy it (see `base_dir` fixture).
+    """
+    require_shared(WIKITEXT / "train.txt")
+    from nanochat.dataset import import_corpus
+    from nanochat.tokenizer import RustBPETokenizer, compute_token_bytes
+
+    root = tmp_path_factory.mktemp("nanochat_base")
+    data_dir = root / "base_data"
+    import_corpus([str(WIKITEXT / "valid.txt")], out_dir=str(data_dir), val_paths=[str(WIKITEXT / "test.txt")],
+                  rows_per_group=64, docs_per_shard=512, log=lambda *a: None)
+    from nanochat.dataset import parquets_iter_batched
+
+    def texts():
+        n = 0
+        for batch in parquets_iter_batched("train", data_dir=str(data_dir)):
+            for t in batch:
+                yield t
+                n += len(t)
+                if n > 400_000:
+                    return
+
+    tok = RustBPETokenizer.train_from_iterator(texts(), 512)
+    tok_dir = root / "tokenizer"
+    tok.save(str(tok_dir))
+    import torch
+
+    torch.save(compute_token_bytes(tok), tok_dir / "token_bytes.pt")
+    return root
+
+
+@pytest.fixture
+def base_dir(tiny_base_dir, tmp_path, monkeypatch):
+    """A private copy of the tiny base dir (data linked, tokenizer copied) set as NANOCHAT_BASE_DIR."""
+    d = tmp_path / "base"
+    d.mkdir()
+    os.symlink(tiny_base_dir / "base_data", d / "base_data")
+    shutil.copytree(tiny_base_dir / "tokenizer", d / "tokenizer")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(d))
+    return d

@@ -1,0 +1,141 @@
+"""
+Distributed base training on CPU with gloo, launched by torchrun exactly as users launch it:
+2 ranks (DistMuon + DistAdamW) == 1 process with the same global batch; FSDP2 with Muon and with AdamW == 1 process;
+resume on 2 ranks is exact; two "nodes" (two torchrun launchers, world 4) == 1 process; FSDP checkpoints load in one
+process and give the same logits.
+"""
+
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, free_port, run_torchrun, subprocess_env
+from nanochat.checkpoint_manager import load_checkpoint
+
+pytestmark = pytest.mark.dist
+
+TINY = ["--depth=1", "--max_seq_len=64", "--device_batch_size=4", "--eval_every=-1", "--core_metric_every=-1",
+        "--sample_every=-1", "--device_type=cpu"]
+
+
+def losses(text):
+    return [float(m.group(1)) for m in re.finditer(r"step \d+/\d+ .*?\| loss: ([0-9.]+)", text)]
+
+
+def final_params(base_dir, tag, step):
+    sd, _, meta = load_checkpoint(str(base_dir / "base_checkpoints" / tag), step, "cpu")
+    return sd, meta
+
+
+def single_process(base_dir, tag, steps, world, extra=()):
+    cmd = [sys.executable, "-m", "scripts.base_train", *TINY, f"--total_batch_size={256 * world}",
+           f"--num_iterations={steps}", f"--model_tag={tag}", f"--data_world_size={world}", *extra]
+    p = subprocess.run(cmd, cwd=REPO, env=subprocess_env(base_dir), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def assert_same_run(base_dir, ref_tag, ref_text, tag, text, steps, atol=1e-4):
+    ref_l, l = losses(ref_text), losses(text)
+    assert len(ref_l) == len(l) == steps
+    assert l == pytest.approx(ref_l, abs=atol), (ref_l, l)
+    a, _ = final_params(base_dir, ref_tag, steps)
+    b, _ = final_params(base_dir, tag, steps)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), atol=atol, rtol=1e-3), (k, (a[k] - b[k]).abs().max())
+
+
+@pytest.mark.parametrize("use_muon", [1, 0])
+def test_ddp_two_ranks_match_one_process(base_dir, use_muon):
+    steps = 5
+    ref = single_process(base_dir, f"ref{use_muon}", steps, 2, [f"--use_muon={use_muon}"])
+    p = run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={steps}",
+                      f"--model_tag=ddp{use_muon}", f"--use_muon={use_muon}"], env=subprocess_env(base_dir))
+    assert_same_run(base_dir, f"ref{use_muon}", ref, f"ddp{use_muon}", p.stdout, steps)
+    # one optimizer file per rank: the optimizer state is sharded (ZeRO-2 / DistMuon ownership)
+    d = base_dir / "base_checkpoints" / f"ddp{use_muon}"
+    assert sorted(f.name for f in d.glob("optim_*")) == [f"optim_{steps:06d}_rank0.pt", f"optim_{steps:06d}_rank1.pt"]
+
+
+@pytest.mark.parametrize("use_muon", [1, 0])
+def test_fsdp_two_ranks_match_one_process(base_dir, use_muon):
+    steps = 5
+    ref = single_process(base_dir, f"ref{use_muon}", steps, 2, [f"--use_muon={use_muon}"])
+    p = run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={steps}",
+                      f"--model_tag=fsdp{use_muon}", f"--use_muon={use_muon}", "--use_fsdp=1"], env=subprocess_env(base_dir))
+    assert_same_run(base_dir, f"ref{use_muon}", ref, f"fsdp{use_muon}", p.stdout, steps)
+
+
+def test_resume_on_two_ranks_is_exact(base_dir):
+    n = 3
+    args = ["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={2 * n}", f"--save_every={n}"]
+    full = run_torchrun(args + ["--model_tag=full"], env=subprocess_env(base_dir))
+    src, dst = base_dir / "base_checkpoints" / "full", base_dir / "base_checkpoints" / "resumed"
+    dst.mkdir()
+    for f in src.glob(f"*{n:06d}*"):
+        shutil.copy(f, dst / f.name)
+    resumed = run_torchrun(args + ["--model_tag=resumed", f"--resume_from_step={n}"], env=subprocess_env(base_dir))
+    assert losses(resumed.stdout) == losses(full.stdout)[n:]
+    a, _ = final_params(base_dir, "full", 2 * n)
+    b, _ = final_params(base_dir, "resumed", 2 * n)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_resume_with_other_world_size_is_refused(base_dir):
+    run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", "--num_iterations=2", "--model_tag=w2"],
+                 env=subprocess_env(base_dir))
+    cmd = [sys.executable, "-m", "scripts.base_train", *TINY, "--total_batch_size=512", "--num_iterations=4",
+           "--model_tag=w2", "--resume_from_step=2"]
+    p = subprocess.run(cmd, cwd=REPO, env=subprocess_env(base_dir), capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "saved by 2 rank(s)" in p.stderr
+
+
+def test_two_nodes_match_one_process(base_dir):
+    """Two torchrun launchers (--nnodes=2, node_rank 0/1) on 127.0.0.1, 2 processes each: world 4."""
+    steps = 3
+    ref = single_process(base_dir, "ref4", steps, 4)
+    port = free_port()
+    procs = []
+    for node_rank in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}",
+               "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
+               "-m", "scripts.base_train", *TINY, "--total_batch_size=1024", f"--num_iterations={steps}", "--model_tag=nodes"]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(base_dir), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rc, out, err in outs:
+        assert rc == 0, out[-3000:] + err[-3000:]
+    assert "world size: 4" in (outs[0][1] + outs[0][2]).lower()
+    assert_same_run(base_dir, "ref4", ref, "nodes", outs[0][1], steps)
+
+
+def test_fsdp_checkpoint_loads_in_one_process(base_dir):
+    from nanochat.checkpoint_manager import load_model
+
+    steps = 2
+    single_process(base_dir, "refl", steps, 2)
+    run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={steps}",
+                  "--model_tag=fsdpl", "--use_fsdp=1"], env=subprocess_env(base_dir))
+    m_fsdp, tok, _ = load_model("base", "cpu", "eval", model_tag="fsdpl")
+    m_ref, _, _ = load_model("base", "cpu", "eval", model_tag="refl")
+    idx = torch.tensor([tok.encode("The quick brown fox jumps over the lazy dog", prepend="<|bos|>")])
+    with torch.no_grad():
+        assert torch.allclose(m_fsdp(idx), m_ref(idx), atol=1e-4)
+    # and an FSDP run can start from the single-file (DDP-format) checkpoint: resume refl's step under FSDP
+    # is covered by the optimizer-state tests in test_fsdp.py; here the model file format is the contract.
+    sd, _ = final_params(base_dir, "fsdpl", steps)
+    assert all(isinstance(v, torch.Tensor) and type(v) is torch.Tensor for v in sd.values())

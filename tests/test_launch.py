@@ -1,0 +1,671 @@
+"""
+Multi-node launch: pretrain.sh builds the torchrun commands from the Volcengine / Slurm / plain-torchrun environment
+and the depth presets; volc/volc_submit.sh writes the `volc ml_task` job file.
+
+The environments are synthetic (dicts of the variables those platforms set); pretrain.sh runs for real with
+--dry_run, and once without it against stand-in `python`/`torchrun` executables that log their arguments, to check
+the node-0 preparation and the other nodes' wait on the marker file. The expected values come from the issue's
+preset table and from the platforms' variable conventions, not from the scripts.
+"""
+
+import os
+import shlex
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PRETRAIN = REPO / "pretrain.sh"
+VOLC_SUBMIT = REPO / "volc" / "volc_submit.sh"
+
+# d: (num_shards, device_batch_size, fsdp) — the issue's table; FSDP on from d40
+PRESETS = {
+    20: (240, 16, False),
+    22: (300, 16, False),
+    26: (500, 8, False),
+    32: (800, 4, False),
+    40: (1500, 1, True),
+    44: (2000, 1, True),
+    48: (2500, 1, True),
+    56: (3500, 1, True),
+    64: (5000, 1, True),
+}
+
+
+def make_exe(path: Path, body: str):
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+def base_env(tmp_path, **extra):
+    """A clean environment: no inherited SLURM_*/MLP_*/CUDA variables, fixed interpreter and launcher names."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir(exist_ok=True)
+    env = {
+        "PATH": f"{fake_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "HOME": str(tmp_path / "home"),
+        "NANOCHAT_BASE_DIR": str(tmp_path / "base"),
+        "PYTHON": "python",
+        "TORCHRUN": "torchrun",
+        "CUDA_VISIBLE_DEVICES": "",  # no GPU unless a test says otherwise (the CI machine may have some)
+    }
+    env.update({k: str(v) for k, v in extra.items()})
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def run_pretrain(tmp_path, *args, env=None, check=True, dry=True):
+    env = env if env is not None else base_env(tmp_path)
+    cmd = ["bash", str(PRETRAIN)] + (["--dry_run"] if dry else []) + list(args)
+    p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    if check and p.returncode != 0:
+        raise AssertionError(f"pretrain.sh failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def parse(stdout):
+    """-> (settings dict, list of commands as argv lists, list of all output lines)."""
+    settings, commands = {}, []
+    lines = stdout.splitlines()
+    for line in lines:
+        if line.startswith("RUN: "):
+            commands.append(shlex.split(line[len("RUN: "):]))
+        elif "=" in line and line.split("=", 1)[0].isidentifier() and line.split("=", 1)[0].islower():
+            k, v = line.split("=", 1)
+            settings[k] = v
+    return settings, commands, lines
+
+
+def torchrun_calls(commands):
+    """{module: (torchrun launcher args, script args)} for every torchrun command."""
+    calls = {}
+    for c in commands:
+        if c[0] != "torchrun":
+            continue
+        m = c.index("-m")
+        module = c[m + 1]
+        script = c[m + 2:]
+        if script[:1] == ["--"]:
+            script = script[1:]
+        calls[module] = (c[1:m], script)
+    return calls
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# single node
+
+
+def test_single_node_cpu_runs_one_standalone_process(tmp_path):
+    p = run_pretrain(tmp_path)
+    settings, commands, _ = parse(p.stdout)
+    assert settings["launcher"] == "single"
+    assert settings["nnodes"] == "1" and settings["world_size"] == "1"
+    # order: data, tokenizer, report reset, the three base stages, report
+    assert commands[0] == ["python", "-m", "nanochat.dataset", "-n", "240"]
+    assert commands[1][:3] == ["python", "-m", "scripts.tok_train"]
+    assert commands[2] == ["python", "-m", "nanochat.report", "reset"]
+    assert [c[c.index("-m") + 1] for c in commands[3:6]] == ["scripts.base_train", "scripts.base_loss", "scripts.base_eval"]
+    assert commands[6] == ["python", "-m", "nanochat.report", "generate"]
+    calls = torchrun_calls(commands)
+    assert calls["scripts.base_train"] == (
+        ["--standalone", "--nproc_per_node=1"],
+        ["--depth=20", "--device_batch_size=16", "--run=dummy"],
+    )
+    assert calls["scripts.base_loss"][1] == ["--device_batch_size=16"]
+    assert calls["scripts.base_eval"][1] == []
+    # a dry run leaves the disk alone
+    assert not (tmp_path / "base").exists()
+
+
+def test_single_node_counts_visible_gpus(tmp_path):
+    p = run_pretrain(tmp_path, env=base_env(tmp_path, CUDA_VISIBLE_DEVICES="0,1,3"))
+    calls = torchrun_calls(parse(p.stdout)[1])
+    assert calls["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=3"]
+    # no CUDA_VISIBLE_DEVICES: nvidia-smi -L decides
+    env = base_env(tmp_path)
+    del env["CUDA_VISIBLE_DEVICES"]
+    lines = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(8))
+    make_exe(tmp_path / "bin" / "nvidia-smi", f'[ "$1" = "-L" ] || exit 1\n{lines}')
+    p = run_pretrain(tmp_path, env=env)
+    settings, commands, _ = parse(p.stdout)
+    assert torchrun_calls(commands)["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=8"]
+    assert settings["world_size"] == "8"
+    # an explicit count wins
+    p = run_pretrain(tmp_path, "--nproc-per-node", "2", env=env)
+    assert torchrun_calls(parse(p.stdout)[1])["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=2"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Volcengine
+
+
+def volc_env(tmp_path, rank, nodes=4, **extra):
+    platform = dict(
+        MLP_WORKER_NUM=nodes,
+        MLP_ROLE_INDEX=rank,
+        MLP_WORKER_0_HOST="10.0.0.7",
+        MLP_WORKER_0_PORT=23456,
+        MLP_WORKER_GPU=8,
+        MLP_TASK_ID="t-20250101-abc",
+    )
+    return base_env(tmp_path, **{**platform, **extra})
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_volcengine_multi_node(tmp_path, rank):
+    p = run_pretrain(tmp_path, "--depth=32", env=volc_env(tmp_path, rank))
+    settings, commands, lines = parse(p.stdout)
+    assert settings["launcher"] == "volcengine"
+    assert settings["world_size"] == "32"
+    launcher = [
+        "--nnodes=4",
+        f"--node_rank={rank}",
+        "--nproc_per_node=8",
+        "--master_addr=10.0.0.7",
+        "--master_port=23456",
+    ]
+    calls = torchrun_calls(commands)
+    assert calls["scripts.base_train"] == (launcher, ["--depth=32", "--device_batch_size=4", "--run=dummy"])
+    assert calls["scripts.base_loss"][0] == launcher and calls["scripts.base_eval"][0] == launcher
+    marker = str(tmp_path / "base" / ".nanochat_ready" / "prep-t-20250101-abc")
+    downloads = [c for c in commands if c[:3] == ["python", "-m", "nanochat.dataset"]]
+    if rank == 0:
+        # node 0 downloads and trains the tokenizer, then releases the others; only it writes the report
+        assert downloads == [["python", "-m", "nanochat.dataset", "-n", "800"]]
+        assert any(l.startswith("WRITE: " + marker) for l in lines)
+        assert ["python", "-m", "nanochat.report", "generate"] in commands
+    else:
+        assert downloads == []
+        assert not any(c[:3] == ["python", "-m", "scripts.tok_train"] for c in commands)
+        assert any(l.startswith("WAIT: for " + marker) for l in lines)
+        assert not any("nanochat.report" in c for c in commands)
+
+
+def test_preset_batch_is_halved_when_one_step_exceeds_the_total_batch(tmp_path):
+    # d20 on 4 x 8 GPUs: 16 rows x 2048 tokens x 32 = 1048576 tokens > base_train's 524288 -> 8 rows
+    env = volc_env(tmp_path, 0)
+    p = run_pretrain(tmp_path, env=env)
+    calls = torchrun_calls(parse(p.stdout)[1])
+    assert calls["scripts.base_train"][1][:2] == ["--depth=20", "--device_batch_size=8"]
+    assert "--total_batch_size=1048576 to keep 16" in p.stdout
+    # a larger total batch, or an explicit device batch, is left alone
+    for extra in (["--total_batch_size=1048576"], ["--device_batch_size=16"]):
+        calls = torchrun_calls(parse(run_pretrain(tmp_path, *extra, env=env).stdout)[1])
+        assert calls["scripts.base_train"][1][1] == "--device_batch_size=16"
+    # a shorter sequence fits twice the rows
+    calls = torchrun_calls(parse(run_pretrain(tmp_path, "--max_seq_len=1024", env=env).stdout)[1])
+    assert calls["scripts.base_train"][1][1] == "--device_batch_size=16"
+
+
+def test_volcengine_single_worker_is_standalone(tmp_path):
+    p = run_pretrain(tmp_path, env=volc_env(tmp_path, 0, nodes=1))
+    calls = torchrun_calls(parse(p.stdout)[1])
+    assert calls["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=8"]
+
+
+def test_volcengine_missing_master_is_an_error(tmp_path):
+    env = volc_env(tmp_path, 1)
+    del env["MLP_WORKER_0_HOST"]
+    p = run_pretrain(tmp_path, env=env, check=False)
+    assert p.returncode != 0 and "MLP_WORKER_0_HOST" in p.stderr
+    p = run_pretrain(tmp_path, env=volc_env(tmp_path, 4), check=False)
+    assert p.returncode != 0 and "out of range" in p.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Slurm
+
+
+def slurm_env(tmp_path, nodeid, nodelist="gpu[01-03,07]", nnodes=4, **extra):
+    return base_env(
+        tmp_path,
+        SLURM_NNODES=nnodes,
+        SLURM_NODEID=nodeid,
+        SLURM_JOB_NODELIST=nodelist,
+        SLURM_JOB_ID=4242,
+        SLURM_GPUS_ON_NODE=8,
+        **extra,
+    )
+
+
+@pytest.mark.parametrize("nodeid", [0, 3])
+def test_slurm_multi_node(tmp_path, nodeid):
+    p = run_pretrain(tmp_path, "--depth", "26", env=slurm_env(tmp_path, nodeid))
+    settings, commands, _ = parse(p.stdout)
+    assert settings["launcher"] == "slurm"
+    assert settings["hosts"] == "gpu01 gpu02 gpu03 gpu07"
+    # port: 20000 + job id % 10000, the same on every node of the job
+    launcher = ["--nnodes=4", f"--node_rank={nodeid}", "--nproc_per_node=8", "--master_addr=gpu01", "--master_port=24242"]
+    assert torchrun_calls(commands)["scripts.base_train"] == (
+        launcher,
+        ["--depth=26", "--device_batch_size=8", "--run=dummy"],
+    )
+
+
+def test_slurm_master_port_and_step_nodelist(tmp_path):
+    env = slurm_env(tmp_path, 1, nnodes=2, MASTER_PORT=31000, SLURM_STEP_NODELIST="node[7-8]")
+    calls = torchrun_calls(parse(run_pretrain(tmp_path, env=env).stdout)[1])
+    # inside an srun step the step's own nodes count, not the whole allocation
+    assert "--master_addr=node7" in calls["scripts.base_train"][0]
+    assert "--master_port=31000" in calls["scripts.base_train"][0]
+
+
+def test_slurm_errors(tmp_path):
+    p = run_pretrain(tmp_path, env=slurm_env(tmp_path, 0, nnodes=3), check=False)
+    assert p.returncode != 0 and "has 4 hosts but SLURM_NNODES=3" in p.stderr
+    env = slurm_env(tmp_path, 0, SLURM_STEP_NUM_TASKS=32, SLURM_STEP_NUM_NODES=4)
+    p = run_pretrain(tmp_path, env=env, check=False)
+    assert p.returncode != 0 and "--ntasks-per-node=1" in p.stderr
+
+
+def test_slurm_prefers_scontrol(tmp_path):
+    env = slurm_env(tmp_path, 1, nodelist="weird-list", nnodes=2)
+    make_exe(
+        tmp_path / "bin" / "scontrol",
+        '[ "$1 $2" = "show hostnames" ] || exit 1\n[ "$3" = "weird-list" ] || exit 1\necho hostA\necho hostB\n',
+    )
+    calls = torchrun_calls(parse(run_pretrain(tmp_path, env=env).stdout)[1])
+    assert "--master_addr=hostA" in calls["scripts.base_train"][0]
+
+
+def expand(nodelist):
+    script = 'source "$1"; expand_nodelist "$2"'
+    return subprocess.run(
+        ["bash", "-c", script, "_", str(PRETRAIN), nodelist], capture_output=True, text=True, timeout=30
+    )
+
+
+@pytest.mark.parametrize(
+    "nodelist,hosts",
+    [
+        ("gpu01", ["gpu01"]),
+        ("gpu[01-04,07]", ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07"]),
+        ("a[1-2],b3,c[5]", ["a1", "a2", "b3", "c5"]),
+        ("node[8-10]", ["node8", "node9", "node10"]),
+        ("n[08-10]", ["n08", "n09", "n10"]),
+        ("gpu[1-2]-ib", ["gpu1-ib", "gpu2-ib"]),
+        ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+        ("x-1.example.com,y[3,5].example.com", ["x-1.example.com", "y3.example.com", "y5.example.com"]),
+    ],
+)
+def test_expand_nodelist(nodelist, hosts):
+    p = expand(nodelist)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == hosts
+
+
+@pytest.mark.parametrize("bad", ["x[3-1]", "x[1-2", "x[a-b]", "x[]"])
+def test_expand_nodelist_rejects_bad_lists(bad):
+    p = expand(bad)
+    assert p.returncode != 0
+    assert bad in p.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# plain torchrun launchers started by hand, and the override
+
+
+def test_manual_multi_node_env(tmp_path):
+    env = base_env(tmp_path, NNODES=2, NODE_RANK=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=29611, CUDA_VISIBLE_DEVICES="")
+    p = run_pretrain(tmp_path, "--nproc_per_node=2", env=env)
+    settings, commands, _ = parse(p.stdout)
+    assert settings["launcher"] == "torchrun"
+    assert torchrun_calls(commands)["scripts.base_train"][0] == [
+        "--nnodes=2",
+        "--node_rank=1",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        "--master_port=29611",
+    ]
+
+
+def test_launcher_override(tmp_path):
+    env = slurm_env(tmp_path, 0, NANOCHAT_LAUNCHER="single")
+    settings, commands, _ = parse(run_pretrain(tmp_path, env=env).stdout)
+    assert settings["launcher"] == "single"
+    # a single node counts its visible GPUs (none here), whatever SLURM_GPUS_ON_NODE says
+    assert torchrun_calls(commands)["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=1"]
+    env["NANOCHAT_LAUNCHER"] = "kubernetes"
+    p = run_pretrain(tmp_path, env=env, check=False)
+    assert p.returncode != 0 and "NANOCHAT_LAUNCHER" in p.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# presets, overrides, modes
+
+
+@pytest.mark.parametrize("depth", sorted(PRESETS))
+def test_depth_presets(tmp_path, depth):
+    shards, dbs, fsdp = PRESETS[depth]
+    p = run_pretrain(tmp_path, f"--depth={depth}")
+    settings, commands, _ = parse(p.stdout)
+    # FineWeb-Edu-100B has 1823 shards: bigger presets download all of them (and say so)
+    assert ["python", "-m", "nanochat.dataset", "-n", str(min(shards, 1823))] in commands
+    assert settings["num_shards"] == str(min(shards, 1823))
+    assert ("downloading 1823" in p.stdout) == (shards > 1823)
+    args = torchrun_calls(commands)["scripts.base_train"][1]
+    assert args[:2] == [f"--depth={depth}", f"--device_batch_size={dbs}"]
+    assert ("--use_fsdp=1" in args) == fsdp
+    assert settings["use_fsdp"] == ("1" if fsdp else "0")
+
+
+def test_overrides_and_pass_through(tmp_path):
+    p = run_pretrain(
+        tmp_path,
+        "--depth", "40",
+        "--use-fsdp=0",
+        "--num_shards=10",
+        "--device-batch-size", "2",
+        "--model_tag=mytag",
+        "--run", "my run",
+        "--warmup-ratio=0.1",
+        "--num_iterations", "-1",
+    )
+    settings, commands, _ = parse(p.stdout)
+    assert ["python", "-m", "nanochat.dataset", "-n", "10"] in commands
+    calls = torchrun_calls(commands)
+    assert calls["scripts.base_train"][1] == [
+        "--depth=40",
+        "--device_batch_size=2",
+        "--model_tag=mytag",
+        "--run=my run",
+        "--warmup_ratio=0.1",
+        "--num_iterations=-1",
+    ]
+    assert calls["scripts.base_loss"][1] == ["--device_batch_size=2", "--model_tag=mytag"]
+    assert calls["scripts.base_eval"][1] == ["--model_tag=mytag"]
+    # a dataset with more shards than FineWeb-Edu-100B lifts the cap
+    env = base_env(tmp_path, NANOCHAT_MAX_SHARDS=3000)
+    _, commands, _ = parse(run_pretrain(tmp_path, "--depth=48", env=env).stdout)
+    assert ["python", "-m", "nanochat.dataset", "-n", "2500"] in commands
+    # FSDP can also be switched on below d40
+    args = torchrun_calls(parse(run_pretrain(tmp_path, "--use_fsdp=true").stdout)[1])["scripts.base_train"][1]
+    assert "--use_fsdp=1" in args
+
+
+def test_prepare_off_and_existing_tokenizer(tmp_path):
+    _, commands, _ = parse(run_pretrain(tmp_path, "--prepare=0").stdout)
+    assert not any(c[:3] in (["python", "-m", "nanochat.dataset"], ["python", "-m", "scripts.tok_train"]) for c in commands)
+    tok = tmp_path / "base" / "tokenizer"
+    tok.mkdir(parents=True)
+    (tok / "tokenizer.pkl").write_bytes(b"x")
+    (tok / "token_bytes.pt").write_bytes(b"x")
+    _, commands, _ = parse(run_pretrain(tmp_path).stdout)
+    assert ["python", "-m", "nanochat.dataset", "-n", "240"] in commands
+    assert not any(c[:3] == ["python", "-m", "scripts.tok_train"] for c in commands)
+
+
+def test_posttrain_and_fullrun(tmp_path):
+    _, commands, _ = parse(run_pretrain(tmp_path, "--posttrain", "--depth=40", "--model_tag=t").stdout)
+    mods = [c[c.index("-m") + 1] for c in commands if c[0] == "torchrun"]
+    assert mods == ["scripts.mid_train", "scripts.chat_eval", "scripts.chat_sft", "scripts.chat_eval"]
+    evals = [torchrun_calls([c])["scripts.chat_eval"][1] for c in commands if "scripts.chat_eval" in c]
+    assert evals == [["-i", "mid", "-g", "t"], ["-i", "sft", "-g", "t"]]
+    calls = torchrun_calls(commands)
+    assert calls["scripts.mid_train"][1] == ["--run=dummy", "--device_batch_size=1", "--use_fsdp=1", "--model_tag=t"]
+    assert calls["scripts.chat_sft"][1] == ["--run=dummy", "--device_batch_size=1", "--use_fsdp=1", "--model_tag=t"]
+    # posttrain downloads nothing and keeps the existing report sections
+    assert not any(c[:3] == ["python", "-m", "nanochat.dataset"] for c in commands)
+    assert ["python", "-m", "nanochat.report", "reset"] not in commands
+
+    _, commands, _ = parse(run_pretrain(tmp_path, "--fullrun").stdout)
+    mods = [c[c.index("-m") + 1] for c in commands if c[0] == "torchrun"]
+    assert mods == ["scripts.base_train", "scripts.base_loss", "scripts.base_eval",
+                    "scripts.mid_train", "scripts.chat_eval", "scripts.chat_sft", "scripts.chat_eval"]
+    # d20's 16 rows are chat_sft's business: its own default stays
+    assert torchrun_calls(commands)["scripts.chat_sft"][1] == ["--run=dummy"]
+
+
+@pytest.mark.parametrize(
+    "nodes,gpus,depth,sft_args",
+    [
+        (1, 8, 20, []),  # 4 x 8 = 32: chat_sft's defaults as they are
+        (2, 8, 32, ["--device_batch_size=2"]),  # 2 x 16 = 32
+        (4, 8, 32, ["--device_batch_size=1"]),  # 1 x 32 = 32
+        (8, 8, 32, ["--device_batch_size=1", "--target_examples_per_step=64"]),  # 64 processes: one conversation each
+        (3, 8, 40, ["--device_batch_size=1", "--target_examples_per_step=48", "--use_fsdp=1"]),  # 24 processes
+    ],
+)
+def test_chat_sft_batch_fits_the_world(tmp_path, nodes, gpus, depth, sft_args):
+    env = volc_env(tmp_path, 0, nodes=nodes, MLP_WORKER_GPU=gpus)
+    if nodes == 1:
+        env = base_env(tmp_path, NPROC_PER_NODE=gpus)
+    calls = torchrun_calls(parse(run_pretrain(tmp_path, "--posttrain", f"--depth={depth}", env=env).stdout)[1])
+    assert calls["scripts.chat_sft"][1] == ["--run=dummy"] + sft_args
+
+
+def test_bad_depth_and_flags(tmp_path):
+    p = run_pretrain(tmp_path, "--depth=21", check=False)
+    assert p.returncode != 0
+    assert "--depth=21" in p.stderr
+    for d in PRESETS:
+        assert f"d{d}" in p.stderr
+    assert run_pretrain(tmp_path, "--depth=big", check=False).returncode != 0
+    # another depth works when the two preset values are given
+    _, commands, _ = parse(run_pretrain(tmp_path, "--depth=4", "--num_shards=3", "--device_batch_size=2").stdout)
+    assert torchrun_calls(commands)["scripts.base_train"][1][:2] == ["--depth=4", "--device_batch_size=2"]
+    p = run_pretrain(tmp_path, "extra", check=False)
+    assert p.returncode != 0 and "unexpected argument 'extra'" in p.stderr
+    p = run_pretrain(tmp_path, "--matrix_lr", check=False)
+    assert p.returncode != 0 and "--matrix_lr needs a value" in p.stderr
+    p = run_pretrain(tmp_path, "--use_fsdp=maybe", check=False)
+    assert p.returncode != 0 and "use_fsdp" in p.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# real (not dry) runs with stand-in python and torchrun: node 0 prepares, the other nodes wait for its marker
+
+
+def install_fakes(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    # python: logs its arguments; the "download" takes a moment so the waiting node really waits;
+    # tok_train writes the two tokenizer files where the real one does
+    make_exe(
+        bin_dir / "python",
+        'echo "python $*" >> "$CALL_LOG"\n'
+        # a node-level RANK from the platform would make the single-process steps think they are distributed
+        '[ -z "${RANK:-}${WORLD_SIZE:-}${LOCAL_RANK:-}" ] || { echo "RANK leaked" >&2; exit 9; }\n'
+        'case "$*" in\n'
+        '  *nanochat.dataset*) sleep 1 ;;\n'
+        '  *scripts.tok_train*) mkdir -p "$NANOCHAT_BASE_DIR/tokenizer"; '
+        'touch "$NANOCHAT_BASE_DIR/tokenizer/tokenizer.pkl" "$NANOCHAT_BASE_DIR/tokenizer/token_bytes.pt" ;;\n'
+        "esac\n",
+    )
+    make_exe(
+        bin_dir / "torchrun",
+        'echo "torchrun $*" >> "$CALL_LOG"\n'
+        'case "$*" in *"$FAIL_MODULE"*) [ -n "$FAIL_MODULE" ] && exit 3 ;; esac\nexit 0\n',
+    )
+
+
+def real_env(tmp_path, rank, log, **extra):
+    env = volc_env(tmp_path, rank, nodes=2, CALL_LOG=log, NANOCHAT_PREP_POLL="0.2", RANK=rank, WORLD_SIZE=2,
+                   LOCAL_RANK=0, **extra)
+    env["PATH"] = f"{tmp_path / 'bin'}:/usr/bin:/bin"
+    return env
+
+
+def test_node0_prepares_and_other_node_waits(tmp_path):
+    install_fakes(tmp_path)
+    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
+    cmd = ["bash", str(PRETRAIN), "--depth=20"]
+    waiting = subprocess.Popen(
+        cmd, env=real_env(tmp_path, 1, log1, NANOCHAT_PREP_TIMEOUT=60), cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    time.sleep(0.5)
+    assert waiting.poll() is None  # still waiting for node 0
+    node0 = subprocess.run(cmd, env=real_env(tmp_path, 0, log0), cwd=REPO, capture_output=True, text=True, timeout=60)
+    out1, err1 = waiting.communicate(timeout=60)
+    assert node0.returncode == 0, node0.stdout + node0.stderr
+    assert waiting.returncode == 0, out1 + err1
+    calls0 = log0.read_text().splitlines()
+    calls1 = log1.read_text().splitlines()
+    assert calls0[0] == "python -m nanochat.dataset -n 240"
+    assert calls0[1].startswith("python -m scripts.tok_train")
+    assert calls0[2] == "python -m nanochat.report reset"
+    assert [c.split(" -m ")[1].split()[0] for c in calls0[3:6]] == ["scripts.base_train", "scripts.base_loss", "scripts.base_eval"]
+    assert calls0[6] == "python -m nanochat.report generate"
+    # node 1: no data, no tokenizer, no report; the same torchrun stages with its own rank
+    assert all(c.startswith("torchrun ") for c in calls1) and len(calls1) == 3
+    assert "--node_rank=1" in calls1[0] and "--node_rank=0" in calls0[3]
+    assert "node 0 finished the preparation" in out1
+    marker = tmp_path / "base" / ".nanochat_ready" / "prep-t-20250101-abc"
+    assert marker.read_text().strip() == "num_shards=240"
+    # the final torchrun command is printed before it runs
+    assert any(l.startswith("RUN: torchrun --nnodes=2 --node_rank=0") for l in node0.stdout.splitlines())
+
+
+def test_waiting_node_times_out_with_a_clear_message(tmp_path):
+    install_fakes(tmp_path)
+    log1 = tmp_path / "node1.log"
+    env = real_env(tmp_path, 1, log1, NANOCHAT_PREP_TIMEOUT=1)
+    t0 = time.time()
+    p = subprocess.run(["bash", str(PRETRAIN)], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    assert time.time() - t0 < 30
+    assert "waited 1s" in p.stderr and "NANOCHAT_SHARED_FS=0" in p.stderr and "prep-t-20250101-abc" in p.stderr
+    assert not log1.exists()  # nothing was launched
+
+
+def test_node_local_base_dir_prepares_on_every_node(tmp_path):
+    install_fakes(tmp_path)
+    log1 = tmp_path / "node1.log"
+    env = real_env(tmp_path, 1, log1, NANOCHAT_SHARED_FS=0)
+    p = subprocess.run(["bash", str(PRETRAIN)], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    calls = log1.read_text().splitlines()
+    assert calls[0] == "python -m nanochat.dataset -n 240" and calls[1].startswith("python -m scripts.tok_train")
+    assert not (tmp_path / "base" / ".nanochat_ready").exists()
+
+
+def test_failed_stage_stops_the_pipeline(tmp_path):
+    install_fakes(tmp_path)
+    log = tmp_path / "calls.log"
+    env = base_env(tmp_path, CALL_LOG=log, FAIL_MODULE="scripts.base_train")
+    env["PATH"] = f"{tmp_path / 'bin'}:/usr/bin:/bin"
+    p = run_pretrain(tmp_path, env=env, check=False, dry=False)
+    assert p.returncode == 3
+    calls = log.read_text()
+    assert "scripts.base_train" in calls and "scripts.base_loss" not in calls and "report generate" not in calls
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# volc/volc_submit.sh
+
+
+def run_submit(tmp_path, *args, env_extra=None, check=True):
+    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}", "HOME": str(tmp_path / "home")}
+    env.update(env_extra or {})
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    p = subprocess.run(["bash", str(VOLC_SUBMIT), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    if check and p.returncode != 0:
+        raise AssertionError(f"volc_submit.sh failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def test_volc_submit_dry_run_writes_the_job_yaml(tmp_path):
+    out = tmp_path / "job.yaml"
+    code = tmp_path / "code"
+    code.mkdir()
+    p = run_submit(
+        tmp_path,
+        "--dry-run", "--out", str(out), "--task_name", "nc-test",
+        "--image", "vemlp-cn-beijing.cr.volces.com/preset-images/pytorch:2.9",
+        "--queue", "q-2025-abc", "--flavor", "ml.hpcpni2l.28xlarge",
+        "--storage", "vepfs:vepfs-123:/vepfs:team/me",
+        "--env", "WANDB_API_KEY=secret", "--env", "NOTE=it's fine",
+        "--upload_dir", str(code),
+        "bash", "pretrain.sh", "--depth=32", "--run", "my run",
+        env_extra={"NNODES": "4"},
+    )
+    job = yaml.safe_load(out.read_text())
+    assert job["TaskName"] == "nc-test"
+    assert job["ImageUrl"] == "vemlp-cn-beijing.cr.volces.com/preset-images/pytorch:2.9"
+    assert job["ResourceQueueID"] == "q-2025-abc"
+    assert job["Framework"] == "PyTorchDDP"
+    assert job["TaskRoleSpecs"] == [{"RoleName": "worker", "RoleReplicas": 4, "Flavor": "ml.hpcpni2l.28xlarge"}]
+    assert job["Storages"] == [{"Type": "Vepfs", "VepfsId": "vepfs-123", "MountPath": "/vepfs", "SubPath": "team/me"}]
+    envs = {e["Name"]: e for e in job["Envs"]}
+    assert envs["NANOCHAT_BASE_DIR"]["Value"] == "/vepfs/nanochat"
+    assert envs["NANOCHAT_SHARED_FS"]["Value"] == "1"
+    assert envs["WANDB_API_KEY"] == {"Name": "WANDB_API_KEY", "Value": "secret", "IsPrivate": True}
+    assert envs["NOTE"]["Value"] == "it's fine" and envs["NOTE"]["IsPrivate"] is False
+    assert job["UserCodePath"] == str(code) + "/"
+    assert job["RemoteMountCodePath"] == "/root/code/nanochat"
+    assert isinstance(job["ActiveDeadlineSeconds"], int)
+    assert job["Entrypoint"].startswith("cd /root/code/nanochat && ")
+    # the dry run printed the file and did not submit
+    assert "TaskRoleSpecs:" in p.stdout and "would run: volc ml_task submit --conf " + str(out) in p.stdout
+    assert stat.S_IMODE(out.stat().st_mode) & 0o077 == 0  # private values inside: owner-only
+
+
+def test_volc_entrypoint_runs_the_exact_command(tmp_path):
+    """Parse the YAML, run its Entrypoint with bash in a stand-in code dir: the command gets the same argv."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "pretrain.sh").write_text('for a in "$@"; do printf "%s\\n" "$a"; done\n')
+    out = tmp_path / "job.yaml"
+    args = ["--depth=32", "--run", "my run", "--note=it's \"quoted\" $HOME"]
+    run_submit(tmp_path, "--dry-run", "--out", str(out), "--code_dir", str(code), "--no_upload",
+               "--", "bash", "pretrain.sh", *args)
+    job = yaml.safe_load(out.read_text())
+    assert "UserCodePath" not in job
+    p = subprocess.run(["bash", "-c", job["Entrypoint"]], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == args
+
+
+def test_volc_submit_defaults_and_placeholders(tmp_path):
+    out = tmp_path / "job.yaml"
+    p = run_submit(tmp_path, "--dry-run", "--out", str(out), "--no_upload", env_extra={"NNODES": "2"})
+    job = yaml.safe_load(out.read_text())
+    assert job["Entrypoint"] == "cd /root/code/nanochat && bash pretrain.sh"
+    assert job["TaskName"].startswith("nanochat-n2-")
+    assert job["TaskRoleSpecs"][0]["RoleReplicas"] == 2
+    assert job["ImageUrl"] == "<IMAGE_URL>" and job["ResourceQueueID"] == "<RESOURCE_QUEUE_ID>"
+    assert "placeholders for: image queue flavor" in p.stdout
+    # no storage: each container is its own filesystem, so each node prepares its own data
+    assert {e["Name"]: e["Value"] for e in job["Envs"]}["NANOCHAT_SHARED_FS"] == "0"
+    assert job["Storages"] == []
+    assert "lost when the task ends" in p.stdout
+
+
+def test_volc_submit_requires_image_queue_flavor(tmp_path):
+    p = run_submit(tmp_path, "--out", str(tmp_path / "j.yaml"), "bash", "pretrain.sh", check=False)
+    assert p.returncode != 0 and "IMAGE" in p.stderr
+    p = run_submit(tmp_path, "--out", str(tmp_path / "j.yaml"), env_extra={"IMAGE": "img"}, check=False)
+    assert p.returncode != 0 and "QUEUE_ID" in p.stderr
+    p = run_submit(tmp_path, "--out", str(tmp_path / "j.yaml"), env_extra={"IMAGE": "img", "QUEUE_ID": "q"}, check=False)
+    assert p.returncode != 0 and "FLAVOR" in p.stderr
+    p = run_submit(tmp_path, "--dry-run", "--storage", "vepfs:relative", check=False)
+    assert p.returncode != 0 and "--storage" in p.stderr
+    p = run_submit(tmp_path, "--dry-run", "--nnodes", "zero", check=False)
+    assert p.returncode != 0 and "NNODES" in p.stderr
+
+
+def test_volc_submit_calls_the_cli(tmp_path):
+    (tmp_path / "bin").mkdir()
+    record = tmp_path / "volc_args"
+    make_exe(tmp_path / "bin" / "volc", f'printf "%s\\n" "$@" > {record}\ncp "$4" {tmp_path}/submitted.yaml\n')
+    out = tmp_path / "job.yaml"
+    env = {"IMAGE": "img:1", "QUEUE_ID": "q-1", "FLAVOR": "ml.x", "NNODES": "3", "STORAGES": "nas:cnas-1:/nas"}
+    p = run_submit(tmp_path, "--out", str(out), "--no_upload", "bash", "pretrain.sh", "--depth=20", env_extra=env)
+    assert record.read_text().splitlines() == ["ml_task", "submit", "--conf", str(out)]
+    job = yaml.safe_load((tmp_path / "submitted.yaml").read_text())
+    assert job["TaskRoleSpecs"][0]["RoleReplicas"] == 3 and job["TaskName"].startswith("nanochat-d20-n3-")
+    assert job["Storages"] == [{"Type": "Nas", "NasId": "cnas-1", "MountPath": "/nas"}]
+    assert "RUN: volc ml_task submit --conf" in p.stdout
+
+
+def test_volc_submit_without_cli_says_how_to_install(tmp_path):
+    env = {"IMAGE": "i", "QUEUE_ID": "q", "FLAVOR": "f", "PATH": "/usr/bin:/bin"}
+    p = run_submit(tmp_path, "--out", str(tmp_path / "j.yaml"), "--no_upload", env_extra=env, check=False)
+    if subprocess.run(["bash", "-c", "command -v volc"], env={"PATH": "/usr/bin:/bin"}).returncode == 0:
+        pytest.skip("a real volc CLI is installed in /usr/bin")
+    assert p.returncode != 0 and "volc CLI is not installed" in p.stderr and "--dry-run" in p.stderr

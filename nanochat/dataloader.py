@@ -1,0 +1,196 @@
+"""
+The pretraining data loader: documents from the parquet shards, each prefixed with BOS, tokenized and concatenated
+into one token stream, cut into (B, T) batches of inputs and next-token targets.
+
+Rank sharding: the row groups of all files of a split form ONE global sequence g = 0..N-1, and the data is an
+endless stream of positions p = epoch*N + g. Rank r of W reads positions r, r+W, r+2W, ... So every row group is read
+by exactly one rank per epoch, and any world size works: more ranks than row groups in a file, or than row groups
+in total, just wraps into the next epoch (rank r >= N starts in epoch r // N).
+
+Exact resume: each yielded state dict names the next token this rank will use (position of its row group, document
+index inside it, token offset inside that document's tokens). Tokenization is per document, so the stream does not
+depend on how documents were batched for the tokenizer, and a loader started from a state dict continues exactly
+where the saved one would have. The state is per rank (training saves one per rank).
+"""
+
+from collections import deque
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from nanochat.common import get_dist_info
+from nanochat.dataset import split_parquet_files
+
+
+def _row_group_index(split, data_dir):
+    """The global sequence of (path, row group index) over all files of the split, in order."""
+    index = []
+    for path in split_parquet_files(split, data_dir):
+        pf = pq.ParquetFile(path)
+        if "text" not in pf.schema_arrow.names:
+            raise ValueError(f"{path} has no 'text' column (columns: {pf.schema_arrow.names}); shards need one")
+        index += [(path, rg) for rg in range(pf.num_row_groups)]
+    if not index:
+        raise ValueError(f"the {split} shards hold no row groups: {split_parquet_files(split, data_dir)}")
+    return index
+
+
+def _iter_documents(row_groups, world_size, pos, doc):
+    """
+    Yield (pos, doc_index, text) for this rank's documents, from document `doc` of the row group at stream
+    position `pos` onwards, forever (the rank's next row group is pos + world_size).
+    """
+    n = len(row_groups)
+    open_path, open_file = None, None  # consecutive reads mostly hit the same file: keep the last one open
+    empty_in_a_row = 0
+    while True:
+        path, rg = row_groups[pos % n]
+        if path != open_path:
+            open_path, open_file = path, pq.ParquetFile(path)
+        texts = open_file.read_row_group(rg, columns=["text"]).column("text").to_pylist()
+        if texts:
+            empty_in_a_row = 0
+        else:
+            empty_in_a_row += 1
+            if empty_in_a_row > n:  # a full cycle of this rank's row groups without one document
+                raise ValueError(f"no documents in any row group this rank reads (world size {world_size}, {n} row groups)")
+        for i in range(doc, len(texts)):
+            if texts[i] is None:
+                raise ValueError(f"{path}: row group {rg}, row {i} has a null text")
+            yield pos, i, texts[i]
+        pos += world_size
+        doc = 0
+
+
+def _start_position(resume_state_dict, split, rank, world_size, num_row_groups):
+    """(pos, doc, token) where this rank starts: its first row group, or the token a saved state pins."""
+    if resume_state_dict is None:
+        return rank, 0, 0
+    state = resume_state_dict
+    missing = {"split", "rank", "world_size", "num_row_groups", "epoch", "row_group", "doc", "token"} - set(state)
+    if missing:
+        raise ValueError(f"not a loader state dict from nanochat.dataloader (missing {sorted(missing)}): {state}")
+    if state["split"] != split:
+        raise ValueError(f"the state dict belongs to the {state['split']!r} split, this loader reads {split!r}")
+    if (state["rank"], state["world_size"]) != (rank, world_size):
+        raise ValueError(
+            f"the state dict was saved by rank {state['rank']} of {state['world_size']}, this is rank {rank} of "
+            f"{world_size}: give every rank its own saved state, and resume with the same world size"
+        )
+    if state["num_row_groups"] != num_row_groups:
+        raise ValueError(
+            f"the {split} split now has {num_row_groups} row groups, the state was saved with "
+            f"{state['num_row_groups']}: exact resume needs the same shards (were shards added or removed?)"
+        )
+    pos = state["epoch"] * num_row_groups + state["row_group"]
+    if pos % world_size != rank or state["doc"] < 0 or state["token"] < 0:
+        raise ValueError(f"inconsistent loader state dict for rank {rank} of {world_size}: {state}")
+    return pos, state["doc"], state["token"]
+
+
+def tokenizing_distributed_data_loader(
+    B,
+    T,
+    split,
+    tokenizer_threads=4,
+    tokenizer_batch_size=128,
+    device="cuda",
+    resume_state_dict=None,
+    tokenizer=None,
+    data_dir=None,
+    rank=None,
+    world_size=None,
+):
+    """
+    Infinite iterator of (inputs, targets, state_dict): int64 tensors of shape (B, T) on `device` (targets are the
+    inputs shifted by one token) and the small JSON-able dict that resumes this rank right after this batch.
+    Consecutive batches are consecutive windows of the token stream. rank/world_size default to torchrun's.
+    """
+    if B < 1 or T < 1:
+        raise ValueError(f"B and T must be >= 1, got B={B}, T={T}")
+    if tokenizer_batch_size < 1 or tokenizer_threads < 1:
+        raise ValueError(f"tokenizer_batch_size and tokenizer_threads must be >= 1, got {tokenizer_batch_size}, {tokenizer_threads}")
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if rank is None or world_size is None:
+        _, dist_rank, _, dist_world_size = get_dist_info()
+        rank = dist_rank if rank is None else rank
+        world_size = dist_world_size if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    if tokenizer is None:
+        from nanochat.tokenizer import get_tokenizer  # only when needed: tests and tools pass their own
+
+        tokenizer = get_tokenizer()
+    row_groups = _row_group_index(split, data_dir)
+    start = _start_position(resume_state_dict, split, rank, world_size, len(row_groups))
+    device = torch.device(device)
+    resumed = resume_state_dict is not None
+    return _batches(B, T, split, tokenizer, tokenizer_threads, tokenizer_batch_size, device, row_groups, rank, world_size,
+                    start, resumed)
+
+
+# nanochat has a second name for the loader that also yields the state dict; here there is only one loader
+tokenizing_distributed_data_loader_with_state = tokenizing_distributed_data_loader
+
+
+def _batches(B, T, split, tokenizer, threads, batch_size, device, row_groups, rank, world_size, start, resumed):
+    bos = tokenizer.get_bos_token_id()
+    pos, doc, token = start
+    documents = _iter_documents(row_groups, world_size, pos, doc)
+    n = len(row_groups)
+    use_cuda = device.type == "cuda"
+    needed = B * T + 1  # one extra token: the target of the last input position (it starts the next batch)
+
+    pending = deque()  # (pos, doc_index, tokens) per tokenized document not fully consumed yet
+    head = token  # tokens of pending[0] already consumed (a resumed state may start inside a document)
+    available = -token  # tokens in `pending` not consumed yet
+    check_start = resumed
+    while True:
+        while available < needed:
+            chunk = [next(documents) for _ in range(batch_size)]
+            encoded = tokenizer.encode([text for _, _, text in chunk], prepend=bos, num_threads=threads)
+            for (p, i, _), ids in zip(chunk, encoded):
+                pending.append((p, i, ids))
+                available += len(ids)
+            if check_start:  # a hand-edited or foreign state could name a document or token that does not exist
+                check_start = False
+                if pending[0][:2] != (pos, doc) or head >= len(pending[0][2]):
+                    raise ValueError(f"the resume state names a token that does not exist in the data: {start}")
+
+        window = []
+        offset = head
+        for _, _, ids in pending:
+            window.extend(ids[offset : offset + needed - len(window)])
+            offset = 0
+            if len(window) == needed:
+                break
+        # consume B*T tokens; the last token of the window stays as the first input of the next batch
+        to_consume = B * T
+        while to_consume:
+            left = len(pending[0][2]) - head
+            if left <= to_consume:
+                pending.popleft()
+                head, to_consume, available = 0, to_consume - left, available - left
+            else:
+                head, available, to_consume = head + to_consume, available - to_consume, 0
+
+        p, i, _ = pending[0]
+        state = {
+            "split": split,
+            "rank": rank,
+            "world_size": world_size,
+            "num_row_groups": n,
+            "epoch": p // n,
+            "row_group": p % n,
+            "doc": i,
+            "token": head,
+        }
+        # numpy first: torch.tensor() on a list of 65k Python ints is ~4x slower and this runs every step
+        scratch = torch.from_numpy(np.fromiter(window, dtype=np.int64, count=needed))
+        if use_cuda:
+            scratch = scratch.pin_memory()
+        inputs = scratch[:-1].view(B, T).to(device, non_blocking=use_cuda)
+        targets = scratch[1:].view(B, T).to(device, non_blocking=use_cuda)
+        yield inputs, targets, state

@@ -1,0 +1,239 @@
+"""
+Data plumbing shared by the chat stages (mid-training, SFT; RL uses the model loading and saving part).
+
+Mid-training (`ConversationPacker`): conversations are rendered with `tokenizer.render_conversation` (each one
+starts with <|bos|>) and concatenated into one token stream, which is cut into (B, T) rows. Every token is a
+target, as in nanochat: mid-training teaches the chat format, multiple choice and tool use from whole
+conversations, and packing wastes no compute on padding.
+
+SFT (`sft_batches`, `collate_sft`): one conversation per row, padded to the longest row of the batch. Targets are
+-1 wherever the render mask is 0 (system/user turns, the tool outputs the engine forces at inference time) and on
+the padding, so the loss is exactly the assistant's own tokens.
+
+Stage setup: `build_mixture` (leave out tasks whose data is not available, saying which), `load_stage_model`
+(load the previous stage's checkpoint, or say which command makes one), `scale_initial_lr`, `save_stage_model`.
+"""
+
+import torch
+
+from nanochat.common import get_base_dir, get_dist_info, print0
+
+# the command that produces each checkpoint source, for "no checkpoint" errors
+STAGE_COMMANDS = {
+    "base": "python -m scripts.base_train",
+    "mid": "python -m scripts.mid_train",
+    "sft": "python -m scripts.chat_sft",
+    "rl": "python -m scripts.chat_rl",
+}
+
+
+# -----------------------------------------------------------------------------
+# task mixtures
+
+
+def build_mixture(specs, what):
+    """
+    specs: list of (name, factory) where factory() builds a Task. A task whose data is nowhere to be found
+    (TaskDataNotFound) is left out with a message naming it and where it was looked for; if none is left this is an
+    error. Returns (TaskMixture, names of the tasks used).
+    """
+    from tasks.common import TaskMixture
+    from tasks.data import TaskDataNotFound
+
+    tasks, used, missing = [], [], []
+    for name, factory in specs:
+        try:
+            task = factory()
+        except TaskDataNotFound as e:
+            missing.append(name)
+            print0(f"[{what}] leaving out {name}: {e}")
+            continue
+        if len(task) == 0:
+            missing.append(name)
+            print0(f"[{what}] leaving out {name}: it has no examples")
+            continue
+        tasks.append(task)
+        used.append(name)
+    if not tasks:
+        raise FileNotFoundError(
+            f"no data for the {what}: every task was unavailable ({', '.join(missing)}). Point NANOCHAT_DATA_DIR at a "
+            f"directory laid out like ../shared/data (see docs/data.md) or run with access to the Hugging Face hub."
+        )
+    mixture = TaskMixture(tasks)
+    print0(f"[{what}] {len(mixture):,} conversations from {', '.join(f'{n} ({len(t):,})' for n, t in zip(used, tasks))}")
+    return mixture, used
+
+
+def held_out_tasks():
+    """
+    Held-out conversations for the validation loss of mid-training and SFT (nanochat's mid-training validation
+    set): SmolTalk test, the first 5200 of MMLU test, the first 420 of GSM8K test. One set for both stages, so
+    their validation numbers are measured on the same conversations.
+    """
+    from tasks.gsm8k import GSM8K
+    from tasks.mmlu import MMLU
+    from tasks.smoltalk import SmolTalk
+
+    return [
+        ("SmolTalk test", lambda: SmolTalk(split="test")),
+        ("MMLU test", lambda: MMLU(subset="all", split="test", stop=5200)),
+        ("GSM8K test", lambda: GSM8K(subset="main", split="test", stop=420)),
+    ]
+
+
+# -----------------------------------------------------------------------------
+# mid-training: packed conversations
+
+
+def _to_device(t, device):
+    device = torch.device(device)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+class ConversationPacker:
+    """
+    Iterator of (inputs, targets), int64 (B, T) on `device`: the rendered conversations of `dataset` taken in order
+    (this rank takes examples rank, rank + world_size, ...), concatenated into one stream and cut every B*T tokens.
+    Batch k holds stream[k*B*T : (k+1)*B*T] as inputs and the same shifted by one as targets, so every token is the
+    input exactly once and nothing is dropped at batch boundaries. It passes over the dataset again and again;
+    `epoch` counts the passes this rank has started beyond the first and `progress` is the fraction of the dataset
+    rendered so far (1.0 = one epoch), for the LR schedule and the one-epoch stopping rule.
+    """
+
+    def __init__(self, dataset, tokenizer, B, T, device="cpu", rank=0, world_size=1, max_conversation_tokens=None):
+        if len(dataset) == 0:
+            raise ValueError("ConversationPacker needs a non-empty dataset")
+        if B < 1 or T < 1:
+            raise ValueError(f"batch shape must be positive, got B={B}, T={T}")
+        self.dataset, self.tokenizer = dataset, tokenizer
+        self.B, self.T, self.device = B, T, device
+        self.world_size = world_size
+        self.max_conversation_tokens = max_conversation_tokens
+        self.cursor = rank  # the next example this rank renders
+        self.epoch = 0
+        self.buffer = []
+
+    @property
+    def progress(self):
+        return self.epoch + min(self.cursor / len(self.dataset), 1.0)
+
+    def _render_next(self):
+        if self.cursor >= len(self.dataset):  # wrap around: start the next pass over the data
+            self.cursor -= len(self.dataset)
+            self.epoch += 1
+        conversation = self.dataset[self.cursor]
+        self.cursor += self.world_size
+        kwargs = {} if self.max_conversation_tokens is None else {"max_tokens": self.max_conversation_tokens}
+        ids, _ = self.tokenizer.render_conversation(conversation, **kwargs)
+        return ids
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        n = self.B * self.T
+        while len(self.buffer) < n + 1:  # one token more: the target of the last input
+            self.buffer.extend(self._render_next())
+        chunk = torch.tensor(self.buffer[: n + 1], dtype=torch.long)
+        del self.buffer[:n]  # the extra token stays: it is the first input of the next batch
+        inputs = chunk[:-1].view(self.B, self.T)
+        targets = chunk[1:].view(self.B, self.T)
+        return _to_device(inputs, self.device), _to_device(targets, self.device)
+
+
+# -----------------------------------------------------------------------------
+# SFT: one conversation per row, loss on the assistant tokens only
+
+
+def collate_sft(rows, pad_id):
+    """
+    rows: list of (ids, mask) from render_conversation. Returns CPU int64 (inputs, targets) of shape (len(rows), L-1)
+    with L the longest row: inputs = ids[:-1] padded with pad_id; targets = ids[1:] where mask[1:] is 1, -1 where the
+    mask is 0 and on the padding.
+    """
+    if not rows:
+        raise ValueError("collate_sft needs at least one row")
+    width = max(len(ids) for ids, _ in rows) - 1
+    if width < 1:
+        raise ValueError("every conversation rendered to a single token: nothing to train on")
+    inputs = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    targets = torch.full((len(rows), width), -1, dtype=torch.long)
+    for i, (ids, mask) in enumerate(rows):
+        if len(ids) != len(mask):
+            raise ValueError(f"row {i}: {len(ids)} ids but {len(mask)} mask entries")
+        n = len(ids) - 1
+        ids_t = torch.tensor(ids, dtype=torch.long)
+        mask_t = torch.tensor(mask, dtype=torch.bool)
+        inputs[i, :n] = ids_t[:-1]
+        row_targets = ids_t[1:].clone()
+        row_targets[~mask_t[1:]] = -1  # mask[j+1] says whether token j+1 (the target at position j) is trained
+        targets[i, :n] = row_targets
+    return inputs, targets
+
+
+def sft_batches(dataset, tokenizer, B, device="cpu", rank=0, world_size=1, max_tokens=2048):
+    """
+    Endless iterator of (inputs, targets) on `device`, B conversations per batch: this rank takes examples rank,
+    rank + world_size, ... of `dataset`, pass after pass. Rows are padded with <|assistant_end|> (never a target).
+    Conversations are cut at max_tokens; one cut before its first assistant token has nothing to train and is
+    skipped (it would only cost compute).
+    """
+    if len(dataset) < world_size:
+        raise ValueError(f"{len(dataset)} conversations cannot be split over {world_size} ranks")
+    pad_id = tokenizer.encode_special("<|assistant_end|>")
+    rows = []
+    while True:
+        trainable = 0
+        for i in range(rank, len(dataset), world_size):
+            ids, mask = tokenizer.render_conversation(dataset[i], max_tokens=max_tokens)
+            if not any(mask[1:]):
+                continue
+            trainable += 1
+            rows.append((ids, mask))
+            if len(rows) == B:
+                inputs, targets = collate_sft(rows, pad_id)
+                rows = []
+                yield _to_device(inputs, device), _to_device(targets, device)
+        if trainable == 0:
+            raise ValueError(f"no conversation of this rank's share has an assistant token within max_tokens={max_tokens}")
+
+
+# -----------------------------------------------------------------------------
+# loading the previous stage, saving this one
+
+
+def load_stage_model(source, device, model_tag="", model_step=-1, phase="train"):
+    """checkpoint_manager.load_model with flags as the scripts take them ("" / -1 = latest), and an error that says
+    which command makes the missing checkpoint."""
+    from nanochat.checkpoint_manager import checkpoint_root, load_model
+
+    try:
+        return load_model(source, device, phase, model_tag=model_tag or None, step=None if model_step < 0 else model_step)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(
+            f"cannot load the {source} model ({e}). Checkpoints are looked for in {checkpoint_root(source)}; "
+            f"make one with `{STAGE_COMMANDS[source]}` (with NANOCHAT_BASE_DIR={get_base_dir()})."
+        ) from e
+
+
+def scale_initial_lr(optimizers, frac):
+    """Start fine-tuning at a fraction of the pretraining learning rates: every group's lr and initial_lr *= frac
+    (the schedule then multiplies initial_lr)."""
+    if frac <= 0:
+        raise ValueError(f"--init_lr_frac must be > 0, got {frac}")
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * frac
+            group["initial_lr"] = group["lr"]
+
+
+def save_stage_model(checkpoint_dir, step, model, meta, use_fsdp=False):
+    """The model and meta only (nanochat's SFT/RL checkpoints carry no optimizer state). Every rank must call it."""
+    from nanochat.checkpoint_manager import save_checkpoint
+    from nanochat.training import model_state_for_saving
+
+    rank = get_dist_info()[1]
+    state = model_state_for_saving(model, use_fsdp)
+    save_checkpoint(checkpoint_dir, step, state if rank == 0 else None, None, dict(meta, step=step), rank=rank)

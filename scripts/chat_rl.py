@@ -1,0 +1,274 @@
+"""
+Reinforcement learning on GSM8K: REINFORCE with a per-question mean baseline, as nanochat.
+
+    python -m scripts.chat_rl
+    python -m scripts.chat_rl --device_type=cpu --num_samples=4 --device_batch_size=4 --examples_per_step=2 --max_new_tokens=64 --num_iterations=10
+    torchrun --nproc_per_node=8 -m scripts.chat_rl
+
+Each step, every rank takes examples_per_step / world_size GSM8K train questions; for each it samples num_samples
+completions with the engine (calculator tool included), rewards each one (1 for the right '#### n', else 0) and sets
+advantage = reward - mean reward of that question. The loss is -(log p(token) * advantage) summed over the sampled
+tokens (the prompt and the tool outputs the engine forced are not trained) and divided by the number of those tokens.
+Every --eval_every steps: pass@k on GSM8K test. Loads the SFT model, saves to chatrl_checkpoints/<tag>/.
+"""
+
+import itertools
+import math
+import os
+import time
+
+import torch
+
+from nanochat import training as T
+from nanochat.checkpoint_manager import checkpoint_root
+from nanochat.common import compute_cleanup, compute_init, get_dist_info, get_wandb, is_ddp_initialized, print0, print_banner
+from nanochat.configurator import parse_flags_or_exit
+from nanochat.conversation_data import collate_sft, load_stage_model, save_stage_model, scale_initial_lr
+from nanochat.engine import Engine
+
+DEFAULTS = dict(
+    run="dummy",  # wandb run name; "dummy" = no wandb
+    source="sft",  # the checkpoint to start from: sft | mid
+    device_type="",  # cuda|cpu|mps; empty = autodetect
+    dtype="auto",  # auto | bfloat16 | float32
+    model_tag="",  # empty = the largest
+    model_step=-1,  # -1 = the last
+    # sampling
+    num_samples=16,  # completions per question
+    max_new_tokens=256,
+    temperature=1.0,
+    top_k=50,
+    # horizon and batch
+    device_batch_size=8,  # sequences per forward pass (sampling and training)
+    examples_per_step=16,  # questions per optimisation step, over all ranks
+    num_epochs=1,
+    num_iterations=-1,  # -1 = num_epochs over GSM8K train
+    # optimisation
+    unembedding_lr=0.004,
+    embedding_lr=0.2,
+    matrix_lr=0.02,
+    weight_decay=0.0,
+    init_lr_frac=0.05,
+    # periodic actions (<= 0 turns one off)
+    eval_every=60,
+    eval_examples=400,  # GSM8K test questions for pass@k
+    save_every=60,  # the final step is always saved
+    seed=42,
+)
+
+
+# -----------------------------------------------------------------------------
+# the pieces of one RL step
+
+
+def sample_seed(seed, step, example_idx, sampling_pass):
+    """A distinct, reproducible sampling seed per (run seed, step, question, pass), the same on any machine."""
+    return (((seed * 1_000_003 + step) * 1_000_033 + example_idx) * 1_009 + sampling_pass) & 0x7FFFFFFF
+
+
+def rollout(engine, tokenizer, task, conversation, num_samples, device_batch_size, seed, **sampling):
+    """
+    Sample num_samples completions of `conversation` (device_batch_size at a time) and reward each one.
+    Returns (sequences, masks, rewards): sequences start with the prompt (mask 0); sampled tokens have mask 1 and
+    tokens forced by the tool mask 0; rewards are task.reward(conversation, decoded completion).
+    """
+    prompt = tokenizer.render_for_completion(conversation)
+    sequences, masks = [], []
+    for p in range(math.ceil(num_samples / device_batch_size)):
+        n = min(device_batch_size, num_samples - p * device_batch_size)
+        seqs, ms = engine.generate_batch(prompt, num_samples=n, seed=seed + p, **sampling)
+        sequences.extend(seqs)
+        masks.extend(ms)
+    rewards = [float(task.reward(conversation, tokenizer.decode(seq[len(prompt):]))) for seq in sequences]
+    return sequences, masks, rewards
+
+
+def advantages_from_rewards(rewards):
+    """REINFORCE baseline: each sample's reward minus the mean reward of its question's samples."""
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    return rewards - rewards.mean()
+
+
+def policy_gradient_loss(model, inputs, targets, advantages):
+    """
+    -(sum over trained tokens of log p(token) * advantage of its sequence) / (number of trained tokens).
+    targets are -1 on the prompt, forced tokens and padding: the model's per-token loss is 0 there.
+    """
+    logp = -model(inputs, targets, loss_reduction="none")  # (B, T) log-probs of the targets
+    objective = (logp * advantages.unsqueeze(-1)).sum()
+    num_valid = (targets >= 0).sum().clamp(min=1)
+    return -objective / num_valid
+
+
+def micro_batches(sequences, masks, advantages, device_batch_size, pad_id, device):
+    """Split one question's samples into training micro-batches (inputs, targets, advantages) on `device`."""
+    out = []
+    for b0 in range(0, len(sequences), device_batch_size):
+        b1 = b0 + device_batch_size
+        inputs, targets = collate_sft(list(zip(sequences[b0:b1], masks[b0:b1])), pad_id)
+        out.append((inputs.to(device), targets.to(device), advantages[b0:b1].to(device)))
+    return out
+
+
+@torch.no_grad()
+def evaluate_pass_at_k(task, engine, tokenizer, num_examples, num_samples, device, seed=0, **sampling):
+    """
+    pass@k for k = 1..num_samples on the first num_examples of `task`: the fraction of questions where one of the
+    first k samples is correct. Ranks split the questions; the counts are summed over ranks.
+    """
+    _, rank, _, world_size = get_dist_info()
+    hits = torch.zeros(num_samples, dtype=torch.float64, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for idx in range(rank, min(num_examples, len(task)), world_size):
+        conversation = task[idx]
+        prompt = tokenizer.render_for_completion(conversation)
+        seqs, _ = engine.generate_batch(prompt, num_samples=num_samples, seed=seed + idx, **sampling)
+        correct = [bool(task.evaluate(conversation, tokenizer.decode(s[len(prompt):]))) for s in seqs]
+        hits += torch.tensor(list(itertools.accumulate(correct, lambda a, b: a or b)), dtype=torch.float64, device=device)
+        total += 1
+    if is_ddp_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(hits)
+        torch.distributed.all_reduce(total)
+    return (hits / total.clamp(min=1)).tolist()
+
+
+def all_reduce_sum(values, device):
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if is_ddp_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv=None):
+    config = parse_flags_or_exit(DEFAULTS, argv, description=__doc__)
+    user_config = dict(config)
+    print_banner()
+    if config["source"] not in ("sft", "mid"):
+        raise ValueError(f"--source must be sft or mid, got {config['source']!r}")
+    if config["num_samples"] < 1 or config["device_batch_size"] < 1:
+        raise ValueError("--num_samples and --device_batch_size must be >= 1")
+
+    ddp, rank, local_rank, world_size, device = compute_init(config["device_type"] or None, seed=config["seed"])
+    device_type = device.type
+    master = rank == 0
+    dtype = T.resolve_dtype(config["dtype"], device_type)
+    autocast = lambda: T.autocast_ctx(device_type, dtype)  # noqa: E731
+
+    if config["examples_per_step"] % world_size != 0:
+        raise ValueError(f"--examples_per_step={config['examples_per_step']} must be divisible by the {world_size} ranks")
+    examples_per_rank = config["examples_per_step"] // world_size
+
+    model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
+    model_config = model.config
+    engine = Engine(model, tokenizer)
+    pad_id = tokenizer.encode_special("<|assistant_end|>")
+    print0(f"RL on the {config['source']} model (step {source_meta.get('step')}): {model_config}")
+
+    from tasks.gsm8k import GSM8K
+
+    train_task = GSM8K(subset="main", split="train")
+    val_task = GSM8K(subset="main", split="test")
+    num_iterations = config["num_iterations"]
+    if num_iterations <= 0:
+        num_iterations = (len(train_task) // config["examples_per_step"]) * config["num_epochs"]
+    print0(f"Training for {num_iterations:,} steps of {config['examples_per_step']} questions x "
+           f"{config['num_samples']} samples ({len(train_task):,} GSM8K train questions)")
+
+    optimizers = T.setup_optimizers(
+        model, unembedding_lr=config["unembedding_lr"], embedding_lr=config["embedding_lr"],
+        matrix_lr=config["matrix_lr"], weight_decay=config["weight_decay"],
+    )
+    scale_initial_lr(optimizers, config["init_lr_frac"])
+
+    sampling = dict(max_tokens=config["max_new_tokens"], temperature=config["temperature"], top_k=config["top_k"])
+    example_indices = itertools.cycle(range(rank, len(train_task), world_size))  # this rank's questions
+    model_tag = config["model_tag"] or f"d{model_config.n_layer}"
+    checkpoint_dir = os.path.join(checkpoint_root("rl"), model_tag)
+    wandb_run = get_wandb(config["run"], "nanochat-rl", user_config, master)
+
+    def save(step, passk):
+        meta = {"model_config": vars(model_config), "user_config": user_config, "pass_at_k": passk,
+                "source": {"phase": config["source"], "model_tag": config["model_tag"] or None, "step": source_meta.get("step")}}
+        save_stage_model(checkpoint_dir, step, model, meta)
+        print0(f"Saved RL checkpoint step {step} to {checkpoint_dir}")
+
+    # ---------------------------------------------------------------- the loop
+    passk, curve_reward, curve_pass1 = None, [], []
+    step = 0
+    for step in range(num_iterations + 1):
+        last_step = step == num_iterations
+
+        if T.every(step, config["eval_every"], last_step):
+            model.eval()
+            with autocast():
+                passk = evaluate_pass_at_k(val_task, engine, tokenizer, config["eval_examples"], config["device_batch_size"],
+                                           device, seed=config["seed"], **sampling)
+            model.train()
+            curve_pass1.append((step, passk[0]))
+            print0(f"step {step:05d} | " + " | ".join(f"pass@{k + 1}: {p:.4f}" for k, p in enumerate(passk)))
+            wandb_run.log({"step": step, **{f"pass@{k + 1}": p for k, p in enumerate(passk)}})
+
+        if step > 0 and (T.every(step, config["save_every"], last_step, at_last=False) or last_step):
+            save(step, passk)
+
+        if last_step:
+            break
+
+        # rollouts: sample and reward with the current policy
+        t0 = time.time()
+        model.eval()
+        batches, reward_sum, length_sum = [], 0.0, 0
+        for _ in range(examples_per_rank):
+            idx = next(example_indices)
+            conversation = train_task[idx]
+            with autocast():
+                seqs, masks, rewards = rollout(engine, tokenizer, train_task, conversation, config["num_samples"],
+                                               config["device_batch_size"], sample_seed(config["seed"], step, idx, 0), **sampling)
+            advantages = advantages_from_rewards(rewards)
+            batches.extend(micro_batches(seqs, masks, advantages, config["device_batch_size"], pad_id, device))
+            reward_sum += sum(rewards)
+            length_sum += sum(len(s) for s in seqs)
+        model.train()
+
+        # policy-gradient update: every micro-batch's loss is averaged over all of this step's micro-batches
+        lrm = T.lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=1.0)  # = 1 - step/num_iterations
+        T.apply_schedule(optimizers, lrm)
+        it = iter(batches)
+        loss, _, _ = T.train_step(model, optimizers, lambda: next(it), len(batches), grad_clip=0.0, autocast=autocast,
+                                  loss_fn=lambda m, b: policy_gradient_loss(m, b[0], b[1], b[2]))
+        dt = time.time() - t0
+        T.assert_finite(loss, step)
+        n_samples = examples_per_rank * config["num_samples"]
+        reward_total, length_total, count = all_reduce_sum([reward_sum, length_sum, n_samples], device)
+        mean_reward, mean_length = reward_total / count, length_total / count
+        curve_reward.append((step + 1, mean_reward))
+        print0(f"step {step + 1:05d}/{num_iterations:05d} | pg loss: {loss:.6f} | mean reward: {mean_reward:.4f} | "
+               f"mean sequence length: {mean_length:.1f} | lrm: {lrm:.2f} | dt: {dt:.2f}s")
+        wandb_run.log({"step": step, "reward": mean_reward, "sequence_length": mean_length, "pg_loss": loss, "lrm": lrm})
+
+    # ---------------------------------------------------------------- wrap up
+    if master:
+        from nanochat.report import get_report
+
+        report = get_report()
+        if curve_reward:
+            report.log_curve("Chat RL mean reward", *zip(*curve_reward), ylabel="mean reward")
+        if curve_pass1:
+            report.log_curve("Chat RL GSM8K pass@1", *zip(*curve_pass1), ylabel="pass@1")
+        recent = [r for _, r in curve_reward[-10:]]
+        report.log(section="Chat RL", data=[
+            user_config,
+            {"Number of iterations": num_iterations, "DDP world size": world_size,
+             "Mean reward (last 10 steps)": sum(recent) / len(recent) if recent else None},
+            {f"GSM8K test pass@{k + 1}": p for k, p in enumerate(passk)} if passk else {},
+        ])
+    wandb_run.finish()
+    compute_cleanup()
+    return {"step": step, "pass_at_k": passk, "rewards": [r for _, r in curve_reward], "checkpoint_dir": checkpoint_dir}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""
+Supervised fine-tuning: one conversation per row, loss on the assistant's tokens only.
+
+    python -m scripts.chat_sft
+    python -m scripts.chat_sft --source=base --device_type=cpu --device_batch_size=4 --target_examples_per_step=8 --num_iterations=50
+    torchrun --nproc_per_node=8 -m scripts.chat_sft
+
+Loads the mid-trained model (--source=base starts from the base model instead), fine-tunes on ARC-Easy,
+ARC-Challenge, GSM8K, 10k SmolTalk conversations, the identity conversations, SimpleSpelling and SpellingBee (a task
+whose data cannot be found is left out with a message), with the learning rate decaying linearly to 0, and saves to
+chatsft_checkpoints/<tag>/ (--model_tag names both the input and the output checkpoint, as nanochat). Every
+--eval_every steps: loss per assistant token on the held-out conversations mid-training validates on (SmolTalk test,
+MMLU test, GSM8K test); every --eval_metrics_every steps: MMLU and ARC-Easy accuracy (scripts.chat_eval's
+categorical evaluation).
+"""
+
+import importlib.util
+import os
+import time
+
+import torch
+
+from nanochat import training as T
+from nanochat.checkpoint_manager import checkpoint_root
+from nanochat.common import compute_cleanup, compute_init, get_wandb, print0, print_banner
+from nanochat.configurator import parse_flags_or_exit
+from nanochat.conversation_data import build_mixture, held_out_tasks, load_stage_model, save_stage_model, scale_initial_lr, sft_batches
+
+DEFAULTS = dict(
+    run="dummy",  # wandb run name; "dummy" = no wandb
+    source="mid",  # the checkpoint to fine-tune: base | mid
+    device_type="",  # cuda|cpu|mps; empty = autodetect
+    dtype="auto",  # auto | bfloat16 | float32
+    model_tag="",  # empty = the largest
+    model_step=-1,  # -1 = the last
+    # horizon and batch
+    device_batch_size=4,  # conversations per forward pass (rows are padded to the longest, so keep it small)
+    num_epochs=1,
+    num_iterations=-1,  # -1 = num_epochs over the training mixture
+    target_examples_per_step=32,  # conversations per optimisation step, over all ranks
+    # optimisation
+    unembedding_lr=0.004,
+    embedding_lr=0.2,
+    matrix_lr=0.02,
+    weight_decay=0.0,
+    init_lr_frac=0.02,  # fine-tune at 2% of the pretraining learning rates
+    # evaluation (<= 0 turns one off)
+    eval_every=100,
+    eval_steps=100,  # validation batches per rank
+    eval_metrics_every=200,
+    eval_metrics_max_problems=1024,
+    # systems
+    use_fsdp=False,
+    fsdp_reduce_dtype="float32",
+    seed=42,
+)
+
+METRIC_TASKS = ["MMLU", "ARC-Easy"]
+
+
+def train_tasks():
+    """(name, factory) of the SFT mixture, nanochat's."""
+    from tasks.arc import ARC
+    from tasks.customjson import CustomJSON, identity_conversations_path
+    from tasks.gsm8k import GSM8K
+    from tasks.smoltalk import SmolTalk
+    from tasks.spellingbee import SimpleSpelling, SpellingBee
+
+    return [
+        ("ARC-Easy", lambda: ARC(subset="ARC-Easy", split="train")),
+        ("ARC-Challenge", lambda: ARC(subset="ARC-Challenge", split="train")),
+        ("GSM8K", lambda: GSM8K(subset="main", split="train")),
+        ("SmolTalk", lambda: SmolTalk(split="train", stop=10_000)),
+        ("identity conversations", lambda: CustomJSON(filepath=identity_conversations_path())),
+        ("SimpleSpelling", lambda: SimpleSpelling(size=300, split="train")),
+        ("SpellingBee", lambda: SpellingBee(size=300, split="train")),
+    ]
+
+
+def chat_metrics(model, tokenizer, batch_size, max_problems, autocast):
+    """{task: accuracy} for METRIC_TASKS via scripts.chat_eval, or None (with a note) when chat_eval is absent."""
+    if importlib.util.find_spec("scripts.chat_eval") is None:
+        print0("Note: scripts/chat_eval.py is not available, skipping the MMLU / ARC-Easy accuracy evaluation")
+        return None
+    from nanochat.engine import Engine
+    from scripts.chat_eval import run_chat_eval
+    from tasks.data import TaskDataNotFound
+
+    engine = Engine(model, tokenizer)
+    metrics = {}
+    with autocast():
+        for task_name in METRIC_TASKS:
+            try:
+                metrics[task_name] = run_chat_eval(task_name, model, tokenizer, engine, batch_size=batch_size,
+                                                   max_problems=max_problems)
+            except TaskDataNotFound as e:
+                print0(f"Note: skipping the {task_name} accuracy: {e}")
+    return metrics
+
+
+def main(argv=None):
+    config = parse_flags_or_exit(DEFAULTS, argv, description=__doc__)
+    user_config = dict(config)
+    print_banner()
+    if config["source"] not in ("base", "mid"):
+        raise ValueError(f"--source must be base or mid, got {config['source']!r}")
+    if config["eval_every"] > 0 and config["eval_steps"] < 1:
+        raise ValueError("--eval_steps must be >= 1 (or turn the validation off with --eval_every=-1)")
+
+    ddp, rank, local_rank, world_size, device = compute_init(config["device_type"] or None, seed=config["seed"])
+    device_type = device.type
+    master = rank == 0
+    dtype = T.resolve_dtype(config["dtype"], device_type)
+    autocast = lambda: T.autocast_ctx(device_type, dtype)  # noqa: E731
+
+    model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
+    model_config = model.config
+    if config["use_fsdp"]:
+        T.shard_model(model, device, config["fsdp_reduce_dtype"])
+    print0(f"Fine-tuning the {config['source']} model (step {source_meta.get('step')}): {model_config}")
+
+    # batch arithmetic: whole conversations per step
+    B = config["device_batch_size"]
+    examples_per_fwdbwd = B * world_size
+    if config["target_examples_per_step"] % examples_per_fwdbwd != 0:
+        raise ValueError(
+            f"--target_examples_per_step={config['target_examples_per_step']} is not divisible by device_batch_size * "
+            f"world_size = {B} * {world_size} = {examples_per_fwdbwd}: change one of them"
+        )
+    grad_accum = config["target_examples_per_step"] // examples_per_fwdbwd
+    print0(f"Batch: {B} conversations x {world_size} rank(s) x {grad_accum} accumulation = "
+           f"{config['target_examples_per_step']} conversations/step")
+
+    # data: rows longer than the model's context are truncated (nanochat: 2048 = its sequence_len)
+    max_tokens = model_config.sequence_len + 1
+    train_ds, train_names = build_mixture(train_tasks(), "SFT data")
+    val_ds, _ = build_mixture(held_out_tasks(), "SFT validation")
+    train_iter = sft_batches(train_ds, tokenizer, B, device, rank, world_size, max_tokens)
+
+    num_iterations = config["num_iterations"]
+    if num_iterations <= 0:
+        num_iterations = (len(train_ds) // config["target_examples_per_step"]) * config["num_epochs"]
+        if num_iterations < 1:
+            raise ValueError(f"{len(train_ds)} conversations make no step of {config['target_examples_per_step']}: "
+                             f"lower --target_examples_per_step or set --num_iterations")
+    print0(f"Training for {num_iterations:,} steps")
+
+    optimizers = T.setup_optimizers(
+        model, use_fsdp=config["use_fsdp"], unembedding_lr=config["unembedding_lr"],
+        embedding_lr=config["embedding_lr"], matrix_lr=config["matrix_lr"], weight_decay=config["weight_decay"],
+    )
+    scale_initial_lr(optimizers, config["init_lr_frac"])
+
+    model_tag = config["model_tag"] or f"d{model_config.n_layer}"
+    checkpoint_dir = os.path.join(checkpoint_root("sft"), model_tag)
+    wandb_run = get_wandb(config["run"], "nanochat-sft", user_config, master)
+    meter = T.ProgressMeter(0, model.estimate_flops(), device, world_size, num_iterations)
+
+    # every rank counts what it processed (for tok/s) and what it trained on (tokens with a target)
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
+
+    def next_batch():
+        x, y = next(train_iter)
+        counts[0] += x.numel()
+        counts[1] += (y >= 0).sum()
+        return x, y
+
+    # ---------------------------------------------------------------- the loop
+    val_loss, metrics, train_loss = None, {}, None
+    curve_loss, curve_val = [], []
+    step = 0
+    for step in range(num_iterations + 1):
+        last_step = step == num_iterations
+
+        if T.every(step, config["eval_every"], last_step):
+            model.eval()
+            val_iter = sft_batches(val_ds, tokenizer, B, device, rank, world_size, max_tokens)
+            sums = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, trained tokens
+            with torch.no_grad(), autocast():
+                for _ in range(config["eval_steps"]):
+                    x, y = next(val_iter)
+                    sums[0] += model(x, y, loss_reduction="sum").double()
+                    sums[1] += (y >= 0).sum()
+            model.train()
+            loss_sum, n_tokens = (T.all_reduce_mean(v, device) for v in sums.tolist())
+            val_loss = loss_sum / n_tokens  # per trained token over all ranks' batches
+            curve_val.append((step, val_loss))
+            print0(f"step {step:05d} | validation loss: {val_loss:.6f}")
+            wandb_run.log({"step": step, "val/loss": val_loss})
+
+        if T.every(step, config["eval_metrics_every"], last_step):
+            if config["use_fsdp"]:
+                # each rank evaluates different problems, but every FSDP forward is collective: they would deadlock
+                print0("Note: skipping the MMLU / ARC-Easy accuracy evaluation under --use_fsdp=1 (run scripts.chat_eval on the saved model)")
+            else:
+                model.eval()
+                out = chat_metrics(model, tokenizer, 2 * B, config["eval_metrics_max_problems"], autocast)
+                model.train()
+                if out:
+                    metrics = out
+                    print0(f"step {step:05d} | " + " | ".join(f"{k} acc: {v:.4f}" for k, v in metrics.items()))
+                    wandb_run.log({"step": step, **{f"{k}_acc": v for k, v in metrics.items()}})
+
+        if last_step:
+            break
+
+        lrm = T.lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=1.0)  # = 1 - step/num_iterations
+        T.apply_schedule(optimizers, lrm)
+        counts.zero_()
+        t0 = time.time()
+        train_loss, _, _ = T.train_step(model, optimizers, next_batch, grad_accum, grad_clip=0.0, autocast=autocast)
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.time() - t0
+        T.assert_finite(train_loss, step)
+        processed, trained = (T.all_reduce_mean(c, device) * world_size for c in counts.tolist())
+        meter.tokens_per_step = processed  # rows are padded to each batch's longest: the count changes every step
+        fields = meter.update(step, train_loss, dt)
+        curve_loss.append((step + 1, fields["loss"]))
+        print0(meter.format(step, fields, lrm, f" | trained tokens: {int(trained):,}"))
+        wandb_run.log({"step": step, "train/loss": fields["loss"], "train/raw_loss": train_loss, "train/lrm": lrm,
+                       "train/num_tokens": trained})
+
+    # ---------------------------------------------------------------- wrap up
+    meta = {"model_config": vars(model_config), "user_config": user_config, "val_loss": val_loss, **metrics,
+            "source": {"phase": config["source"], "model_tag": config["model_tag"] or None, "step": source_meta.get("step")}}
+    save_stage_model(checkpoint_dir, step, model, meta, config["use_fsdp"])
+    print0(f"Saved SFT checkpoint step {step} to {checkpoint_dir}")
+    if master:
+        from nanochat.report import get_report
+
+        report = get_report()
+        if curve_loss:
+            report.log_curve("Chat SFT loss", *zip(*curve_loss), ylabel="loss (EMA)")
+        if curve_val:
+            report.log_curve("Chat SFT validation loss", *zip(*curve_val), ylabel="loss")
+        report.log(section="Chat SFT", data=[
+            user_config,
+            {"Training tasks": ", ".join(train_names), "Training rows": len(train_ds),
+             "Number of iterations": num_iterations, "DDP world size": world_size},
+            {"Training loss": train_loss, "Validation loss": val_loss, **metrics},
+        ])
+    wandb_run.finish()
+    compute_cleanup()
+    return {"step": step, "train_loss": train_loss, "val_loss": val_loss, "metrics": metrics,
+            "checkpoint_dir": checkpoint_dir, "train_tasks": train_names}
+
+
+if __name__ == "__main__":
+    main()

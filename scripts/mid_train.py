@@ -1,0 +1,233 @@
+"""
+Mid-training: teach the base model the chat format, multiple choice, tool use and spelling, on packed conversations.
+
+    python -m scripts.mid_train
+    python -m scripts.mid_train --device_type=cpu --max_seq_len=256 --device_batch_size=4 --total_batch_size=1024 --num_iterations=50
+    torchrun --nproc_per_node=8 -m scripts.mid_train -- --device_batch_size=16
+
+Loads the base model (--model_tag / --model_step; latest by default), trains on a mixture of SmolTalk, MMLU
+auxiliary_train, GSM8K, the identity conversations (twice), SimpleSpelling and SpellingBee, rendered with
+render_conversation and packed into (B, T) rows (every token trained, as nanochat), and saves to
+mid_checkpoints/<tag>/. A task whose data cannot be found is left out with a message. --num_iterations=-1 trains
+one epoch of the mixture. Validation: bits per byte on held-out conversations (SmolTalk test, MMLU test, GSM8K test).
+"""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from nanochat import training as T
+from nanochat.checkpoint_manager import checkpoint_root
+from nanochat.common import compute_cleanup, compute_init, get_wandb, is_ddp_initialized, print0, print_banner
+from nanochat.configurator import parse_flags_or_exit
+from nanochat.conversation_data import ConversationPacker, build_mixture, held_out_tasks, load_stage_model, scale_initial_lr
+from nanochat.loss_eval import evaluate_bpb
+from nanochat.tokenizer import get_token_bytes
+
+DEFAULTS = dict(
+    run="dummy",  # wandb run name; "dummy" = no wandb
+    device_type="",  # cuda|cpu|mps; empty = autodetect
+    dtype="auto",  # auto | bfloat16 | float32
+    # input model
+    model_tag="",  # base model tag to start from; empty = the largest
+    model_step=-1,  # its step; -1 = the last
+    # horizon and batch
+    num_iterations=-1,  # -1 = one epoch of the mixture
+    max_seq_len=2048,
+    device_batch_size=32,
+    total_batch_size=524288,  # tokens per optimisation step
+    # optimisation
+    unembedding_lr=0.004,
+    embedding_lr=0.2,
+    matrix_lr=0.02,
+    init_lr_frac=1.0,  # start at this fraction of the learning rates above
+    weight_decay=0.0,
+    grad_clip=1.0,
+    # evaluation (<= 0 turns it off)
+    eval_every=150,
+    eval_tokens=20 * 524288,
+    # systems
+    dry_run=False,  # train and evaluate, but save no checkpoint and log no report / wandb
+    compile=True,  # torch.compile on CUDA (ignored elsewhere)
+    use_fsdp=False,
+    fsdp_reduce_dtype="float32",
+    seed=42,
+)
+
+# On CPU the default --eval_tokens means hours of evaluation; scale it down unless set explicitly (as base_train).
+CPU_EVAL_STEPS = 4
+WARMDOWN_RATIO = 0.2  # the last 20% of the run decays the LR linearly to 0
+
+
+def train_tasks():
+    """(name, factory) of the mid-training mixture, nanochat's. Imports are inside the factories so a missing
+    dataset only costs that task."""
+    from tasks.customjson import CustomJSON, identity_conversations_path
+    from tasks.gsm8k import GSM8K
+    from tasks.mmlu import MMLU
+    from tasks.smoltalk import SmolTalk
+    from tasks.spellingbee import SimpleSpelling, SpellingBee
+
+    return [
+        ("SmolTalk", lambda: SmolTalk(split="train")),  # general conversations
+        ("MMLU auxiliary_train", lambda: MMLU(subset="auxiliary_train", split="train")),  # multiple choice
+        ("GSM8K", lambda: GSM8K(subset="main", split="train")),  # arithmetic with the calculator tool
+        ("identity conversations", lambda: CustomJSON(filepath=identity_conversations_path())),
+        ("identity conversations (2nd epoch)", lambda: CustomJSON(filepath=identity_conversations_path())),
+        ("SimpleSpelling", lambda: SimpleSpelling(size=200000, split="train")),
+        ("SpellingBee", lambda: SpellingBee(size=80000, split="train")),
+    ]
+
+
+def lr_multiplier(progress):
+    """1.0, then a linear decay to 0 over the last WARMDOWN_RATIO of the run; progress in [0, 1]."""
+    if progress < 1 - WARMDOWN_RATIO:
+        return 1.0
+    return max(0.0, (1 - progress) / WARMDOWN_RATIO)
+
+
+def any_rank(flag, device):
+    """True on every rank if `flag` is true on any (ranks pass the epoch end at slightly different steps)."""
+    if not (is_ddp_initialized() and dist.get_world_size() > 1):
+        return bool(flag)
+    t = torch.tensor(int(flag), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def main(argv=None):
+    config = parse_flags_or_exit(DEFAULTS, argv, description=__doc__)
+    user_config = dict(config)
+    print_banner()
+
+    ddp, rank, local_rank, world_size, device = compute_init(config["device_type"] or None, seed=config["seed"])
+    device_type = device.type
+    master = rank == 0
+    dtype = T.resolve_dtype(config["dtype"], device_type)
+    autocast = lambda: T.autocast_ctx(device_type, dtype)  # noqa: E731
+
+    # the base model and its tokenizer
+    model, tokenizer, base_meta = load_stage_model("base", device, config["model_tag"], config["model_step"])
+    model_config = model.config
+    if config["use_fsdp"]:
+        T.shard_model(model, device, config["fsdp_reduce_dtype"])
+    orig_model = model  # uncompiled, for eval and saving
+    if config["compile"] and device_type == "cuda":
+        model = torch.compile(model, dynamic=False)
+    token_bytes = get_token_bytes(device=device)
+    flops_per_token = orig_model.estimate_flops()
+    print0(f"Base model step {base_meta.get('step')}: {model_config} | {orig_model.num_params():,} params")
+
+    B, Tlen = config["device_batch_size"], config["max_seq_len"]
+    if Tlen != model_config.sequence_len:
+        print0(f"Note: training at --max_seq_len={Tlen}; the base model was trained at {model_config.sequence_len}")
+    grad_accum, tokens_per_fwdbwd = T.batch_arithmetic(config["total_batch_size"], B, Tlen, world_size)
+    total_batch = tokens_per_fwdbwd * grad_accum
+    print0(f"Batch: {B} x {Tlen} x {world_size} rank(s) x {grad_accum} accumulation = {total_batch:,} tokens/step")
+    eval_steps = max(1, config["eval_tokens"] // tokens_per_fwdbwd) if config["eval_every"] > 0 else 0
+    if device_type == "cpu" and config["eval_tokens"] == DEFAULTS["eval_tokens"] and eval_steps > CPU_EVAL_STEPS:
+        print0(f"Note: on CPU the default --eval_tokens would take {eval_steps} eval batches; using {CPU_EVAL_STEPS}. "
+               f"Set --eval_tokens explicitly to override.")
+        eval_steps = CPU_EVAL_STEPS
+
+    optimizers = T.setup_optimizers(
+        orig_model, use_fsdp=config["use_fsdp"], unembedding_lr=config["unembedding_lr"],
+        embedding_lr=config["embedding_lr"], matrix_lr=config["matrix_lr"], weight_decay=config["weight_decay"],
+    )
+    scale_initial_lr(optimizers, config["init_lr_frac"])
+
+    # data: the training mixture, packed; a held-out mixture for validation (rebuilt per eval: same batches each time)
+    train_ds, train_names = build_mixture(train_tasks(), "mid-training data")
+    val_ds, _ = build_mixture(held_out_tasks(), "mid-training validation")
+    train_loader = ConversationPacker(train_ds, tokenizer, B, Tlen, device, rank, world_size)
+
+    def build_val_loader():
+        return ConversationPacker(val_ds, tokenizer, B, Tlen, device, rank, world_size)
+
+    num_iterations = config["num_iterations"]
+    if num_iterations > 0:
+        print0(f"Training for {num_iterations:,} steps = {num_iterations * total_batch:,} tokens")
+    else:
+        print0(f"Training for one epoch of {len(train_ds):,} conversations")
+
+    model_tag = config["model_tag"] or f"d{model_config.n_layer}"
+    checkpoint_dir = os.path.join(checkpoint_root("mid"), model_tag)
+    wandb_run = get_wandb("dummy" if config["dry_run"] else config["run"], "nanochat-mid", user_config, master)
+    # in one-epoch mode the step count is not known in advance: the meter's ETA uses an estimate from progress
+    meter = T.ProgressMeter(total_batch, flops_per_token, device, world_size, max(num_iterations, 1))
+
+    # ---------------------------------------------------------------- the loop
+    val_bpb, min_val_bpb = None, float("inf")
+    curve_loss, curve_bpb = [], []
+    step, epoch_done = 0, False
+    while True:
+        last_step = step == num_iterations if num_iterations > 0 else epoch_done
+
+        if T.every(step, config["eval_every"], last_step):
+            orig_model.eval()
+            with autocast():
+                val_bpb = evaluate_bpb(orig_model, build_val_loader(), eval_steps, token_bytes)
+            orig_model.train()
+            min_val_bpb = min(min_val_bpb, val_bpb)
+            curve_bpb.append((step, val_bpb))
+            print0(f"step {step:05d} | val bpb: {val_bpb:.4f}")
+            wandb_run.log({"step": step, "val/bpb": val_bpb})
+
+        if last_step:
+            break
+
+        progress = step / num_iterations if num_iterations > 0 else T.all_reduce_mean(train_loader.progress, device)
+        lrm = lr_multiplier(progress)
+        T.apply_schedule(optimizers, lrm, T.muon_momentum(step))
+        t0 = time.time()
+        loss, grad_norm, _ = T.train_step(model, optimizers, lambda: next(train_loader), grad_accum, config["grad_clip"], autocast)
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.time() - t0
+        T.assert_finite(loss, step)
+        if num_iterations <= 0:
+            epoch_done = any_rank(train_loader.epoch >= 1, device)
+            meter.num_iterations = step + 1 if epoch_done else max(step + 2, round((step + 1) / max(train_loader.progress, 1e-9)))
+        fields = meter.update(step, loss, dt)
+        curve_loss.append((step + 1, fields["loss"]))
+        print0(meter.format(step, fields, lrm, f" | gnorm: {grad_norm:.3f}" if grad_norm is not None else ""))
+        wandb_run.log({"step": step, "train/loss": fields["loss"], "train/raw_loss": loss, "train/lrm": lrm,
+                       "train/tok_per_sec": fields["tok_per_sec"], "train/mfu": fields["mfu"]})
+        step += 1
+
+    # ---------------------------------------------------------------- wrap up
+    if not config["dry_run"]:
+        meta = {
+            "model_config": vars(model_config), "user_config": user_config, "val_bpb": val_bpb,
+            "min_val_bpb": min_val_bpb if val_bpb is not None else None, "device_batch_size": B, "max_seq_len": Tlen,
+            "source": {"phase": "base", "model_tag": config["model_tag"] or None, "step": base_meta.get("step")},
+        }
+        T.save_train_state(checkpoint_dir, step, orig_model, optimizers, meta, None, config["use_fsdp"])
+        print0(f"Saved mid-training checkpoint step {step} to {checkpoint_dir}")
+    print0(f"Total training time: {T.format_duration(meter.total_time)}" +
+           (f" | min val bpb: {min_val_bpb:.4f}" if val_bpb is not None else ""))
+    if master and not config["dry_run"]:
+        from nanochat.report import get_report
+
+        report = get_report()
+        if curve_loss:
+            report.log_curve("Midtraining loss", *zip(*curve_loss), ylabel="loss (EMA)")
+        if curve_bpb:
+            report.log_curve("Midtraining validation bpb", *zip(*curve_bpb), ylabel="bits per byte")
+        report.log(section="Midtraining", data=[
+            user_config,
+            {"Training tasks": ", ".join(train_names), "Training conversations": len(train_ds),
+             "Number of iterations": step, "Tokens per step": total_batch, "DDP world size": world_size},
+            {"Minimum validation bpb": min_val_bpb if val_bpb is not None else None, "Final validation bpb": val_bpb,
+             "Total training time": T.format_duration(meter.total_time)},
+        ])
+    wandb_run.finish()
+    compute_cleanup()
+    return {"step": step, "val_bpb": val_bpb, "min_val_bpb": min_val_bpb, "checkpoint_dir": checkpoint_dir,
+            "train_tasks": train_names}
+
+
+if __name__ == "__main__":
+    main()

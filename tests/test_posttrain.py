@@ -1,0 +1,274 @@
+"""
+Mid-training, SFT and RL: the RL arithmetic on toy batches, and the three stages run end to end on CPU from a tiny
+base checkpoint, each saving a checkpoint the next stage loads.
+"""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanochat.checkpoint_manager import load_model, save_checkpoint
+from tests.chat_fixtures import tiny_tokenizer
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def require_chat_data():
+    for sub in ("gsm8k/train.jsonl", "sft/identity_conversations.jsonl", "arc", "mmlu/test", "words/words_alpha.txt"):
+        if not (SHARED_DATA / sub).exists():
+            pytest.skip(f"real chat data not found: {SHARED_DATA / sub}")
+
+
+@pytest.fixture
+def chat_env(tmp_path, monkeypatch):
+    """
+    A base dir with a small real tokenizer and a d1 base checkpoint; the task data from ../shared/data, and the
+    Hugging Face hub pointed at a closed local port so the missing datasets (SmolTalk, MMLU auxiliary_train) fail
+    at once instead of being downloaded.
+    """
+    require_chat_data()
+    from nanochat import training as T
+    from nanochat.gpt import config_for_depth
+    from nanochat.tokenizer import compute_token_bytes, save_token_bytes
+
+    base = tmp_path / "base"
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(SHARED_DATA))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    torch.set_num_threads(1)
+
+    tok = tiny_tokenizer()
+    tok_dir = base / "tokenizer"
+    tok.save(str(tok_dir))
+    save_token_bytes(compute_token_bytes(tok), str(tok_dir))
+    torch.manual_seed(0)
+    config = config_for_depth(1, tok.get_vocab_size(), 128)
+    model = T.build_model(config, "cpu")
+    save_checkpoint(str(base / "base_checkpoints" / "d1"), 0, model.state_dict(), None,
+                    {"model_config": vars(config), "step": 0})
+    return base
+
+
+def params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def changed(a, b):
+    return any(not torch.equal(a[k], b[k]) for k in a)
+
+
+# -----------------------------------------------------------------------------
+# RL arithmetic
+
+
+def test_advantages_are_reward_minus_mean():
+    from scripts.chat_rl import advantages_from_rewards
+
+    assert advantages_from_rewards([1.0, 0.0, 0.0, 1.0]).tolist() == [0.5, -0.5, -0.5, 0.5]
+    assert advantages_from_rewards([1.0, 0.0, 0.0, 0.0]).tolist() == [0.75, -0.25, -0.25, -0.25]
+    assert advantages_from_rewards([1.0, 1.0]).tolist() == [0.0, 0.0]  # nothing to learn when all agree
+
+
+def test_policy_gradient_loss_on_a_uniform_model():
+    """lm_head starts at zero, so every token has log p = -ln V: the loss is hand-computable."""
+    from nanochat import training as T
+    from nanochat.gpt import config_for_depth
+    from scripts.chat_rl import policy_gradient_loss
+
+    V = 300
+    model = T.build_model(config_for_depth(1, V, 32), "cpu")
+    inputs = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
+    targets = torch.tensor([[6, 7, 8, -1, -1], [-1, -1, -1, 14, -1]])  # 3 trained tokens in row 0, 1 in row 1
+    advantages = torch.tensor([0.5, -0.5])
+    loss = policy_gradient_loss(model, inputs, targets, advantages)
+    # -(3 * 0.5 * (-ln V) + 1 * (-0.5) * (-ln V)) / 4 = ln V / 4
+    assert loss.item() == pytest.approx(math.log(V) / 4, rel=1e-5)
+
+
+def test_policy_gradient_step_moves_probability_towards_rewarded_samples():
+    from nanochat import training as T
+    from nanochat.gpt import config_for_depth
+    from scripts.chat_rl import micro_batches, policy_gradient_loss
+
+    torch.manual_seed(0)
+    model = T.build_model(config_for_depth(1, 64, 32), "cpu")
+    optimizers = model.setup_optimizers(unembedding_lr=0.02, embedding_lr=0.02, matrix_lr=0.002)
+    prompt = [1, 2, 3]
+    good, bad = prompt + [10, 11, 12], prompt + [20, 21, 22]
+    masks = [[0, 0, 0, 1, 1, 1]] * 2
+
+    def logp(seq):
+        x, y = torch.tensor([seq[:-1]]), torch.tensor([[-1] * 2 + seq[3:]])
+        with torch.no_grad():
+            return -model(x, y, loss_reduction="sum").item()
+
+    before = logp(good), logp(bad)
+    (batch,) = micro_batches([good, bad], masks, torch.tensor([0.5, -0.5]), 2, pad_id=0, device="cpu")
+    assert batch[1].tolist() == [[-1, -1, 10, 11, 12], [-1, -1, 20, 21, 22]]  # the prompt is not trained
+    it = iter([batch])
+    T.train_step(model, optimizers, lambda: next(it), 1, grad_clip=0.0,
+                 loss_fn=lambda m, b: policy_gradient_loss(m, b[0], b[1], b[2]))
+    after = logp(good), logp(bad)
+    assert after[0] > before[0] and after[1] < before[1]
+
+
+class ScriptedEngine:
+    """Returns fixed completions (as text) in place of sampling, to check the reward and mask wiring."""
+
+    def __init__(self, tokenizer, completions):
+        self.tokenizer, self.completions, self.calls = tokenizer, list(completions), []
+
+    def generate_batch(self, tokens, num_samples=1, **kwargs):
+        self.calls.append((num_samples, kwargs["seed"]))
+        out = [self.completions.pop(0) for _ in range(num_samples)]
+        seqs = [list(tokens) + self.tokenizer.encode(c) for c in out]
+        masks = [[0] * len(tokens) + [1] * (len(s) - len(tokens)) for s in seqs]
+        return seqs, masks
+
+
+def test_rollout_rewards_gsm8k_answers():
+    require_chat_data()
+    from scripts.chat_rl import advantages_from_rewards, rollout
+    from tasks.gsm8k import GSM8K
+
+    tok = tiny_tokenizer()
+    task = GSM8K(subset="main", split="train", data_dir=str(SHARED_DATA))
+    conversation = task[0]  # Natalia's clips: the answer is 72
+    assert conversation["messages"][-1]["content"][-1]["text"].endswith("#### 72")
+    engine = ScriptedEngine(tok, ["She sold 72 clips.\n#### 72", "#### 48", "no idea", "48 + 24 = 72\n#### 72", "#### 7,2"])
+    seqs, masks, rewards = rollout(engine, tok, task, conversation, num_samples=5, device_batch_size=2, seed=100,
+                                   max_tokens=32, temperature=1.0, top_k=50)
+    assert rewards == [1.0, 0.0, 0.0, 1.0, 1.0]  # "7,2" has its comma dropped, as GSM8K's extraction does
+    assert engine.calls == [(2, 100), (2, 101), (1, 102)]  # device_batch_size at a time, a new seed per pass
+    assert advantages_from_rewards(rewards).tolist() == pytest.approx([0.4, -0.6, -0.6, 0.4, 0.4])
+    prompt = tok.render_for_completion(conversation)
+    assert all(s[: len(prompt)] == prompt and m[: len(prompt)] == [0] * len(prompt) for s, m in zip(seqs, masks))
+
+
+# -----------------------------------------------------------------------------
+# the three stages end to end
+
+
+def test_mid_sft_rl_chain(chat_env, capsys):
+    from scripts import chat_rl, chat_sft, mid_train
+
+    base_model, _, _ = load_model("base", "cpu", "eval")
+
+    mid = mid_train.main(["--device_type=cpu", "--max_seq_len=64", "--device_batch_size=2", "--total_batch_size=256",
+                          "--num_iterations=3", "--eval_every=2", "--eval_tokens=256"])
+    out = capsys.readouterr().out
+    assert "leaving out SmolTalk" in out and "leaving out MMLU auxiliary_train" in out  # not in ../shared/data
+    assert mid["train_tasks"] == ["GSM8K", "identity conversations", "identity conversations (2nd epoch)",
+                                  "SimpleSpelling", "SpellingBee"]
+    assert mid["step"] == 3 and math.isfinite(mid["val_bpb"])
+    mid_model, _, mid_meta = load_model("mid", "cpu", "eval")
+    assert mid_meta["step"] == 3 and mid_meta["model_config"] == vars(base_model.config)
+    assert changed(params(base_model), params(mid_model))
+
+    sft = chat_sft.main(["--device_type=cpu", "--device_batch_size=2", "--target_examples_per_step=4",
+                         "--num_iterations=2", "--eval_every=2", "--eval_steps=2", "--eval_metrics_every=2",
+                         "--eval_metrics_max_problems=4"])
+    out = capsys.readouterr().out
+    assert "leaving out SmolTalk" in out
+    assert sft["step"] == 2 and math.isfinite(sft["train_loss"]) and math.isfinite(sft["val_loss"])
+    assert set(sft["metrics"]) == {"MMLU", "ARC-Easy"}  # categorical eval via scripts.chat_eval
+    assert all(0.0 <= v <= 1.0 for v in sft["metrics"].values())
+    sft_model, _, sft_meta = load_model("sft", "cpu", "eval")
+    assert sft_meta["source"]["phase"] == "mid" and sft_meta["val_loss"] == sft["val_loss"]
+    assert changed(params(mid_model), params(sft_model))
+
+    rl = chat_rl.main(["--device_type=cpu", "--num_samples=2", "--device_batch_size=2", "--examples_per_step=2",
+                       "--max_new_tokens=8", "--num_iterations=2", "--eval_every=2", "--eval_examples=2",
+                       "--save_every=-1"])
+    out = capsys.readouterr().out
+    assert "pass@1" in out and "pass@2" in out
+    assert rl["step"] == 2 and len(rl["rewards"]) == 2 and all(0.0 <= r <= 1.0 for r in rl["rewards"])
+    assert len(rl["pass_at_k"]) == 2 and rl["pass_at_k"][0] <= rl["pass_at_k"][1]
+    _, _, rl_meta = load_model("rl", "cpu", "eval")
+    assert rl_meta["step"] == 2 and rl_meta["source"]["phase"] == "sft"
+
+    report_dir = chat_env / "report"
+    for name in ("midtraining.md", "chat-sft.md", "chat-rl.md", "curve-midtraining-loss.json",
+                 "curve-chat-sft-loss.json", "curve-chat-rl-mean-reward.json"):
+        assert (report_dir / name).exists(), name
+
+
+def test_missing_checkpoint_names_the_command(chat_env):
+    from scripts import chat_rl, chat_sft
+
+    with pytest.raises(FileNotFoundError, match=r"python -m scripts\.mid_train"):
+        chat_sft.main(["--device_type=cpu"])
+    with pytest.raises(FileNotFoundError, match=r"python -m scripts\.chat_sft"):
+        chat_rl.main(["--device_type=cpu"])
+
+
+def test_mid_one_epoch_mode_stops_after_one_pass(chat_env, monkeypatch, capsys):
+    """--num_iterations=-1: train until the packed stream has used every conversation of the mixture once."""
+    from nanochat.tokenizer import get_tokenizer
+    from scripts import mid_train
+    from tasks.customjson import CustomJSON
+
+    path = str(SHARED_DATA / "sft" / "identity_conversations.jsonl")
+    monkeypatch.setattr(mid_train, "train_tasks", lambda: [("identity (first 6)", lambda: CustomJSON(filepath=path, stop=6))])
+    mixture = mid_train.build_mixture(mid_train.train_tasks(), "check")[0]
+    tok = get_tokenizer()
+    total = sum(len(tok.render_conversation(mixture[i])[0]) for i in range(len(mixture)))
+    BT = 2 * 64
+    out = mid_train.main(["--device_type=cpu", "--max_seq_len=64", "--device_batch_size=2", f"--total_batch_size={BT}",
+                          "--num_iterations=-1", "--eval_every=-1"])
+    # step s reads tokens up to s*BT (+1 for the last target): the first step that needs more than one pass is the last
+    assert out["step"] == (total - 1) // BT + 1
+    assert out["val_bpb"] is None  # evaluation was turned off
+    _, _, meta = load_model("mid", "cpu", "eval")
+    assert meta["step"] == out["step"]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_sft_and_rl_two_ranks_match_one_process(chat_env, capsys):
+    """Examples are split over ranks: 2 ranks x 1 conversation == 1 process x 2 accumulated, step for step (SFT);
+    2 ranks x 1 question == 1 process x 2 questions, same samples (RL)."""
+    import re
+    import shutil
+
+    from conftest import run_torchrun, subprocess_env
+    from nanochat.checkpoint_manager import load_checkpoint
+    from scripts import chat_rl, chat_sft
+
+    def sft_args(tag, eval_steps):
+        return ["--source=base", "--device_type=cpu", "--device_batch_size=1", "--target_examples_per_step=2",
+                "--num_iterations=3", "--eval_every=3", f"--eval_steps={eval_steps}", "--eval_metrics_every=3",
+                "--eval_metrics_max_problems=4", f"--model_tag={tag}"]
+
+    for tag in ("one", "two"):  # --model_tag names the input checkpoint and the output one (as nanochat)
+        shutil.copytree(chat_env / "base_checkpoints" / "d1", chat_env / "base_checkpoints" / tag)
+    # validation: the single process reads 2 batches of 1 row, each of the 2 ranks 1 batch: the same rows
+    single = chat_sft.main(sft_args("one", 2))
+    single_text = capsys.readouterr().out
+    p = run_torchrun(["-m", "scripts.chat_sft", *sft_args("two", 1)], env=subprocess_env(chat_env))
+    losses = lambda text: [float(x) for x in re.findall(r"\| loss: ([0-9.]+)", text)]  # noqa: E731
+    assert single["step"] == 3 and len(losses(single_text)) == 3
+    assert losses(p.stdout) == pytest.approx(losses(single_text), abs=1e-5)
+    val = lambda text: re.findall(r"validation loss: ([0-9.]+)", text)  # noqa: E731
+    acc = lambda text: re.findall(r"MMLU acc: ([0-9.]+) \| ARC-Easy acc: ([0-9.]+)", text)  # noqa: E731
+    assert len(val(single_text)) == 2 and val(p.stdout) == val(single_text)
+    assert len(acc(single_text)) == 2 and acc(p.stdout) == acc(single_text)
+    root = chat_env / "chatsft_checkpoints"
+    a, _, _ = load_checkpoint(str(root / "one"), 3, "cpu")
+    b, _, _ = load_checkpoint(str(root / "two"), 3, "cpu")
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+    rl_args = ["--device_type=cpu", "--model_tag=one", "--num_samples=2", "--device_batch_size=2",
+               "--examples_per_step=2", "--max_new_tokens=12", "--num_iterations=2", "--eval_every=2",
+               "--eval_examples=2", "--save_every=-1"]
+    chat_rl.main(rl_args)
+    single_text = capsys.readouterr().out
+    p = run_torchrun(["-m", "scripts.chat_rl", *rl_args], env=subprocess_env(chat_env))
+    stats = lambda text: re.findall(r"mean reward: ([0-9.]+) \| mean sequence length: ([0-9.]+)", text)  # noqa: E731
+    passk = lambda text: re.findall(r"pass@1: [0-9.]+ \| pass@2: [0-9.]+", text)  # noqa: E731
+    assert len(stats(single_text)) == 2 and stats(p.stdout) == stats(single_text)
+    assert len(passk(single_text)) == 2 and passk(p.stdout) == passk(single_text)

@@ -22,6 +22,13 @@ fi
 BASE_STEPS="${RUNCPU_BASE_STEPS:-400}"
 log() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
 
+# Offline (no route to the Hugging Face hub): tell the datasets/hub libraries up front, so every task falls back to
+# $NANOCHAT_DATA_DIR at once instead of retrying network calls.
+if ! python3 -c "import urllib.request; urllib.request.urlopen('https://huggingface.co', timeout=5)" >/dev/null 2>&1; then
+    echo "No network access to huggingface.co: running offline (local data from ${NANOCHAT_DATA_DIR:-nowhere})"
+    export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+fi
+
 # ---------------------------------------------------------------- environment
 VENV="${NANOCHAT_VENV:-.venv}"
 if [ ! -x "$VENV/bin/python" ]; then

@@ -319,6 +319,22 @@ def batch_arithmetic(total_batch_size, device_batch_size, max_seq_len, world_siz
     return total_batch_size // tokens_per_fwdbwd, tokens_per_fwdbwd
 
 
+# On CPU the default eval sizes mean hours of evaluation before the first training step.
+CPU_EVAL_STEPS = 4
+
+
+def eval_steps_for(eval_tokens, default_eval_tokens, tokens_per_fwdbwd, device_type, enabled=True):
+    """Batches per bpb evaluation; on CPU a default that would take long is cut to CPU_EVAL_STEPS with a note."""
+    if not enabled:
+        return 0
+    steps = max(1, eval_tokens // tokens_per_fwdbwd)
+    if device_type == "cpu" and eval_tokens == default_eval_tokens and steps > CPU_EVAL_STEPS:
+        print0(f"Note: on CPU the default --eval_tokens={default_eval_tokens} would take {steps} eval batches; "
+               f"using {CPU_EVAL_STEPS}. Set --eval_tokens explicitly to override.")
+        steps = CPU_EVAL_STEPS
+    return steps
+
+
 def assert_finite(loss, step):
     if not math.isfinite(loss):
         raise FloatingPointError(f"loss became {loss} at step {step}: lower the learning rates or check the data")

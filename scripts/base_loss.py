@@ -12,6 +12,7 @@ from nanochat.common import compute_cleanup, compute_init, print0
 from nanochat.configurator import parse_flags_or_exit
 from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.loss_eval import evaluate_bpb
+from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes
 from nanochat.training import autocast_ctx, resolve_dtype
 
@@ -64,12 +65,7 @@ def main(argv=None):
             text = prompt + tokenizer.decode(out)
             samples.append(text)
             print0(repr(text))
-        try:
-            from nanochat.report import get_report
-
-            get_report().log(section="Base model loss", data=[results, {"samples": samples}])
-        except ImportError:
-            pass
+        get_report().log(section="Base model loss", data=[results, {"samples": samples}])
     compute_cleanup()
     return results
 

@@ -20,6 +20,7 @@ from nanochat.configurator import parse_flags_or_exit
 from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.gpt import config_for_depth
 from nanochat.loss_eval import evaluate_bpb
+from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat import training as T
 
@@ -65,10 +66,6 @@ DEFAULTS = dict(
     data_world_size=1,  # single process only: read data as W ranks would, to reproduce a W-rank run exactly
     seed=42,
 )
-
-# On CPU some defaults mean hours of work before the first training step; scale them down unless set explicitly.
-CPU_EVAL_STEPS = 4
-
 
 def main(argv=None):
     config = parse_flags_or_exit(DEFAULTS, argv, description=__doc__)
@@ -118,11 +115,19 @@ def main(argv=None):
            f"(tokens:params = {num_iterations * total_batch / num_params:.2f}), "
            f"{flops_per_token * num_iterations * total_batch:.3e} FLOPs")
 
-    eval_steps = max(1, config["eval_tokens"] // tokens_per_fwdbwd) if config["eval_every"] > 0 else 0
-    if device_type == "cpu" and config["eval_tokens"] == DEFAULTS["eval_tokens"] and eval_steps > CPU_EVAL_STEPS:
-        print0(f"Note: on CPU the default --eval_tokens={DEFAULTS['eval_tokens']} would take {eval_steps} eval batches; "
-               f"using {CPU_EVAL_STEPS}. Set --eval_tokens explicitly to override.")
-        eval_steps = CPU_EVAL_STEPS
+    eval_steps = T.eval_steps_for(config["eval_tokens"], DEFAULTS["eval_tokens"], tokens_per_fwdbwd, device_type,
+                                  enabled=config["eval_every"] > 0)
+
+    # CORE needs the eval bundle: find (or download) it now, not hours into training
+    core_bundle = None
+    if config["core_metric_every"] > 0:
+        from nanochat.core_eval import get_bundle_dir
+
+        try:
+            core_bundle = get_bundle_dir()
+        except FileNotFoundError as e:
+            print0(f"Note: CORE evaluation turned off (--core_metric_every=-1): {e}")
+            config["core_metric_every"] = -1
 
     # optimizers
     optimizers = T.setup_optimizers(
@@ -209,7 +214,8 @@ def main(argv=None):
 
             orig_model.eval()
             with autocast():
-                out = evaluate_model(orig_model, tokenizer, device, max_per_task=config["core_metric_max_per_task"])
+                out = evaluate_model(orig_model, tokenizer, device, max_per_task=config["core_metric_max_per_task"],
+                                     bundle_dir=core_bundle)
             orig_model.train()
             core_metric = out.get("core_metric")
             print0(f"step {step:05d} | CORE: {core_metric:.4f}" + (" (partial)" if out.get("partial") else ""))
@@ -240,26 +246,22 @@ def main(argv=None):
 
     # ---------------------------------------------------------------- wrap up
     if master:
-        print0(f"Peak memory: {torch.cuda.max_memory_allocated() / 1024**2:.0f} MiB" if device_type == "cuda" else "")
+        if device_type == "cuda":
+            print0(f"Peak memory: {torch.cuda.max_memory_allocated() / 1024**2:.0f} MiB")
         print0(f"Total training time: {T.format_duration(meter.total_time)} | min val bpb: {min_val_bpb:.4f}")
-        try:
-            from nanochat.report import get_report
-
-            report = get_report()
-            if curve_loss:
-                report.log_curve("Base training loss", *zip(*curve_loss), ylabel="loss (EMA)")
-            if curve_bpb:
-                report.log_curve("Base validation bpb", *zip(*curve_bpb), ylabel="bits per byte")
-            report.log(section="Base model training", data=[
-                user_config,
-                {"Number of parameters": num_params, "FLOPs per token": f"{flops_per_token:e}",
-                 "Calculated number of iterations": num_iterations, "Tokens per step": total_batch,
-                 "Number of training tokens": num_iterations * total_batch, "DDP world size": world_size},
-                {"Minimum validation bpb": min_val_bpb, "Final validation bpb": val_bpb, "CORE metric": core_metric,
-                 "Total training time": T.format_duration(meter.total_time)},
-            ])
-        except ImportError:
-            pass
+        report = get_report()
+        if curve_loss:
+            report.log_curve("Base training loss", *zip(*curve_loss), ylabel="loss (EMA)")
+        if curve_bpb:
+            report.log_curve("Base validation bpb", *zip(*curve_bpb), ylabel="bits per byte")
+        report.log(section="Base model training", data=[
+            user_config,
+            {"Number of parameters": num_params, "FLOPs per token": f"{flops_per_token:e}",
+             "Calculated number of iterations": num_iterations, "Tokens per step": total_batch,
+             "Number of training tokens": num_iterations * total_batch, "DDP world size": world_size},
+            {"Minimum validation bpb": min_val_bpb, "Final validation bpb": val_bpb, "CORE metric": core_metric,
+             "Total training time": T.format_duration(meter.total_time)},
+        ])
     wandb_run.finish()
     compute_cleanup()
     return {"val_bpb": val_bpb, "min_val_bpb": min_val_bpb, "num_iterations": num_iterations, "step": step}

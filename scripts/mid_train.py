@@ -57,7 +57,6 @@ DEFAULTS = dict(
 )
 
 # On CPU the default --eval_tokens means hours of evaluation; scale it down unless set explicitly (as base_train).
-CPU_EVAL_STEPS = 4
 WARMDOWN_RATIO = 0.2  # the last 20% of the run decays the LR linearly to 0
 
 
@@ -126,11 +125,8 @@ def main(argv=None):
     grad_accum, tokens_per_fwdbwd = T.batch_arithmetic(config["total_batch_size"], B, Tlen, world_size)
     total_batch = tokens_per_fwdbwd * grad_accum
     print0(f"Batch: {B} x {Tlen} x {world_size} rank(s) x {grad_accum} accumulation = {total_batch:,} tokens/step")
-    eval_steps = max(1, config["eval_tokens"] // tokens_per_fwdbwd) if config["eval_every"] > 0 else 0
-    if device_type == "cpu" and config["eval_tokens"] == DEFAULTS["eval_tokens"] and eval_steps > CPU_EVAL_STEPS:
-        print0(f"Note: on CPU the default --eval_tokens would take {eval_steps} eval batches; using {CPU_EVAL_STEPS}. "
-               f"Set --eval_tokens explicitly to override.")
-        eval_steps = CPU_EVAL_STEPS
+    eval_steps = T.eval_steps_for(config["eval_tokens"], DEFAULTS["eval_tokens"], tokens_per_fwdbwd, device_type,
+                                  enabled=config["eval_every"] > 0)
 
     optimizers = T.setup_optimizers(
         orig_model, use_fsdp=config["use_fsdp"], unembedding_lr=config["unembedding_lr"],

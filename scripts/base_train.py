@@ -221,7 +221,7 @@ def main(argv=None):
             print0(f"step {step:05d} | CORE: {core_metric:.4f}" + (" (partial)" if out.get("partial") else ""))
             wandb_run.log({"step": step, "core_metric": core_metric})
 
-        if T.every(step, config["sample_every"], last_step) and (master or config["use_fsdp"]):
+        if step > 0 and T.every(step, config["sample_every"], last_step) and (master or config["use_fsdp"]):
             sample()  # under FSDP every rank runs the forward (the all-gathers are collective); rank 0 prints
 
         if step > start_step and (T.every(step, config["save_every"], last_step, at_last=False) or last_step):

@@ -1,0 +1,172 @@
+"""
+Training throughput of one model config: tokens/s and MFU of full optimisation steps (forward + backward +
+grad clip + optimizer step), timed after warmup, on synthetic tokens (no data or tokenizer needed).
+
+    python -m bench.train_bench --depth=4 --max_seq_len=256 --device_batch_size=8 --device_type=cpu
+    python -m bench.train_bench --depth=20 --max_seq_len=2048 --device_batch_size=32 --attn=sdpa,fa3   # one H100
+
+It builds the model and optimizers exactly as scripts.base_train does (nanochat.training), so the figures are the
+training loop's. MFU = estimate_flops() per token x tokens/s / peak bf16 FLOPS of the GPU (nanochat.common's
+table, matched by device name); there is no MFU on CPU. `--attn` takes a comma list to compare backends in one run;
+each result is printed as a markdown table row plus one JSON line.
+"""
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from nanochat import training as T  # noqa: E402
+from nanochat.common import autodetect_device_type, peak_flops_for  # noqa: E402
+from nanochat.configurator import parse_flags_or_exit  # noqa: E402
+from nanochat.gpt import config_for_depth  # noqa: E402
+
+DEFAULTS = dict(
+    depth=4,
+    max_seq_len=256,
+    device_batch_size=8,
+    vocab_size=65536,  # nanochat's tokenizer size (2**16)
+    steps=10,  # timed steps
+    warmup=3,  # untimed steps first (compilation, allocator, optimizer state)
+    compile=True,  # torch.compile (CUDA only, as base_train; ignored elsewhere)
+    attn="auto",  # auto | sdpa | fa3, or a comma list such as sdpa,fa3
+    dtype="auto",  # auto (bf16 autocast on CUDA, fp32 elsewhere) | bfloat16 | float32
+    device_type="",  # cuda | cpu | mps; empty = autodetect
+    init="normal",
+    use_muon=True,
+    grad_clip=1.0,
+    threads=0,  # CPU threads for torch (0 = torch's default)
+    seed=42,
+)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def bench_one(cfg, attn, device):
+    device_type = device.type
+    torch.manual_seed(cfg["seed"])
+    dtype = T.resolve_dtype(cfg["dtype"], device_type)
+    model_config = config_for_depth(cfg["depth"], cfg["vocab_size"], cfg["max_seq_len"])
+    model = T.build_model(model_config, device, cfg["init"], attn)
+    orig_model = model
+    compiled = bool(cfg["compile"]) and device_type == "cuda"
+    if compiled:
+        model = torch.compile(model, dynamic=False)
+    optimizers = T.setup_optimizers(orig_model, use_muon=cfg["use_muon"])
+    autocast = lambda: T.autocast_ctx(device_type, dtype)  # noqa: E731
+
+    B, L = cfg["device_batch_size"], cfg["max_seq_len"]
+    g = torch.Generator().manual_seed(cfg["seed"])
+    # a few batches made up front so host-side data work is not part of the timing
+    batches = [torch.randint(0, cfg["vocab_size"], (B, L + 1), generator=g).to(device) for _ in range(4)]
+    it = iter(range(10**9))
+
+    def next_batch():
+        b = batches[next(it) % len(batches)]
+        return b[:, :-1], b[:, 1:]
+
+    if device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, losses = [], []
+    for step in range(cfg["warmup"] + cfg["steps"]):
+        sync(device)
+        t0 = time.perf_counter()
+        loss, _, _ = T.train_step(model, optimizers, next_batch, 1, cfg["grad_clip"], autocast)  # .item() syncs too
+        sync(device)
+        dt = time.perf_counter() - t0
+        losses.append(loss)
+        if step >= cfg["warmup"]:
+            times.append(dt)
+
+    flops_per_token = orig_model.estimate_flops()
+    tokens = B * L
+    dt_med = statistics.median(times)
+    tok_s = tokens / dt_med
+    peak = peak_flops_for(device)
+    mfu = 100 * flops_per_token * tok_s / peak if peak else None
+    return {
+        "device": torch.cuda.get_device_name(device) if device_type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+        "depth": cfg["depth"],
+        "params": orig_model.num_params(),
+        "seq_len": L,
+        "batch": B,
+        "dtype": str(dtype).removeprefix("torch."),
+        "compile": compiled,
+        "attn": orig_model.attn_backend,
+        "optimizer": "AdamW+Muon" if cfg["use_muon"] else "AdamW",
+        "step_ms_median": 1000 * dt_med,
+        "step_ms_mean": 1000 * statistics.mean(times),
+        "step_ms_min": 1000 * min(times),
+        "tok_per_s": tok_s,
+        "flops_per_token": flops_per_token,
+        "achieved_tflops": flops_per_token * tok_s / 1e12,
+        "mfu_pct": mfu,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device_type == "cuda" else None,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
+
+
+HEADER = (
+    "| device | model | B x T | dtype | compile | attn | optimizer | step (ms, median) | tok/s | TFLOP/s | MFU |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def markdown_row(r):
+    mfu = f"{r['mfu_pct']:.1f}%" if r["mfu_pct"] is not None else "n/a"
+    return (
+        f"| {r['device']} | d{r['depth']} ({r['params'] / 1e6:.1f}M) | {r['batch']} x {r['seq_len']} | {r['dtype']} | "
+        f"{'yes' if r['compile'] else 'no'} | {r['attn']} | {r['optimizer']} | {r['step_ms_median']:.1f} | "
+        f"{r['tok_per_s']:,.0f} | {r['achieved_tflops']:.3g} | {mfu} |"
+    )
+
+
+def main(argv=None):
+    cfg = parse_flags_or_exit(DEFAULTS, argv, description=__doc__)
+    if cfg["steps"] < 1 or cfg["warmup"] < 0:
+        print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
+        sys.exit(2)
+    if cfg["threads"] > 0:
+        torch.set_num_threads(cfg["threads"])
+    device_type = cfg["device_type"] or autodetect_device_type()
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            print("error: --device_type=cuda but torch sees no CUDA device; use --device_type=cpu", file=sys.stderr)
+            sys.exit(2)
+        # the same matmul settings as training (compute_init)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")
+    device = torch.device(device_type)
+    attns = [a.strip() for a in cfg["attn"].split(",") if a.strip()]
+    results = []
+    for attn in attns:
+        try:
+            results.append(bench_one(cfg, attn, device))
+        except (RuntimeError, ValueError) as e:
+            if len(attns) == 1:
+                print(f"error: {e}", file=sys.stderr)
+                sys.exit(1)
+            print(f"attn={attn}: skipped ({e})", file=sys.stderr)
+    print(HEADER)
+    for r in results:
+        print(markdown_row(r))
+    for r in results:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,397 @@
+"""
+The GPT model, laid out like nanochat's so its checkpoints load and give the same logits.
+
+Notable features:
+- rotary position embeddings (no learned positional embedding)
+- QK norm (parameter-free RMSNorm of queries and keys after rotary)
+- untied token embedding and lm_head; vocab padded to a multiple of 64 (logits sliced back)
+- ReLU^2 MLP, no biases anywhere, parameter-free RMSNorm
+- grouped-query attention (n_kv_head <= n_head)
+- logit softcap 15*tanh(logits/15), computed in fp32
+- attention through PyTorch SDPA or FlashAttention-3 (Hopper), KV-cache aware for inference
+
+Parameters stay fp32; on CUDA the training loop runs the forward under bf16 autocast. That keeps one
+code path for single GPU, DDP and FSDP (which all want fp32 master weights).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    # Exactly these fields: the dataclass is saved as `model_config` in checkpoint meta json (nanochat's names).
+    sequence_len: int = 1024
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 6  # number of query heads
+    n_kv_head: int = 6  # number of key/value heads (GQA when < n_head)
+    n_embd: int = 768
+
+
+def config_for_depth(depth, vocab_size, sequence_len):
+    """nanochat's depth -> shape rule: width 64*depth, head dim 128 (fewer heads at small widths)."""
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    n_embd = 64 * depth
+    n_head = max(1, math.ceil(n_embd / 128))
+    if n_embd % n_head != 0:
+        ok = [d for d in range(max(1, depth - 3), depth + 4) if (64 * d) % max(1, math.ceil(64 * d / 128)) == 0]
+        raise ValueError(
+            f"--depth={depth} gives n_embd={n_embd} which does not split into {n_head} heads; "
+            f"pick a depth such as {', '.join(map(str, ok))}"
+        )
+    return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head, n_kv_head=n_head, n_embd=n_embd)
+
+
+def _validate_config(c):
+    if c.vocab_size < 1 or c.sequence_len < 1 or c.n_layer < 1 or c.n_head < 1 or c.n_kv_head < 1 or c.n_embd < 1:
+        raise ValueError(f"every GPTConfig field must be >= 1, got {c}")
+    if c.n_embd % c.n_head != 0:
+        raise ValueError(f"n_embd={c.n_embd} must be divisible by n_head={c.n_head}")
+    if (c.n_embd // c.n_head) % 2 != 0:
+        raise ValueError(f"head dim n_embd/n_head={c.n_embd // c.n_head} must be even for rotary embeddings")
+    if c.n_kv_head > c.n_head or c.n_head % c.n_kv_head != 0:
+        raise ValueError(f"n_kv_head={c.n_kv_head} must divide n_head={c.n_head} (and be <= it) for grouped-query attention")
+
+
+def norm(x):
+    # Parameter-free RMSNorm (no learnable gain), as nanochat.
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def apply_rotary_emb(x, cos, sin):
+    # x: (B, T, H, D); cos/sin: (1, T, 1, D/2). The head dim is split in halves (not interleaved pairs).
+    d = x.shape[3] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    y1 = x1 * cos + x2 * sin
+    y2 = x1 * (-sin) + x2 * cos
+    return torch.cat([y1, y2], dim=3).to(x.dtype)
+
+
+# -----------------------------------------------------------------------------
+# Attention backends
+
+
+_FA3_FUNC = None  # cached flash_attn_func once found
+_FA3_ERROR = None  # why it could not be loaded (for the error message)
+
+
+def _load_fa3():
+    """Return FlashAttention-3's flash_attn_func or None (reason kept in _FA3_ERROR)."""
+    global _FA3_FUNC, _FA3_ERROR
+    if _FA3_FUNC is not None:
+        return _FA3_FUNC
+    reasons = []
+    try:
+        from flash_attn_interface import flash_attn_func  # the FA3 "hopper" build
+
+        _FA3_FUNC = flash_attn_func
+        return _FA3_FUNC
+    except Exception as e:  # ImportError, or a broken build raising at import
+        reasons.append(f"flash_attn_interface: {type(e).__name__}: {e}")
+    try:
+        from kernels import get_kernel  # Hugging Face `kernels` package: prebuilt FA3 from the Hub
+
+        mod = get_kernel("kernels-community/flash-attn3")
+        _FA3_FUNC = getattr(mod, "flash_attn_func", None) or mod.flash_attn_interface.flash_attn_func
+        return _FA3_FUNC
+    except Exception as e:
+        reasons.append(f"kernels: {type(e).__name__}: {e}")
+    _FA3_ERROR = "; ".join(reasons)
+    return None
+
+
+def _cuda_is_hopper(device=None):
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def resolve_attn_backend(attn, device_type):
+    """'auto' -> 'fa3' on a Hopper GPU with FA3 installed, else 'sdpa'. 'fa3' when impossible -> clear error."""
+    if attn not in ("auto", "sdpa", "fa3"):
+        raise ValueError(f"attn must be one of auto|sdpa|fa3, got {attn!r}")
+    if attn == "sdpa":
+        return "sdpa"
+    if device_type != "cuda" or not _cuda_is_hopper():
+        if attn == "fa3":
+            where = "a non-CUDA device" if device_type != "cuda" else f"a GPU of compute capability {torch.cuda.get_device_capability()}"
+            raise RuntimeError(f"attn='fa3' needs a Hopper GPU (compute capability 9.x), but the model is on {where}; use --attn=sdpa")
+        return "sdpa"
+    if _load_fa3() is None:
+        if attn == "fa3":
+            raise RuntimeError(
+                "attn='fa3' but FlashAttention-3 could not be loaded (install the FA3 hopper build providing "
+                f"`flash_attn_interface`, or `pip install kernels`); details: {_FA3_ERROR}. Or use --attn=sdpa"
+            )
+        return "sdpa"
+    return "fa3"
+
+
+# -----------------------------------------------------------------------------
+# Model
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head
+        self.n_embd = config.n_embd
+        self.head_dim = config.n_embd // config.n_head
+        self.c_q = nn.Linear(self.n_embd, self.n_head * self.head_dim, bias=False)
+        self.c_k = nn.Linear(self.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.c_v = nn.Linear(self.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.c_proj = nn.Linear(self.n_embd, self.n_embd, bias=False)
+
+    def forward(self, x, cos_sin, kv_cache, backend):
+        B, T, C = x.size()
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        cos, sin = cos_sin
+        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        q, k = norm(q), norm(k)  # QK norm, after rotary as nanochat
+
+        if backend == "fa3" and kv_cache is None:
+            # FA3 takes (B, T, H, D) directly and handles GQA itself; it only runs in half precision.
+            dtype = q.dtype
+            half = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+            y = _FA3_FUNC(q.to(half), k.to(half), v.to(half), causal=True)  # loaded when the backend was resolved
+            if isinstance(y, tuple):  # some FA3 builds return (out, softmax_lse)
+                y = y[0]
+            y = y.to(dtype).contiguous().view(B, T, -1)
+            return self.c_proj(y)
+
+        # SDPA wants (B, H, T, D)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if kv_cache is not None:
+            k, v = kv_cache.insert_kv(self.layer_idx, k, v)
+        Tq, Tk = q.size(2), k.size(2)
+        gqa = self.n_kv_head != self.n_head
+        if kv_cache is None or Tq == Tk:
+            # training, or a prefill into an empty cache: plain causal attention
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif Tq == 1:
+            # one new token attends to everything cached so far
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=gqa)
+        else:
+            # a chunk after a cached prefix: all of the prefix, causal within the chunk
+            prefix = Tk - Tq
+            mask = torch.ones((Tq, Tk), dtype=torch.bool, device=q.device).tril(diagonal=prefix)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos_sin, kv_cache, backend):
+        x = x + self.attn(norm(x), cos_sin, kv_cache, backend)
+        x = x + self.mlp(norm(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config, attn="auto"):
+        """Builds the modules only (no data-dependent ops), so it works under `with torch.device("meta")`.
+        Call init_weights() afterwards (after to_empty() when built on meta)."""
+        super().__init__()
+        _validate_config(config)
+        self.config = config
+        self.attn = attn
+        # Resolved again in init_weights() once the real device is known (the model is often built on meta).
+        default_type = torch.get_default_device().type
+        self.attn_backend = resolve_attn_backend(attn, "cuda" if default_type in ("cuda", "meta") and torch.cuda.is_available() else default_type)
+        # Pad the vocab to a multiple of 64 for efficient matmuls; the extra rows are never targets.
+        self.padded_vocab_size = ((config.vocab_size + 63) // 64) * 64
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(self.padded_vocab_size, config.n_embd),
+                "h": nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            }
+        )
+        self.lm_head = nn.Linear(config.n_embd, self.padded_vocab_size, bias=False)
+        # Rotary table for 10x the training length so generation can run past sequence_len.
+        self.rotary_seq_len = config.sequence_len * 10
+        cos, sin = self._precompute_rotary_embeddings(self.rotary_seq_len, config.n_embd // config.n_head)
+        # Non-persistent: derived data, not part of the checkpoint (nanochat's state dict has no rotary keys).
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _precompute_rotary_embeddings(self, seq_len, head_dim, base=10000, device=None):
+        if device is None:
+            device = self.transformer.wte.weight.device
+        channel_range = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
+        inv_freq = 1.0 / (base ** (channel_range / head_dim))
+        t = torch.arange(seq_len, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq)
+        cos, sin = freqs.cos(), freqs.sin()
+        if device.type == "cuda":
+            # bf16 tables on CUDA, as nanochat (its logits depend on this rounding)
+            cos, sin = cos.bfloat16(), sin.bfloat16()
+        return cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, D/2) broadcasts over (B, T, H, D/2)
+
+    @torch.no_grad()
+    def init_weights(self, scheme="normal"):
+        """Initialise every parameter in place and recompute the rotary tables on the model's device.
+        'normal': arXiv 2310.17813 (N(0, 1/sqrt(fan_in) * min(1, sqrt(fan_out/fan_in)))), lm_head and c_proj zero.
+        'nanochat': uniform +-sqrt(3)/sqrt(n_embd) for q/k/v/c_fc, c_proj zero, lm_head N(0, 0.001)."""
+        if scheme not in ("normal", "nanochat"):
+            raise ValueError(f"init scheme must be 'normal' or 'nanochat', got {scheme!r}")
+        torch.nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=1.0)
+        zero = [self.lm_head.weight] if scheme == "normal" else []
+        for block in self.transformer.h:
+            zero += [block.attn.c_proj.weight, block.mlp.c_proj.weight]
+        for w in zero:
+            torch.nn.init.zeros_(w)
+        if scheme == "nanochat":
+            torch.nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
+        for block in self.transformer.h:
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                if scheme == "normal":
+                    fan_out, fan_in = lin.weight.shape
+                    std = 1.0 / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in))
+                    torch.nn.init.normal_(lin.weight, mean=0.0, std=std)
+                else:
+                    s = math.sqrt(3) / math.sqrt(self.config.n_embd)
+                    torch.nn.init.uniform_(lin.weight, -s, s)
+        device = self.get_device()
+        cos, sin = self._precompute_rotary_embeddings(self.rotary_seq_len, self.config.n_embd // self.config.n_head, device=device)
+        self.cos, self.sin = cos, sin
+        if self.attn == "auto":
+            self.attn_backend = resolve_attn_backend("auto", device.type)
+        elif self.attn == "fa3":
+            self.attn_backend = resolve_attn_backend("fa3", device.type)  # raises clearly when not possible
+
+    def get_device(self):
+        return self.transformer.wte.weight.device
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def estimate_flops(self):
+        """FLOPs per token for forward+backward: 6 per matmul weight (embedding lookup excluded) plus attention."""
+        nparams = self.num_params()
+        nparams_embedding = self.transformer.wte.weight.numel()
+        l, h, q, t = self.config.n_layer, self.config.n_head, self.config.n_embd // self.config.n_head, self.config.sequence_len
+        return 6 * (nparams - nparams_embedding) + 12 * l * h * q * t
+
+    def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, use_muon=True):
+        """AdamW for lm_head and wte (LR scaled by (n_embd/768)^-0.5), Muon for the 2-D block matrices
+        (or AdamW for them too with use_muon=False). Returns a list of optimizers; every group has 'initial_lr'."""
+        model_dim = self.config.n_embd
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        matrix_params = list(self.transformer.h.parameters())
+        embedding_params = list(self.transformer.wte.parameters())
+        lm_head_params = list(self.lm_head.parameters())
+        assert len(list(self.parameters())) == len(matrix_params) + len(embedding_params) + len(lm_head_params)
+        for p in matrix_params:
+            if p.dim() != 2:
+                raise ValueError(f"block parameter of shape {tuple(p.shape)} is not a matrix; Muon only takes 2-D parameters")
+        # AdamW's optimal LR shrinks with width; 768 is the width these LRs were tuned at.
+        dmodel_lr_scale = (model_dim / 768) ** -0.5
+        adam_groups = [
+            dict(params=lm_head_params, lr=unembedding_lr * dmodel_lr_scale, weight_decay=weight_decay),
+            dict(params=embedding_params, lr=embedding_lr * dmodel_lr_scale, weight_decay=0.0),
+        ]
+        if not use_muon:
+            adam_groups.append(dict(params=matrix_params, lr=matrix_lr * dmodel_lr_scale, weight_decay=weight_decay))
+        adamw_kwargs = dict(lr=adam_groups[0]["lr"], betas=(0.8, 0.95), eps=1e-10, weight_decay=weight_decay)
+        if distributed:
+            from nanochat.adamw import DistAdamW
+
+            adamw = DistAdamW(adam_groups, **adamw_kwargs)
+        else:
+            fused = self.get_device().type == "cuda"
+            adamw = torch.optim.AdamW(adam_groups, fused=fused, **adamw_kwargs)
+        optimizers = [adamw]
+        if use_muon:
+            from nanochat.muon import DistMuon, Muon  # imported here: muon.py is optional for AdamW-only use
+
+            MuonFactory = DistMuon if distributed else Muon
+            optimizers.append(MuonFactory(matrix_params, lr=matrix_lr, momentum=0.95))
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["initial_lr"] = group["lr"]
+        return optimizers
+
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+        B, T = idx.size()
+        pos = kv_cache.get_pos() if kv_cache is not None else 0
+        if pos + T > self.cos.size(1):
+            raise ValueError(
+                f"sequence of {pos + T} tokens exceeds the rotary table ({self.cos.size(1)} = 10 x sequence_len); "
+                "build the model with a larger sequence_len"
+            )
+        if self.cos.device != idx.device:
+            raise RuntimeError(f"rotary tables are on {self.cos.device} but the input is on {idx.device}; call init_weights() after moving the model")
+        backend = self.attn_backend
+        if backend == "fa3" and not idx.is_cuda:
+            raise RuntimeError("attn_backend 'fa3' needs CUDA inputs; build the model with attn='sdpa' for this device")
+        cos_sin = self.cos[:, pos : pos + T], self.sin[:, pos : pos + T]
+
+        x = norm(self.transformer.wte(idx))
+        for block in self.transformer.h:
+            x = block(x, cos_sin, kv_cache, backend)
+        x = norm(x)
+
+        softcap = 15.0
+        logits = self.lm_head(x)
+        logits = logits[..., : self.config.vocab_size].float()  # drop the padding columns, softcap in fp32
+        logits = softcap * torch.tanh(logits / softcap)
+        if targets is None:
+            return logits
+        if loss_reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none', got {loss_reduction!r}")
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=loss_reduction)
+        if loss_reduction == "none":
+            loss = loss.view(B, T)  # per-token losses, 0 where target == -1
+        return loss
+
+    @torch.inference_mode()
+    def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):
+        """Naive autoregressive sampling (whole context re-run each step, no KV cache). Yields token ids.
+        temperature 0 = greedy."""
+        if not isinstance(tokens, (list, tuple)) or not all(isinstance(t, int) for t in tokens) or not tokens:
+            raise ValueError("generate() takes a non-empty list of int token ids")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        device = self.get_device()
+        rng = None
+        if temperature > 0:
+            rng = torch.Generator(device=device)
+            rng.manual_seed(seed)
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+        for _ in range(max_tokens):
+            ctx = ids[:, -self.rotary_seq_len :]  # the model cannot see further back than its rotary table
+            logits = self.forward(ctx)[:, -1, :]
+            if top_k is not None and top_k > 0:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            if temperature > 0:
+                probs = F.softmax(logits / temperature, dim=-1)
+                next_id = torch.multinomial(probs, num_samples=1, generator=rng)
+            else:
+                next_id = torch.argmax(logits, dim=-1, keepdim=True)
+            ids = torch.cat((ids, next_id), dim=1)
+            yield next_id.item()

@@ -1,0 +1,142 @@
+"""
+DistAdamW: AdamW with ZeRO-2 sharding, for the DDP path (no DDP wrapper: every rank holds the full parameters and
+its own local gradients, and this optimizer does the gradient averaging).
+
+Per parameter of dim-0 size D on W ranks, with chunk = ceil(D / W):
+  1. reduce-scatter (AVG) the gradient along dim 0: rank r receives the averaged rows [r*chunk, (r+1)*chunk).
+     When D is not a multiple of W the gradient is zero-padded to W*chunk rows first (the last ranks own fewer,
+     possibly zero, real rows).
+  2. AdamW on the local rows only, with fp32 moment estimates (the optimizer state is 1/W of the full state:
+     `state_dict()` is per rank, one file per rank, loadable only by the same rank of the same world size).
+  3. all-gather the updated rows back into the full parameter on every rank.
+Communication per step = one reduce-scatter + one all-gather of every parameter, the same volume as DDP's
+all-reduce, while the optimizer state and its compute are split W ways. All reduce-scatters are launched before the
+first update and every all-gather right after its update, so communication overlaps the AdamW math.
+
+The math is torch.optim.AdamW's (decoupled weight decay p *= 1 - lr*wd, bias-corrected moments), so one process
+with the averaged gradient gives the same parameters within float tolerance. Optional per-parameter attributes
+`p.lr_mul` and `p.wd_mul` multiply the group's lr and weight decay for that parameter.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from nanochat.muon import _check_dist_state, _dist_world
+
+
+@torch.no_grad()
+def adamw_update_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float):
+    """
+    One AdamW step in place on `p` (any dtype) with fp32 `grad`, `exp_avg`, `exp_avg_sq`; `step` counts from 1.
+    Same operation order as torch.optim.AdamW's single-tensor path, so results agree to float rounding.
+    """
+    p32 = p.float() if p.dtype != torch.float32 else p
+    if weight_decay != 0:
+        p32.mul_(1 - lr * weight_decay)  # decoupled: shrinks the weight, not added to the gradient
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    denom = (exp_avg_sq.sqrt() / (bias_correction2**0.5)).add_(eps)
+    p32.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+    if p32 is not p:
+        p.copy_(p32)
+
+
+class DistAdamW(torch.optim.Optimizer):
+    """
+    ZeRO-2 AdamW (see the module docstring). `param_groups` as for torch.optim.AdamW (list of tensors or of dicts).
+    Every parameter needs a gradient on every rank, and every rank must build the groups in the same order.
+    """
+
+    def __init__(self, param_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(f"DistAdamW: lr, eps and weight_decay must be >= 0, got lr={lr} eps={eps} weight_decay={weight_decay}")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"DistAdamW: betas must be in [0, 1), got {betas}")
+        self.rank, self.world_size = _dist_world()
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(param_groups, defaults)
+
+    def _rows(self, p):
+        """(chunk, first row I own, number of real rows I own) of p's dim 0."""
+        D = p.size(0)
+        chunk = -(-D // self.world_size)
+        start = min(self.rank * chunk, D)
+        return chunk, start, min(chunk, D - start)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        rank, W = self.rank, self.world_size
+
+        # 1) all reduce-scatters first, so the later ones travel while the first updates compute
+        pending = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    raise RuntimeError(f"DistAdamW: a parameter of shape {tuple(p.shape)} has no gradient on rank {rank}; every rank must backprop through every parameter")
+                if p.ndim == 0:
+                    raise ValueError("DistAdamW shards along dim 0 and cannot take 0-d parameters")
+                chunk, _, _ = self._rows(p)
+                g = p.grad.contiguous()
+                if chunk * W != p.size(0):
+                    pad = g.new_zeros((chunk * W - p.size(0), *g.shape[1:]))
+                    g = torch.cat([g, pad])
+                g_slice = torch.empty((chunk, *g.shape[1:]), dtype=g.dtype, device=g.device)
+                work = dist.reduce_scatter_tensor(g_slice, g, op=dist.ReduceOp.AVG, async_op=True)
+                pending.append((group, p, g_slice, work, g))  # g (maybe a padded copy) kept alive until done
+
+        # 2) AdamW on my rows, then launch the all-gather of the updated rows
+        gathers = []
+        for group, p, g_slice, work, _ in pending:
+            work.wait()  # gloo has no get_future() on reduce-scatter; wait() works everywhere
+            chunk, start, n = self._rows(p)
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros((n, *p.shape[1:]), dtype=torch.float32, device=p.device)
+                state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
+            state["step"] += 1
+            beta1, beta2 = group["betas"]
+            lr = group["lr"] * getattr(p, "lr_mul", 1.0)
+            wd = group["weight_decay"] * getattr(p, "wd_mul", 1.0)
+            p_rows = p[start : start + n]
+            if n > 0:
+                adamw_update_(p_rows, g_slice[:n].float(), state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2, group["eps"], wd)
+            if chunk * W == p.size(0) and p.is_contiguous():
+                # even split: gather straight into the parameter (my rows are already in place)
+                gathers.append((None, p, dist.all_gather_into_tensor(p, p_rows, async_op=True), p_rows))
+            else:
+                send = p.new_zeros((chunk, *p.shape[1:]))
+                send[:n] = p_rows
+                out = p.new_empty((chunk * W, *p.shape[1:]))
+                gathers.append((out, p, dist.all_gather_into_tensor(out, send, async_op=True), send))
+
+        # 3) finish the gathers (padded ones are copied into the parameter without their padding rows)
+        for out, p, work, _ in gathers:
+            work.wait()
+            if out is not None:
+                p.copy_(out[: p.size(0)])
+        return loss
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["dist"] = {"world_size": self.world_size, "rank": self.rank, "kind": "DistAdamW"}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = _check_dist_state(state_dict, "DistAdamW", self.rank, self.world_size)
+        super().load_state_dict(state_dict)
+        # torch casts floating-point state to each parameter's dtype on load; our moments are fp32 by design
+        # (bf16 moments would lose the small second-moment values), so restore the saved fp32 tensors.
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, saved in state_dict["state"].items():
+            p = params[idx]
+            for k, v in saved.items():
+                if torch.is_tensor(v) and v.is_floating_point():
+                    self.state[p][k] = v.to(device=p.device, dtype=torch.float32, copy=True)

@@ -1,0 +1,83 @@
+"""
+FSDPMuon and FSDPAdamW on awkward shapes against Muon and torch AdamW in one process (called from
+gpt_train_check.py --mode=fsdp --synthetic=1, inside torchrun).
+
+The module has matrices whose dim 0 does not split evenly over 2 ranks (5 rows, 9 rows, and 1 row: rank 1 holds an
+empty shard), and shape groups with 3 matrices (not a multiple of the world size). Each rank trains the sharded copy
+on its half of the batch; every rank also trains an unsharded reference on the whole batch (no collectives).
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from nanochat.fsdp import FSDPAdamW, FSDPMuon, apply_fsdp, full_model_state_dict
+from nanochat.muon import Muon
+
+STEPS = 5
+BATCH = 8
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 5, bias=False)  # 5 rows: 3 + 2
+        self.b = nn.Linear(5, 9, bias=False)  # 9 rows: 5 + 4, tall
+        self.c = nn.Linear(9, 6, bias=False)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.relu(self.a(x)))))
+
+
+class Toy(nn.Module):
+    """Three layers (3 matrices per shape group) + an 'embedding' of 5 rows and a 1-row head."""
+
+    def __init__(self):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(h=nn.ModuleList([Layer() for _ in range(3)])))
+        self.inp = nn.Linear(6, 5, bias=False).weight  # (5, 6): AdamW, uneven
+        self.head = nn.Linear(6, 1, bias=False)  # (1, 6): AdamW, rank 1 holds no rows
+
+    def get_device(self):
+        return self.head.weight.device
+
+    def forward(self, x):
+        x = x + 0.1 * torch.tanh(x @ self.inp.T).sum(-1, keepdim=True)
+        for layer in self.transformer.h:
+            x = x + layer(x)
+        return self.head(x).pow(2).mean()
+
+
+def build():
+    torch.manual_seed(0)
+    return Toy()
+
+
+def optimizers(model, sharded):
+    matrices = list(model.transformer.h.parameters())
+    adam_groups = [dict(params=[model.inp], lr=0.01, weight_decay=0.1), dict(params=[model.head.weight], lr=0.02, weight_decay=0.0)]
+    kw = dict(betas=(0.8, 0.95), eps=1e-10)
+    if sharded:
+        return [FSDPAdamW(adam_groups, **kw), FSDPMuon(matrices, lr=0.03)]
+    return [torch.optim.AdamW(adam_groups, foreach=False, **kw), Muon(matrices, lr=0.03)]
+
+
+def run(rank, world):
+    ref, sharded = build(), build()
+    apply_fsdp(sharded)
+    opts_ref, opts_sh = optimizers(ref, False), optimizers(sharded, True)
+    n = BATCH // world
+    worst = 0.0
+    for step in range(STEPS):
+        x = torch.randn(BATCH, 6, generator=torch.Generator().manual_seed(step))
+        for model, opts, xb in ((ref, opts_ref, x), (sharded, opts_sh, x[rank * n : (rank + 1) * n])):
+            model(xb).backward()
+            for opt in opts:
+                opt.step()
+            model.zero_grad(set_to_none=True)
+        full = full_model_state_dict(sharded)
+        obj = [full]
+        dist.broadcast_object_list(obj, src=0)
+        worst = max(worst, max((obj[0][k] - v).abs().max().item() for k, v in ref.state_dict().items()))
+    moved = max((v - build().state_dict()[k]).abs().max().item() for k, v in ref.state_dict().items())
+    return {"max_param_diff": worst, "moved": moved, "ok": worst < 1e-5 and moved > 1e-2}

@@ -132,7 +132,7 @@ def test_fsdp_checkpoint_loads_in_one_process(base_dir):
     p = run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={steps}",
                       "--model_tag=fsdpl", "--use_fsdp=1", "--eval_every=1", "--eval_tokens=1024", "--sample_every=1"],
                      env=subprocess_env(base_dir))
-    assert p.stdout.count("val bpb:") == steps + 1
+    assert p.stdout.count("| val bpb:") == steps + 1
     assert "'The capital of France is' ->" in p.stdout
     m_fsdp, tok, _ = load_model("base", "cpu", "eval", model_tag="fsdpl")
     m_ref, _, _ = load_model("base", "cpu", "eval", model_tag="refl")

@@ -1,0 +1,257 @@
+"""
+Inference benchmark: the Engine's prefill and decode speed and time to first token, and the chat server's
+throughput under concurrent streaming load.
+
+    python -m bench.infer_bench                                   # CPU: d4 and d6, batch 1 and 8, then the server
+    python -m bench.infer_bench --device_type=cuda --depths=20    # one GPU (bf16 autocast), d20
+    python -m bench.infer_bench --skip_server                     # engine only
+
+Models are random-init (speed does not depend on the weights' values) with nanochat's shapes for each depth. The
+tokenizer is trained on ../shared/data WikiText-2 at --vocab_size (or --tokenizer=base_dir uses
+$NANOCHAT_BASE_DIR/tokenizer). Prints a markdown section ready for docs/benchmarks.md.
+
+What is measured (median of --repeats runs after one warm-up):
+- TTFT: from calling Engine.generate to its first token column (batch-1 prefill of the prompt + copying the cache
+  into the batch rows + sampling).
+- prefill tok/s: prompt tokens / prefill forward time (one batch-1 forward with a KV cache).
+- decode tok/s: tokens produced by all rows / time of the steps after the first (each step one forward of B tokens).
+- server: uvicorn on 127.0.0.1 in this process, one worker, --server_concurrency clients streaming
+  --server_requests requests in all; requests/s, generated tokens/s, per-request latency and time to first token.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import threading
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from nanochat.configurator import add_dashed_aliases
+from nanochat.engine import Engine, KVCache
+from nanochat.gpt import GPT, config_for_depth
+
+WIKITEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pretrain" / "wikitext-2" / "train.txt"
+
+
+def build_arg_parser():
+    p = argparse.ArgumentParser(description="nanochat inference benchmark")
+    p.add_argument("--depths", type=str, default="4,6", help="comma-separated model depths")
+    p.add_argument("--batch_sizes", type=str, default="1,8", help="comma-separated num_samples")
+    p.add_argument("--prompt_len", type=int, default=256)
+    p.add_argument("--gen_tokens", type=int, default=128, help="decode steps per run")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--vocab_size", type=int, default=8192)
+    p.add_argument("--tokenizer", type=str, default="wikitext", choices=["wikitext", "base_dir"])
+    p.add_argument("--device_type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--skip_server", action="store_true")
+    p.add_argument("--server_depth", type=int, default=4)
+    p.add_argument("--server_requests", type=int, default=32)
+    p.add_argument("--server_concurrency", type=int, default=8)
+    p.add_argument("--server_max_tokens", type=int, default=32)
+    p.add_argument("--json_out", type=str, default="", help="also write the raw numbers here")
+    return add_dashed_aliases(p)
+
+
+def get_tokenizer(args):
+    if args.tokenizer == "base_dir":
+        from nanochat.tokenizer import get_tokenizer as load
+
+        return load()
+    from nanochat.tokenizer import RustBPETokenizer
+
+    if not WIKITEXT.exists():
+        raise SystemExit(f"WikiText-2 not found at {WIKITEXT}; use --tokenizer=base_dir with a trained tokenizer")
+    text = WIKITEXT.read_text(encoding="utf-8")[:3_000_000]
+    return RustBPETokenizer.train_from_iterator(iter(text.split("\n \n")), args.vocab_size)
+
+
+def build_model(depth, vocab_size, device):
+    config = config_for_depth(depth, vocab_size, sequence_len=2048)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    model.init_weights(scheme="nanochat")  # lm_head not zero: sampled tokens vary like a real model's
+    model.eval()
+    return model
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def prompt_tokens(tokenizer, n):
+    text = WIKITEXT.read_text(encoding="utf-8")[:20_000] if WIKITEXT.exists() else "The quick brown fox. " * 2000
+    ids = tokenizer.encode(text, prepend=tokenizer.get_bos_token_id())
+    if len(ids) < n:
+        raise SystemExit(f"benchmark prompt text has only {len(ids)} tokens, --prompt_len={n}")
+    return ids[:n]
+
+
+def bench_engine(engine, tokens, batch, gen_tokens, device, autocast_ctx):
+    """One run: (ttft_s, prefill_s, decode_tok_per_s, decode_steps)."""
+    model = engine.model
+    cfg = model.config
+    # prefill alone: the batch-1 forward that generate() starts with
+    cache = KVCache(1, cfg.n_kv_head, len(tokens), cfg.n_embd // cfg.n_head, cfg.n_layer)
+    ids = torch.tensor([tokens], dtype=torch.long, device=device)
+    with torch.inference_mode(), autocast_ctx():
+        sync(device)
+        t0 = time.perf_counter()
+        model(ids, kv_cache=cache)
+        sync(device)
+        prefill_s = time.perf_counter() - t0
+    del cache
+    # the full generate loop; stop tokens do not end the run early unless every row stops (rare at random init)
+    with autocast_ctx():
+        sync(device)
+        t0 = time.perf_counter()
+        steps, t_first = 0, None
+        for _ in engine.generate(tokens, num_samples=batch, max_tokens=gen_tokens, temperature=1.0, top_k=50, seed=0):
+            steps += 1
+            if t_first is None:
+                sync(device)
+                t_first = time.perf_counter()
+        sync(device)
+        t_end = time.perf_counter()
+    decode_tps = (steps - 1) * batch / (t_end - t_first) if steps > 1 else float("nan")
+    return t_first - t0, prefill_s, decode_tps, steps
+
+
+def run_engine_benchmarks(args, tokenizer, device, autocast_ctx):
+    tokens = prompt_tokens(tokenizer, args.prompt_len)
+    rows = []
+    for depth in [int(d) for d in args.depths.split(",")]:
+        model = build_model(depth, tokenizer.get_vocab_size(), device)
+        engine = Engine(model, tokenizer)
+        for batch in [int(b) for b in args.batch_sizes.split(",")]:
+            bench_engine(engine, tokens, batch, min(8, args.gen_tokens), device, autocast_ctx)  # warm-up
+            runs = [bench_engine(engine, tokens, batch, args.gen_tokens, device, autocast_ctx) for _ in range(args.repeats)]
+            ttft = statistics.median(r[0] for r in runs)
+            prefill = statistics.median(r[1] for r in runs)
+            decode = statistics.median(r[2] for r in runs)
+            steps = min(r[3] for r in runs)
+            row = dict(depth=depth, params_m=model.num_params() / 1e6, batch=batch, prompt=len(tokens), steps=steps,
+                       ttft_ms=ttft * 1e3, prefill_tps=len(tokens) / prefill, decode_tps=decode)
+            rows.append(row)
+            print(f"d{depth} batch {batch}: TTFT {row['ttft_ms']:.1f} ms, prefill {row['prefill_tps']:.0f} tok/s, "
+                  f"decode {row['decode_tps']:.0f} tok/s ({steps} steps)", flush=True)
+        del engine, model
+    return rows
+
+
+def run_server_benchmark(args, tokenizer, device):
+    import httpx
+    import uvicorn
+
+    from scripts.chat_web import Worker, create_app
+
+    model = build_model(args.server_depth, tokenizer.get_vocab_size(), device)
+    app = create_app([Worker(Engine(model, tokenizer), device=device)], max_tokens=args.server_max_tokens)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    questions = [f"Tell me something about topic number {i}." for i in range(args.server_requests)]
+
+    async def one(client, sem, q):
+        async with sem:
+            t0 = time.perf_counter()
+            ttft, n_events = None, 0
+            body = {"messages": [{"role": "user", "content": q}], "temperature": 1.0, "top_k": 50}
+            async with client.stream("POST", "/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith('data: {"token"'):
+                        n_events += 1
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+                    elif line.startswith("data: ") and '"done"' not in line:
+                        raise RuntimeError(f"server error: {line}")
+            return time.perf_counter() - t0, ttft, n_events
+
+    async def load():
+        sem = asyncio.Semaphore(args.server_concurrency)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=args.server_concurrency + 4)) as client:
+            await one(client, sem, "warm up")
+            tokens_before = (await client.get("/stats")).json()["workers"][0]["tokens_generated"]
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*[one(client, sem, q) for q in questions])
+            wall = time.perf_counter() - t0
+            tokens_after = (await client.get("/stats")).json()["workers"][0]["tokens_generated"]
+        return results, wall, tokens_after - tokens_before
+
+    try:
+        results, wall, tokens = asyncio.run(load())
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    lat = sorted(r[0] for r in results)
+    ttfts = sorted(r[1] for r in results if r[1] is not None)
+
+    def pct(xs, p):
+        return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+    row = dict(depth=args.server_depth, requests=len(results), concurrency=args.server_concurrency, max_tokens=args.server_max_tokens,
+               wall_s=wall, rps=len(results) / wall, tokens_per_s=tokens / wall, latency_p50_s=pct(lat, 50),
+               latency_p95_s=pct(lat, 95), ttft_p50_s=pct(ttfts, 50), ttft_p95_s=pct(ttfts, 95))
+    print(f"server d{row['depth']}: {row['rps']:.2f} req/s, {row['tokens_per_s']:.0f} tok/s, latency p50 {row['latency_p50_s']:.2f}s", flush=True)
+    return row
+
+
+def main():
+    args = build_arg_parser().parse_args()
+    from nanochat.common import autodetect_device_type
+
+    device_type = args.device_type or autodetect_device_type()
+    device = torch.device(device_type)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    autocast_ctx = (lambda: torch.amp.autocast(device_type="cuda", dtype=torch.bfloat16)) if device_type == "cuda" else nullcontext
+    tokenizer = get_tokenizer(args)
+    if device_type == "cuda":
+        hw = torch.cuda.get_device_name(device)
+    else:
+        hw = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, {os.cpu_count()} cores visible"
+    engine_rows = run_engine_benchmarks(args, tokenizer, device, autocast_ctx)
+    server_row = None if args.skip_server else run_server_benchmark(args, tokenizer, device)
+
+    print()
+    print("## Inference (Engine with KV cache, chat server)")
+    print()
+    print(f"Device: {device_type} ({hw}); torch {torch.__version__}; random-init models, vocab {tokenizer.get_vocab_size()}, "
+          f"prompt {args.prompt_len} tokens, {args.gen_tokens} decode steps, temperature 1.0, top-k 50; "
+          f"median of {args.repeats} runs." + (" bf16 autocast." if device_type == "cuda" else " fp32."))
+    print()
+    print("| model | params | batch | TTFT (ms) | prefill tok/s | decode tok/s (all rows) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in engine_rows:
+        print(f"| d{r['depth']} | {r['params_m']:.1f}M | {r['batch']} | {r['ttft_ms']:.1f} | {r['prefill_tps']:,.0f} | {r['decode_tps']:,.0f} |")
+    if server_row:
+        r = server_row
+        print()
+        print(f"Server: `scripts.chat_web` app under uvicorn on 127.0.0.1 in the benchmark process, 1 worker (d{r['depth']}), "
+              f"{r['requests']} streaming requests of up to {r['max_tokens']} tokens from {r['concurrency']} concurrent clients.")
+        print()
+        print("| requests/s | generated tok/s | latency p50 / p95 (s) | TTFT p50 / p95 (s) |")
+        print("|---:|---:|---:|---:|")
+        print(f"| {r['rps']:.2f} | {r['tokens_per_s']:.0f} | {r['latency_p50_s']:.2f} / {r['latency_p95_s']:.2f} | {r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} |")
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump({"engine": engine_rows, "server": server_row, "device": device_type, "hardware": hw}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

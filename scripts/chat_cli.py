@@ -1,0 +1,140 @@
+"""
+Chat with a trained model in the terminal. Replies stream as they are generated.
+
+    python -m scripts.chat_cli                                   # interactive, the sft model
+    python -m scripts.chat_cli -i mid -g d20 -s 1000             # a given stage / model tag / step
+    python -m scripts.chat_cli -p "Why is the sky blue?"         # one reply, then exit (for scripts)
+
+Interactive commands: `clear` starts a new conversation, `quit` (or `exit`, Ctrl-D) leaves; Ctrl-C stops a reply.
+"""
+
+import argparse
+import sys
+from contextlib import nullcontext
+
+import torch
+
+from nanochat.common import autodetect_device_type, compute_init
+from nanochat.configurator import add_dashed_aliases
+from nanochat.engine import Engine, TextStreamer
+
+
+def build_arg_parser():
+    p = argparse.ArgumentParser(description="Chat with a nanochat model in the terminal")
+    p.add_argument("-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which checkpoints to load")
+    p.add_argument("-g", "--model_tag", type=str, default=None, help="model tag, e.g. d20 (default: the largest)")
+    p.add_argument("-s", "--step", type=int, default=None, help="checkpoint step (default: the last)")
+    p.add_argument("-p", "--prompt", type=str, default="", help="answer this one prompt and exit")
+    p.add_argument("-t", "--temperature", type=float, default=0.6, help="sampling temperature (0 = greedy)")
+    p.add_argument("-k", "--top_k", type=int, default=50, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("-m", "--max_tokens", type=int, default=256, help="max tokens per reply")
+    p.add_argument("--seed", type=int, default=42, help="sampling seed (turn i uses seed + i)")
+    p.add_argument("--device_type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
+    p.add_argument("--dtype", type=str, default="bfloat16", choices=["bfloat16", "float32"], help="autocast dtype on CUDA")
+    return add_dashed_aliases(p)
+
+
+class Chat:
+    """The conversation as token ids in nanochat's chat format, and one streamed reply per user turn."""
+
+    def __init__(self, engine, autocast_ctx, temperature, top_k, max_tokens, seed):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.autocast_ctx = autocast_ctx
+        self.gen_kwargs = dict(temperature=temperature, top_k=top_k or None, max_tokens=max_tokens)
+        self.seed = seed
+        special = self.tokenizer.encode_special
+        self.user_start, self.user_end = special("<|user_start|>"), special("<|user_end|>")
+        self.assistant_start, self.assistant_end = special("<|assistant_start|>"), special("<|assistant_end|>")
+        self.stop_ids = {engine.assistant_end, engine.bos}
+        self.turn = 0
+        self.clear()
+
+    def clear(self):
+        self.tokens = [self.tokenizer.get_bos_token_id()]
+
+    def reply(self, user_text, out):
+        """Stream the assistant's answer to `out`; the turn is added to the conversation. Returns the reply text."""
+        prompt = self.tokens + [self.user_start] + self.tokenizer.encode(user_text) + [self.user_end, self.assistant_start]
+        room = self.engine.max_positions() - len(prompt)
+        if room < 1:
+            raise ValueError(f"the conversation is {len(prompt)} tokens, more than the model can address; type `clear` to start over")
+        streamer, reply_tokens, pieces = TextStreamer(self.tokenizer), [], []
+        try:
+            with self.autocast_ctx():
+                for token_column, _ in self.engine.generate(prompt, num_samples=1, seed=self.seed + self.turn, **self.gen_kwargs):
+                    token = token_column[0]
+                    if token in self.stop_ids:
+                        break
+                    reply_tokens.append(token)
+                    piece = streamer.push(token)
+                    if piece:
+                        pieces.append(piece)
+                        out.write(piece)
+                        out.flush()
+        except KeyboardInterrupt:  # Ctrl-C ends this reply, not the session
+            out.write(" [stopped]")
+        finally:
+            rest = streamer.flush()
+            if rest:
+                pieces.append(rest)
+                out.write(rest)
+            out.write("\n")
+            out.flush()
+            # the turn is closed with <|assistant_end|> even when cut short, so the next prompt is well formed
+            self.tokens = prompt + reply_tokens + [self.assistant_end]
+            self.turn += 1
+        return "".join(pieces)
+
+
+def main(argv=None):
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    if args.temperature < 0:
+        parser.error("--temperature must be >= 0")
+    if args.top_k < 0:
+        parser.error("--top_k must be >= 0 (0 = no top-k)")
+    if args.max_tokens < 1:
+        parser.error("--max_tokens must be >= 1")
+
+    from nanochat.checkpoint_manager import load_model
+
+    device_type = args.device_type or autodetect_device_type()
+    _, _, _, _, device = compute_init(device_type)
+    model, tokenizer, _ = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.step)
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    if device_type == "cuda" and dtype != torch.float32:
+        autocast_ctx = lambda: torch.amp.autocast(device_type="cuda", dtype=dtype)  # noqa: E731
+    else:
+        autocast_ctx = nullcontext
+    chat = Chat(Engine(model, tokenizer), autocast_ctx, args.temperature, args.top_k, args.max_tokens, args.seed)
+
+    if args.prompt:
+        chat.reply(args.prompt, sys.stdout)
+        return
+
+    print("nanochat interactive mode: type a message; `clear` starts over, `quit` leaves.")
+    while True:
+        try:
+            user_text = input("\nUser: ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            break
+        if user_text.lower() in ("quit", "exit"):
+            break
+        if user_text.lower() == "clear":
+            chat.clear()
+            print("Conversation cleared.")
+            continue
+        if not user_text:
+            continue
+        sys.stdout.write("\nAssistant: ")
+        sys.stdout.flush()
+        try:
+            chat.reply(user_text, sys.stdout)
+        except ValueError as e:
+            print(f"\n{e}")
+
+
+if __name__ == "__main__":
+    main()

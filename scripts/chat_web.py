@@ -1,0 +1,826 @@
+"""
+Chat web server: a browser UI, a streaming endpoint for it, and an OpenAI-compatible API, served by a pool of model
+replicas (one per GPU, or one on CPU/MPS).
+
+    python -m scripts.chat_web                          # sft model, all defaults, http://0.0.0.0:8000
+    python -m scripts.chat_web -n 4 -i sft -g d20       # four replicas on four GPUs
+    python -m scripts.chat_web --api_key=secret ...     # or NANOCHAT_API_KEY=secret: required on /v1/*
+
+Endpoints
+    GET  /                      the chat page (single file, no CDN)
+    POST /chat/completions      {"messages":[{"role","content"}], "temperature"?, "top_k"?, "max_tokens"?}
+                                -> text/event-stream: data: {"token": "...", "gpu": i} ... data: {"done": true}
+    POST /v1/chat/completions   OpenAI Chat Completions (stream or not, n, system messages, top_p, seed)
+    GET  /v1/models             the served model
+    GET  /health                {"status", "ready", "num_gpus", "available_workers", ...}
+    GET  /stats                 per-worker busy/idle and counters
+
+Requests wait in a queue for a free worker. Generation runs in a thread (the event loop only moves text); the text
+of each row is sent only at UTF-8 character boundaries. When a client goes away its generation stops and the worker
+is free again after at most one more forward pass.
+"""
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from contextlib import aclosing, asynccontextmanager, nullcontext
+from pathlib import Path
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+
+from nanochat.common import setup_default_logging
+from nanochat.engine import Engine, TextStreamer
+
+setup_default_logging()
+logger = logging.getLogger("nanochat.chat_web")
+
+# Request limits: generous for chat, small enough that one request cannot hog a worker or the host's memory.
+MAX_MESSAGES = 500
+MAX_MESSAGE_CHARS = 8000
+MAX_TOTAL_CHARS = 32000
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.0, 2.0
+MIN_TOP_K, MAX_TOP_K = 0, 200  # 0 = no top-k
+MIN_MAX_TOKENS, MAX_MAX_TOKENS = 1, 4096
+MAX_N = 8  # completions per /v1 request (rows sampled together on one worker)
+MAX_BODY_BYTES = 1_000_000
+DISCONNECT_POLL_S = 0.1  # how often a waiting request checks whether its client is still there
+
+UI_PATH = Path(__file__).resolve().parents[1] / "nanochat" / "ui.html"
+
+
+# -----------------------------------------------------------------------------
+# Workers
+
+
+class Worker:
+    """One model replica: its Engine, the device it lives on and counters for /stats. Used by one request at a time."""
+
+    def __init__(self, engine, gpu_id=0, device=None, dtype=None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.gpu_id = gpu_id
+        self.device = torch.device(device) if device is not None else engine.model.get_device()
+        # bf16 autocast on CUDA (what the model was trained under); plain fp32 elsewhere
+        self.dtype = dtype if dtype is not None else (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.busy = False
+        self.requests_served = 0
+        self.tokens_generated = 0
+        self.errors = 0
+
+    def autocast(self):
+        if self.device.type == "cuda" and self.dtype != torch.float32:
+            return torch.amp.autocast(device_type="cuda", dtype=self.dtype)
+        return nullcontext()
+
+    def stats(self):
+        return {
+            "gpu_id": self.gpu_id,
+            "device": str(self.device),
+            "busy": self.busy,
+            "status": "busy" if self.busy else "idle",
+            "requests_served": self.requests_served,
+            "tokens_generated": self.tokens_generated,
+            "errors": self.errors,
+        }
+
+
+class WorkerPool:
+    """Free workers wait in an asyncio.Queue; requests take one (first come, first served) and give it back."""
+
+    def __init__(self, workers):
+        if not workers:
+            raise ValueError("the worker pool needs at least one worker")
+        self.workers = list(workers)
+        self.free = asyncio.Queue()
+        for w in self.workers:
+            self.free.put_nowait(w)
+
+    def available(self):
+        return self.free.qsize()
+
+    async def acquire(self, request):
+        """A free worker, or None if the client disconnected while waiting (its place in the queue is kept)."""
+        getter = asyncio.ensure_future(self.free.get())
+        taken = False  # whether the worker from `getter` went to the caller
+        try:
+            while not getter.done():
+                await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+                if not getter.done() and await request.is_disconnected():
+                    return None
+            worker = getter.result()
+            worker.busy = True
+            taken = True
+            return worker
+        finally:
+            if not getter.done():
+                getter.cancel()
+            elif not taken and not getter.cancelled() and getter.exception() is None:
+                # the queue handed us a worker just as we were cancelled: give it back
+                self.free.put_nowait(getter.result())
+
+    def release(self, worker):
+        worker.busy = False
+        self.free.put_nowait(worker)
+
+
+# -----------------------------------------------------------------------------
+# Request validation: every problem becomes a 400 with a message saying what to change.
+
+
+class RequestError(Exception):
+    def __init__(self, message, param=None, status=400, code=None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _number(body, key, lo, hi, default):
+    value = body.get(key)
+    if value is None:
+        return default
+    if not _is_number(value):
+        raise RequestError(f"{key} must be a number between {lo} and {hi}, got {json.dumps(value)}", key)
+    if not lo <= value <= hi:
+        raise RequestError(f"{key} must be between {lo} and {hi}, got {value}", key)
+    return float(value)
+
+
+def _integer(body, key, lo, hi, default):
+    value = body.get(key)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise RequestError(f"{key} must be an integer between {lo} and {hi}, got {json.dumps(value)}", key)
+    if not lo <= value <= hi:
+        raise RequestError(f"{key} must be between {lo} and {hi}, got {value}", key)
+    return value
+
+
+def _message_text(content, i):
+    """Message content as a string; the OpenAI list-of-parts form is accepted when every part is text."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError(f"messages[{i}].content: only text parts are supported, got a {kind!r} part", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise RequestError(f"messages[{i}].content must be a string, got {type(content).__name__}", "messages")
+
+
+def validate_messages(messages, allow_system):
+    """Checks the message list and returns it as [{"role", "content": str}]."""
+    if not isinstance(messages, list):
+        raise RequestError("messages must be a list of {role, content} objects", "messages")
+    if not 1 <= len(messages) <= MAX_MESSAGES:
+        raise RequestError(f"messages must hold between 1 and {MAX_MESSAGES} messages, got {len(messages)}", "messages")
+    roles = ("system", "developer", "user", "assistant") if allow_system else ("user", "assistant")
+    out, total = [], 0
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise RequestError(f"messages[{i}] must be an object with role and content", "messages")
+        role = m.get("role")
+        if role not in roles:
+            raise RequestError(f"messages[{i}].role must be one of {', '.join(roles)}, got {json.dumps(role)}", "messages")
+        role = "system" if role == "developer" else role  # OpenAI's newer name for the system role
+        if role == "system" and i != 0:
+            raise RequestError(f"messages[{i}]: a system message is only supported as the first message", "messages")
+        if "content" not in m or m["content"] is None:
+            raise RequestError(f"messages[{i}] has no content", "messages")
+        text = _message_text(m["content"], i)
+        if not text.strip():
+            raise RequestError(f"messages[{i}].content must not be empty", "messages")
+        if len(text) > MAX_MESSAGE_CHARS:
+            raise RequestError(f"messages[{i}].content is {len(text)} characters; the limit is {MAX_MESSAGE_CHARS}", "messages")
+        total += len(text)
+        if total > MAX_TOTAL_CHARS:
+            raise RequestError(f"the conversation is over {MAX_TOTAL_CHARS} characters in total; start a new one", "messages")
+        out.append({"role": role, "content": text})
+    return out
+
+
+def validate_ui_request(body, defaults):
+    """Body of POST /chat/completions."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    unknown = set(body) - {"messages", "temperature", "top_k", "max_tokens"}
+    if unknown:
+        raise RequestError(f"unknown field(s): {', '.join(sorted(unknown))}; allowed: messages, temperature, top_k, max_tokens")
+    if "messages" not in body:
+        raise RequestError("messages is required", "messages")
+    return {
+        "messages": validate_messages(body["messages"], allow_system=False),
+        "temperature": _number(body, "temperature", MIN_TEMPERATURE, MAX_TEMPERATURE, defaults["temperature"]),
+        "top_k": _integer(body, "top_k", MIN_TOP_K, MAX_TOP_K, defaults["top_k"]),
+        "max_tokens": _integer(body, "max_tokens", MIN_MAX_TOKENS, MAX_MAX_TOKENS, defaults["max_tokens"]),
+        "top_p": None,
+        "n": 1,
+        "seed": None,
+    }
+
+
+# OpenAI parameters we do not implement: refused when they would change the result, accepted at their no-op value.
+_UNSUPPORTED_OPENAI = {
+    "stop": lambda v: v is None or v == [] or v == "",
+    "tools": lambda v: v is None or v == [],
+    "tool_choice": lambda v: v is None or v == "none",
+    "functions": lambda v: v is None or v == [],
+    "function_call": lambda v: v is None or v == "none",
+    "logprobs": lambda v: v is None or v is False,
+    "top_logprobs": lambda v: v is None or v == 0,
+    "presence_penalty": lambda v: v is None or v == 0,
+    "frequency_penalty": lambda v: v is None or v == 0,
+    "logit_bias": lambda v: v is None or v == {},
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v is None or v == ["text"],
+    "prediction": lambda v: v is None,
+}
+
+
+def validate_openai_request(body, defaults, model_name):
+    """Body of POST /v1/chat/completions. Unknown fields are ignored, as OpenAI-compatible servers commonly do."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    for key, is_noop in _UNSUPPORTED_OPENAI.items():
+        if key in body and not is_noop(body[key]):
+            raise RequestError(f"{key} is not supported by this server", key, code="unsupported_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError(f"model is required (a string); this server serves {json.dumps(model_name)}", "model")
+    if model != model_name:
+        raise RequestError(
+            f"The model {json.dumps(model)} does not exist; this server serves {json.dumps(model_name)} (see GET /v1/models)",
+            "model", status=404, code="model_not_found",
+        )
+    if "messages" not in body:
+        raise RequestError("messages is required", "messages")
+    messages = validate_messages(body["messages"], allow_system=True)
+    max_tokens = _integer(body, "max_tokens", MIN_MAX_TOKENS, MAX_MAX_TOKENS, None)
+    max_completion = _integer(body, "max_completion_tokens", MIN_MAX_TOKENS, MAX_MAX_TOKENS, None)
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise RequestError("max_tokens and max_completion_tokens disagree; send one of them", "max_tokens")
+    max_tokens = max_completion if max_completion is not None else max_tokens
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise RequestError(f"stream must be true or false, got {json.dumps(stream)}", "stream")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise RequestError("stream_options must be an object", "stream_options")
+    include_usage = stream_options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise RequestError("stream_options.include_usage must be true or false", "stream_options")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise RequestError(f"seed must be an integer, got {json.dumps(seed)}", "seed")
+    top_p = _number(body, "top_p", 0.0, 1.0, None)
+    if top_p is not None and top_p == 0.0:
+        raise RequestError("top_p must be greater than 0 (use temperature 0 for greedy decoding)", "top_p")
+    return {
+        "messages": messages,
+        "temperature": _number(body, "temperature", MIN_TEMPERATURE, MAX_TEMPERATURE, defaults["temperature"]),
+        # top_k is not an OpenAI parameter; accepted as an extension (as vLLM does)
+        "top_k": _integer(body, "top_k", MIN_TOP_K, MAX_TOP_K, defaults["top_k"]),
+        "top_p": top_p,
+        "max_tokens": max_tokens if max_tokens is not None else defaults["max_tokens"],
+        "n": _integer(body, "n", 1, MAX_N, 1),
+        "seed": seed,
+        "stream": stream,
+        "include_usage": include_usage,
+    }
+
+
+async def read_json_body(request):
+    """The body as JSON, refusing oversized or non-JSON bodies with a clear 4xx (never a crash)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise RequestError(f"request body is larger than {MAX_BODY_BYTES} bytes", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise RequestError(f"request body is larger than {MAX_BODY_BYTES} bytes", status=413)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise RequestError("the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON: {e}") from None
+
+
+# -----------------------------------------------------------------------------
+# Prompt rendering and text streaming
+
+
+def render_prompt(tokenizer, messages):
+    """
+    Token ids of the conversation in nanochat's chat format, ending with <|assistant_start|> so the model answers:
+    <|bos|> <|user_start|> ... <|user_end|> <|assistant_start|> ... <|assistant_end|> ... <|assistant_start|>
+    A leading system message is folded into the first user message (as nanochat's SFT data does).
+    """
+    messages = [dict(m) for m in messages]
+    if messages and messages[0]["role"] == "system":
+        system = messages.pop(0)["content"]
+        if messages and messages[0]["role"] == "user":
+            messages[0]["content"] = system + "\n\n" + messages[0]["content"]
+        else:
+            messages.insert(0, {"role": "user", "content": system})
+    special = tokenizer.encode_special
+    ids = [tokenizer.get_bos_token_id()]
+    for m in messages:
+        start, end = ("<|user_start|>", "<|user_end|>") if m["role"] == "user" else ("<|assistant_start|>", "<|assistant_end|>")
+        ids.append(special(start))
+        ids.extend(tokenizer.encode(m["content"]))
+        ids.append(special(end))
+    ids.append(special("<|assistant_start|>"))
+    return ids
+
+
+class RowText:
+    """One sampled row of a request: its text (streamed at UTF-8 character boundaries) and why it ended."""
+
+    def __init__(self, tokenizer, stop_ids):
+        self.streamer = TextStreamer(tokenizer)
+        self.stop_ids = stop_ids
+        self.num_tokens = 0
+        self.finish_reason = None
+        self.text = []
+
+    def push(self, token):
+        """Add one token; returns the text that became complete ('' if none yet)."""
+        if self.finish_reason is not None:
+            return ""  # a finished row keeps producing filler until every row is done: ignore it
+        self.num_tokens += 1
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+            return self.flush()
+        text = self.streamer.push(token)
+        if text:
+            self.text.append(text)
+        return text
+
+    def flush(self):
+        text = self.streamer.flush()
+        if text:
+            self.text.append(text)
+        return text
+
+    def finish(self):
+        """At the end of generation: rows that did not stop ran out of tokens. Returns the last text."""
+        if self.finish_reason is None:
+            self.finish_reason = "length"
+        return self.flush()
+
+
+async def generation_events(pool, request, prompt, params):
+    """
+    Runs one generation and yields ("worker", w), then ("delta", row, text) as text becomes ready, ("finish", row,
+    reason) per row, and finally ("done", rows) or ("error", message). Stops early (and frees the worker) when the
+    client disconnects; the caller's `finally` runs when the response is torn down.
+    """
+    worker = await pool.acquire(request)
+    if worker is None:
+        return
+    try:
+        gone = await request.is_disconnected()  # the client left just as its turn came: skip the work
+    except BaseException:
+        pool.release(worker)
+        raise
+    if gone:
+        pool.release(worker)
+        return
+    engine = worker.engine
+    n = params["n"]
+    loop = asyncio.get_running_loop()
+    events = asyncio.Queue()
+    stop = threading.Event()
+    seed = params["seed"] if params["seed"] is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+    gen_kwargs = dict(
+        num_samples=n,
+        max_tokens=params["max_tokens"],
+        temperature=params["temperature"],
+        top_k=params["top_k"] or None,
+        top_p=params["top_p"],
+        seed=seed,
+    )
+
+    def emit(item):
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            pass
+
+    def work():
+        # Runs in its own thread so the event loop keeps serving other clients during forward passes.
+        t0, steps = time.perf_counter(), 0
+        try:
+            with worker.autocast():
+                for token_column, _ in engine.generate(prompt, **gen_kwargs):
+                    steps += 1
+                    worker.tokens_generated += len(token_column)
+                    if stop.is_set():
+                        break
+                    emit(("tokens", token_column))
+            emit(("done", None))
+            dt = time.perf_counter() - t0
+            how = "stopped: client left" if stop.is_set() else "done"
+            logger.info(f"worker {worker.gpu_id}: prompt {len(prompt)} tokens, {steps} steps x {n} rows in {dt:.2f}s ({steps * n / max(dt, 1e-9):.1f} tok/s), {how}")
+        except Exception as e:  # the request fails; the worker stays in service
+            worker.errors += 1
+            logger.exception(f"generation failed on worker {worker.gpu_id}")
+            emit(("error", f"generation failed: {type(e).__name__}: {e}"))
+        finally:
+            worker.requests_served += 1
+            try:
+                loop.call_soon_threadsafe(pool.release, worker)
+            except RuntimeError:
+                pass
+
+    thread = threading.Thread(target=work, name=f"nanochat-gen-{worker.gpu_id}", daemon=True)
+    thread.start()
+    stop_ids = {engine.assistant_end, engine.bos}
+    rows = [RowText(engine.tokenizer, stop_ids) for _ in range(n)]
+    getter = None
+    try:
+        yield ("worker", worker)
+        while True:
+            if getter is None:
+                getter = asyncio.ensure_future(events.get())
+            done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+            if not done:
+                if await request.is_disconnected():
+                    return
+                continue
+            kind, payload = getter.result()
+            getter = None
+            if kind == "tokens":
+                if await request.is_disconnected():
+                    return
+                for i, token in enumerate(payload):
+                    was_running = rows[i].finish_reason is None
+                    delta = rows[i].push(token)
+                    if delta:
+                        yield ("delta", i, delta)
+                    if was_running and rows[i].finish_reason is not None:
+                        yield ("finish", i, rows[i].finish_reason)
+            elif kind == "done":
+                for i, row in enumerate(rows):
+                    if row.finish_reason is None:
+                        delta = row.finish()
+                        if delta:
+                            yield ("delta", i, delta)
+                        yield ("finish", i, row.finish_reason)
+                yield ("done", rows)
+                return
+            else:
+                yield ("error", payload)
+                return
+    finally:
+        stop.set()  # the thread sees it before its next forward pass and hands the worker back
+        if getter is not None:
+            getter.cancel()
+
+
+def sse(obj):
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# -----------------------------------------------------------------------------
+# The app
+
+
+def create_app(
+    workers_or_factory,
+    *,
+    model_name="nanochat",
+    api_key=None,
+    cors_origins=("*",),
+    temperature=0.8,
+    top_k=50,
+    max_tokens=512,
+):
+    """
+    The FastAPI app. `workers_or_factory` is a list of Workers, or a callable returning one (called at startup, in a
+    thread, e.g. to load checkpoints). api_key: when set, /v1/* needs `Authorization: Bearer <key>`.
+    """
+    defaults = {"temperature": temperature, "top_k": top_k, "max_tokens": max_tokens}
+    state = {"pool": None, "started": int(time.time())}
+    ui_html = UI_PATH.read_text(encoding="utf-8").replace("__NANOCHAT_DEFAULTS__", json.dumps(defaults))
+
+    @asynccontextmanager
+    async def lifespan(app):
+        workers = workers_or_factory
+        if callable(workers):
+            workers = await asyncio.to_thread(workers)
+        state["pool"] = WorkerPool(workers)
+        logger.info(f"serving {model_name!r} with {len(workers)} worker(s): {', '.join(str(w.device) for w in workers)}")
+        yield
+        state["pool"] = None
+
+    # no /docs or /redoc: their pages load Swagger UI from a CDN, and the server must work offline
+    app = FastAPI(title="nanochat", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(cors_origins),
+        allow_methods=["GET", "POST", "OPTIONS"],
+        allow_headers=["*"],
+        allow_credentials=False,
+    )
+
+    def error_response(err, openai_style):
+        if openai_style:
+            kind = "invalid_request_error" if err.status < 500 else "server_error"
+            body = {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
+        else:
+            body = {"detail": err.message}
+        return JSONResponse(body, status_code=err.status)
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(request, err):
+        return error_response(err, request.url.path.startswith("/v1/"))
+
+    def pool_or_503():
+        if state["pool"] is None:
+            raise RequestError("the server is not ready (models are loading or it is shutting down)", status=503)
+        return state["pool"]
+
+    def check_api_key(request):
+        if not api_key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            what = "Missing API key" if not header else "Incorrect API key provided"
+            raise RequestError(f"{what}: send the server's key as `Authorization: Bearer <key>`", status=401, code="invalid_api_key")
+
+    def checked_prompt(pool, messages):
+        # All replicas share the tokenizer: the prompt is rendered (and checked) once, before waiting for a worker.
+        engine = pool.workers[0].engine
+        prompt = render_prompt(engine.tokenizer, messages)
+        limit = engine.max_positions()
+        if len(prompt) >= limit:
+            raise RequestError(f"the conversation is {len(prompt)} tokens; this model handles at most {limit - 1} of prompt. Start a new conversation or shorten it")
+        return prompt
+
+    # --- UI
+
+    @app.get("/")
+    async def root():
+        return HTMLResponse(ui_html)
+
+    @app.post("/chat/completions")
+    async def chat_completions(request: Request):
+        pool = pool_or_503()
+        params = validate_ui_request(await read_json_body(request), defaults)
+        prompt = checked_prompt(pool, params["messages"])
+
+        async def stream():
+            gpu = None
+            try:
+                async with aclosing(generation_events(pool, request, prompt, params)) as events:
+                    async for event in events:
+                        if event[0] == "worker":
+                            gpu = event[1].gpu_id
+                        elif event[0] == "delta":
+                            yield sse({"token": event[2], "gpu": gpu})
+                        elif event[0] == "error":
+                            yield sse({"error": event[1]})
+                        elif event[0] == "done":
+                            yield sse({"done": True})
+            except Exception as e:  # never tear a stream down without telling the client
+                logger.exception("chat stream failed")
+                yield sse({"error": f"{type(e).__name__}: {e}"})
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    # --- OpenAI-compatible API
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        check_api_key(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id}")
+    async def get_model(model_id: str, request: Request):
+        check_api_key(request)
+        if model_id != model_name:
+            raise RequestError(f"The model {json.dumps(model_id)} does not exist; this server serves {json.dumps(model_name)}", "model", status=404, code="model_not_found")
+        return model_card()
+
+    def model_card():
+        return {"id": model_name, "object": "model", "created": state["started"], "owned_by": "nanochat"}
+
+    @app.post("/v1/chat/completions")
+    async def openai_chat_completions(request: Request):
+        check_api_key(request)
+        pool = pool_or_503()
+        params = validate_openai_request(await read_json_body(request), defaults, model_name)
+        prompt = checked_prompt(pool, params["messages"])
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        n = params["n"]
+
+        def usage(rows):
+            completion_tokens = sum(r.num_tokens for r in rows)
+            return {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens, "total_tokens": len(prompt) + completion_tokens}
+
+        if not params["stream"]:
+            rows = None
+            async with aclosing(generation_events(pool, request, prompt, params)) as events:
+                async for event in events:
+                    if event[0] == "error":
+                        raise RequestError(event[1], status=500, code="generation_failed")
+                    if event[0] == "done":
+                        rows = event[1]
+            if rows is None:  # the client left before we finished; nobody reads this
+                return JSONResponse({"error": {"message": "client disconnected", "type": "server_error", "param": None, "code": None}}, status_code=499)
+            choices = [
+                {"index": i, "message": {"role": "assistant", "content": "".join(r.text)}, "finish_reason": r.finish_reason, "logprobs": None}
+                for i, r in enumerate(rows)
+            ]
+            return {"id": completion_id, "object": "chat.completion", "created": created, "model": model_name, "choices": choices, "usage": usage(rows)}
+
+        def chunk(choices, **extra):
+            return sse({"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": choices, **extra})
+
+        async def stream():
+            try:
+                async with aclosing(generation_events(pool, request, prompt, params)) as events:
+                    async for event in events:
+                        kind = event[0]
+                        if kind == "worker":
+                            # the first chunk of every choice carries the role, as OpenAI's does
+                            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(n)])
+                        elif kind == "delta":
+                            yield chunk([{"index": event[1], "delta": {"content": event[2]}, "finish_reason": None}])
+                        elif kind == "finish":
+                            yield chunk([{"index": event[1], "delta": {}, "finish_reason": event[2]}])
+                        elif kind == "error":
+                            yield sse({"error": {"message": event[1], "type": "server_error", "param": None, "code": "generation_failed"}})
+                        elif kind == "done" and params["include_usage"]:
+                            yield chunk([], usage=usage(event[1]))
+                yield "data: [DONE]\n\n"
+            except Exception as e:
+                logger.exception("OpenAI stream failed")
+                yield sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "param": None, "code": None}})
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    # --- Monitoring
+
+    @app.get("/health")
+    async def health():
+        pool = state["pool"]
+        workers = pool.workers if pool else []
+        return {
+            "status": "ok" if pool else "starting",
+            "ready": pool is not None,
+            "num_gpus": sum(1 for w in workers if w.device.type == "cuda"),
+            "num_workers": len(workers),
+            "available_workers": pool.available() if pool else 0,
+        }
+
+    @app.get("/stats")
+    async def stats():
+        pool = state["pool"]
+        workers = pool.workers if pool else []
+        busy = sum(1 for w in workers if w.busy)
+        return {
+            "total_workers": len(workers),
+            "available_workers": pool.available() if pool else 0,
+            "busy_workers": busy,
+            "workers": [w.stats() for w in workers],
+        }
+
+    return app
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def build_arg_parser():
+    from nanochat.configurator import add_dashed_aliases
+
+    p = argparse.ArgumentParser(description="nanochat chat server: web UI + OpenAI-compatible API")
+    p.add_argument("-n", "--num_gpus", type=int, default=1, help="model replicas, one per GPU (1 on CPU/MPS)")
+    p.add_argument("-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which checkpoints to load")
+    p.add_argument("-g", "--model_tag", type=str, default=None, help="model tag, e.g. d20 (default: the largest)")
+    p.add_argument("-s", "--step", type=int, default=None, help="checkpoint step (default: the last)")
+    p.add_argument("-t", "--temperature", type=float, default=0.8, help="default temperature when a request sends none")
+    p.add_argument("-k", "--top_k", type=int, default=50, help="default top-k when a request sends none (0 = off)")
+    p.add_argument("-m", "--max_tokens", type=int, default=512, help="default max new tokens when a request sends none")
+    p.add_argument("-p", "--port", type=int, default=8000)
+    p.add_argument("--host", type=str, default="0.0.0.0", help="0.0.0.0 listens on every interface; 127.0.0.1 only locally")
+    p.add_argument("--dtype", type=str, default="bfloat16", choices=["bfloat16", "float32"], help="autocast dtype on CUDA")
+    p.add_argument("--device_type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
+    p.add_argument("--cors_origins", type=str, default="*", help="comma-separated allowed browser origins, * for any")
+    p.add_argument("--api_key", type=str, default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: $NANOCHAT_API_KEY)")
+    p.add_argument("--model_name", type=str, default="nanochat", help="the model id served on /v1 (clients send it as `model`)")
+    return add_dashed_aliases(p)
+
+
+def check_args(args):
+    """Flag values the server cannot honour: a message saying what to change."""
+    errors = []
+    if not MIN_TEMPERATURE <= args.temperature <= MAX_TEMPERATURE:
+        errors.append(f"--temperature must be in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
+    if not MIN_TOP_K <= args.top_k <= MAX_TOP_K:
+        errors.append(f"--top_k must be in [{MIN_TOP_K}, {MAX_TOP_K}]")
+    if not MIN_MAX_TOKENS <= args.max_tokens <= MAX_MAX_TOKENS:
+        errors.append(f"--max_tokens must be in [{MIN_MAX_TOKENS}, {MAX_MAX_TOKENS}]")
+    if args.num_gpus < 1:
+        errors.append("--num_gpus must be >= 1")
+    if not 0 < args.port < 65536:
+        errors.append("--port must be in 1..65535")
+    return errors
+
+
+def resolve_api_key(flag_value):
+    """--api_key wins; else $NANOCHAT_API_KEY; empty means no key."""
+    key = flag_value if flag_value is not None else os.environ.get("NANOCHAT_API_KEY", "")
+    return key or None
+
+
+def load_workers(args, device_type):
+    """One replica per GPU (loaded one after another), or a single one on CPU/MPS."""
+    from nanochat.checkpoint_manager import load_model
+
+    if device_type == "cuda":
+        devices = [torch.device("cuda", i) for i in range(args.num_gpus)]
+    else:
+        devices = [torch.device(device_type)]
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    workers = []
+    for gpu_id, device in enumerate(devices):
+        logger.info(f"loading {args.source} model on {device}")
+        model, tokenizer, _ = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.step)
+        workers.append(Worker(Engine(model, tokenizer), gpu_id=gpu_id, device=device, dtype=dtype))
+    return workers
+
+
+def main(argv=None):
+    from nanochat.common import autodetect_device_type
+
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    errors = check_args(args)
+    device_type = args.device_type or autodetect_device_type()
+    if device_type not in ("cuda", "cpu", "mps"):
+        errors.append(f"--device_type must be cuda, cpu or mps, got {device_type!r}")
+    elif device_type == "cuda":
+        if not torch.cuda.is_available():
+            errors.append("--device_type=cuda but torch sees no CUDA device; use --device_type=cpu")
+        elif args.num_gpus > torch.cuda.device_count():
+            errors.append(f"--num_gpus={args.num_gpus} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    elif args.num_gpus != 1:
+        errors.append(f"--num_gpus={args.num_gpus} needs CUDA; on {device_type} the server runs one replica (drop -n)")
+    if errors:
+        parser.error("; ".join(errors))
+    api_key = resolve_api_key(args.api_key)
+    origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
+
+    workers = load_workers(args, device_type)  # before serving: a missing checkpoint stops here with its message
+    app = create_app(
+        workers,
+        model_name=args.model_name,
+        api_key=api_key,
+        cors_origins=origins,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+    )
+    import uvicorn
+
+    logger.info(f"chat UI at http://{args.host}:{args.port}/  OpenAI API at http://{args.host}:{args.port}/v1" + (" (API key required)" if api_key else ""))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""
+Engine and KVCache against a real (tiny, random-init) GPT and a real RustBPE tokenizer: the cache gives the same
+logits and greedy tokens as recomputing the whole sequence, rows sample independently, seeds reproduce, and the
+calculator tool's output is forced into the stream.
+"""
+
+import pytest
+import torch
+
+from chat_fixtures import ScriptedModel, greedy_by_recompute, tiny_model, tiny_tokenizer
+from nanochat.engine import Engine, KVCache, sample_next_token
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_model(tok.get_vocab_size(), depth=2, sequence_len=64)
+
+
+def prompt_ids(tok, text="The history of the castle"):
+    return tok.encode(text, prepend=tok.get_bos_token_id())
+
+
+def stop_ids(tok):
+    return {tok.encode_special("<|assistant_end|>"), tok.get_bos_token_id()}
+
+
+# -----------------------------------------------------------------------------
+# KVCache
+
+
+def test_kvcache_insert_tracks_position_and_grows():
+    torch.manual_seed(0)
+    L, B, H, D = 3, 2, 2, 4
+    cache = KVCache(batch_size=B, num_heads=H, seq_len=3, head_dim=D, num_layers=L)
+    assert cache.get_pos() == 0
+    all_k = [[] for _ in range(L)]
+    all_v = [[] for _ in range(L)]
+    for t_new in (2, 1, 4, 1):  # 8 tokens in all: outgrows the initial capacity of 3
+        for layer in range(L):
+            k, v = torch.randn(B, H, t_new, D), torch.randn(B, H, t_new, D)
+            all_k[layer].append(k)
+            all_v[layer].append(v)
+            k_all, v_all = cache.insert_kv(layer, k, v)
+            # position advances only after the last layer
+            expected_pos = sum(x.size(2) for x in all_k[layer]) - (t_new if layer < L - 1 else 0)
+            assert cache.get_pos() == expected_pos
+            assert torch.equal(k_all, torch.cat(all_k[layer], dim=2))
+            assert torch.equal(v_all, torch.cat(all_v[layer], dim=2))
+    assert cache.get_pos() == 8
+    assert cache.seq_len >= 8 and cache.kv_cache.shape == (L, 2, B, H, cache.seq_len, D)
+    cache.reset()
+    assert cache.get_pos() == 0
+    with pytest.raises(ValueError, match="KVCache holds"):
+        cache.insert_kv(0, torch.randn(B + 1, H, 1, D), torch.randn(B + 1, H, 1, D))
+
+
+def test_kvcache_prefill_copies_one_row_into_many():
+    torch.manual_seed(0)
+    src = KVCache(batch_size=1, num_heads=2, seq_len=5, head_dim=4, num_layers=2)
+    for layer in range(2):
+        src.insert_kv(layer, torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))
+    dst = KVCache(batch_size=3, num_heads=2, seq_len=2, head_dim=4, num_layers=2)  # too small: must grow
+    dst.prefill(src)
+    assert dst.get_pos() == 5
+    for row in range(3):
+        assert torch.equal(dst.kv_cache[:, :, row, :, :5], src.kv_cache[:, :, 0, :, :5])
+    with pytest.raises(ValueError, match="empty cache"):
+        dst.prefill(src)
+    other = KVCache(batch_size=3, num_heads=1, seq_len=5, head_dim=4, num_layers=2)
+    with pytest.raises(ValueError, match="cache shapes differ"):
+        other.prefill(src)
+
+
+def test_cached_logits_match_full_recompute(model, tok):
+    # prefill a chunk, then a second chunk (attends to the cached prefix, causal inside), then single tokens;
+    # start with a 2-token cache so it has to grow along the way
+    ids = prompt_ids(tok, "Robert Boulter is an English film and television actor")
+    ids = torch.tensor([ids[:20]])
+    cfg = model.config
+    with torch.inference_mode():
+        full = model(ids)
+        cache = KVCache(1, cfg.n_kv_head, 2, cfg.n_embd // cfg.n_head, cfg.n_layer)
+        pieces = [model(ids[:, :8], kv_cache=cache), model(ids[:, 8:13], kv_cache=cache)]
+        for t in range(13, ids.size(1)):
+            pieces.append(model(ids[:, t : t + 1], kv_cache=cache))
+    cached = torch.cat(pieces, dim=1)
+    assert cache.get_pos() == ids.size(1)
+    torch.testing.assert_close(cached, full, atol=1e-4, rtol=1e-4)
+
+
+# -----------------------------------------------------------------------------
+# Engine
+
+
+@pytest.mark.parametrize("text", ["The history of the castle", "In 1990 , the team"])
+def test_greedy_cached_generation_matches_recompute(model, tok, text):
+    engine = Engine(model, tok)
+    tokens = prompt_ids(tok, text)
+    reference = greedy_by_recompute(model, tokens, 30, stop_ids(tok))
+    sequences, masks = engine.generate_batch(tokens, num_samples=3, max_tokens=30, temperature=0.0)
+    assert len(reference) > len(tokens)
+    for seq, mask in zip(sequences, masks):
+        assert seq == reference
+        assert mask == [0] * len(tokens) + [1] * (len(seq) - len(tokens))
+
+
+def test_generation_past_the_initial_cache_size(model, tok):
+    # the engine reserves up to sequence_len (64 here) positions for the reply and grows the cache beyond that
+    engine = Engine(model, tok)
+    tokens = prompt_ids(tok, "The castle was built in")
+    reference = greedy_by_recompute(model, tokens, 100, stop_ids(tok))
+    assert len(reference) - len(tokens) > model.config.sequence_len  # precondition: the reply outgrows the cache
+    sequences, _ = engine.generate_batch(tokens, num_samples=2, max_tokens=100, temperature=0.0)
+    assert sequences == [reference, reference]
+
+
+def test_streaming_matches_batch(model, tok):
+    engine = Engine(model, tok)
+    tokens = prompt_ids(tok)
+    columns = list(engine.generate(tokens, num_samples=2, max_tokens=12, temperature=0.9, seed=7))
+    assert 1 <= len(columns) <= 12
+    assert all(len(col) == 2 and masks == [1, 1] for col, masks in columns)
+    sequences, _ = engine.generate_batch(tokens, num_samples=2, max_tokens=12, temperature=0.9, seed=7)
+    stops = stop_ids(tok)
+    for row in range(2):
+        streamed = []
+        for col, _ in columns:
+            if col[row] in stops:
+                break
+            streamed.append(col[row])
+        assert sequences[row] == tokens + streamed
+
+
+def test_seeds_reproduce(model, tok):
+    engine = Engine(model, tok)
+    tokens = prompt_ids(tok)
+    kw = dict(num_samples=4, max_tokens=16, temperature=1.0, top_k=50)
+    a, _ = engine.generate_batch(tokens, seed=123, **kw)
+    b, _ = engine.generate_batch(tokens, seed=123, **kw)
+    c, _ = engine.generate_batch(tokens, seed=124, **kw)
+    assert a == b
+    assert a != c
+
+
+def test_rows_sample_independently_from_the_first_token(model, tok):
+    engine = Engine(model, tok)
+    tokens = prompt_ids(tok)
+    (first_column, first_masks), *_ = engine.generate(tokens, num_samples=48, max_tokens=1, temperature=2.0)
+    assert first_masks == [1] * 48
+    assert len(set(first_column)) > 5, "rows drew the same first token: the first sample was broadcast"
+    # the empirical distribution of first tokens follows the model's softmax: the most likely token appears about
+    # as often as its probability says (loose bound: this is a check on independence, not on the sampler's RNG)
+    with torch.inference_mode():
+        probs = torch.softmax(model(torch.tensor([tokens]))[0, -1] / 2.0, dim=-1)
+    (col, _), *_ = engine.generate(tokens, num_samples=2000, max_tokens=1, temperature=2.0, seed=3)
+    top = int(probs.argmax())
+    freq = col.count(top) / len(col)
+    p = float(probs[top])
+    assert abs(freq - p) < 5 * (p * (1 - p) / len(col)) ** 0.5 + 1e-3
+
+
+def test_top_k_and_top_p_restrict_the_choice(model, tok):
+    engine = Engine(model, tok)
+    tokens = prompt_ids(tok)
+    with torch.inference_mode():
+        logits = model(torch.tensor([tokens]))[0, -1]
+    top5 = set(torch.topk(logits, 5).indices.tolist())
+    (col, _), *_ = engine.generate(tokens, num_samples=200, max_tokens=1, temperature=1.5, top_k=5)
+    assert set(col) <= top5 and len(set(col)) > 1
+    (col, _), *_ = engine.generate(tokens, num_samples=50, max_tokens=1, temperature=1.5, top_k=1)
+    assert set(col) == {int(logits.argmax())}
+    (col, _), *_ = engine.generate(tokens, num_samples=50, max_tokens=1, temperature=1.5, top_p=1e-6)
+    assert set(col) == {int(logits.argmax())}
+    # top_p keeps the smallest set of most likely tokens whose mass reaches p
+    probs = torch.softmax(logits / 1.5, dim=-1)
+    sorted_p, order = probs.sort(descending=True)
+    n_keep = int((sorted_p.cumsum(0) < 0.5).sum()) + 1
+    (col, _), *_ = engine.generate(tokens, num_samples=300, max_tokens=1, temperature=1.5, top_p=0.5)
+    assert set(col) <= set(order[:n_keep].tolist())
+
+
+def test_sample_next_token_leaves_logits_untouched():
+    logits = torch.randn(3, 10)
+    before = logits.clone()
+    rng = torch.Generator().manual_seed(0)
+    out = sample_next_token(logits, rng, temperature=0.7, top_k=3, top_p=0.9)
+    assert out.shape == (3, 1) and out.dtype == torch.long
+    assert torch.equal(logits, before)
+
+
+def test_bad_arguments_are_refused_clearly(model, tok):
+    engine = Engine(model, tok)
+    with pytest.raises(ValueError, match="non-empty list"):
+        list(engine.generate([]))
+    with pytest.raises(ValueError, match="temperature"):
+        list(engine.generate([1, 2], temperature=-1))
+    with pytest.raises(ValueError, match="no room"):
+        list(engine.generate([1] * engine.max_positions()))
+    assert list(engine.generate([1, 2], max_tokens=0)) == []
+
+
+# -----------------------------------------------------------------------------
+# Stop tokens and the calculator tool, with a scripted model: its next-token choice is fixed per position, so the
+# test decides exactly what the "model" writes and checks what the engine does with it.
+
+
+def test_calculator_output_is_forced_into_the_stream(tok):
+    prompt = prompt_ids(tok, "What is 12 times 7?")
+    py_start, py_end = tok.encode_special("<|python_start|>"), tok.encode_special("<|python_end|>")
+    out_start, out_end = tok.encode_special("<|output_start|>"), tok.encode_special("<|output_end|>")
+    end = tok.encode_special("<|assistant_end|>")
+    expr = tok.encode("12*7")
+    answer = tok.encode("84")
+    filler = tok.encode("x")[0]
+    # what the model "wants" to write; during the forced tool output it wants `filler`, which must be overridden
+    script = [py_start, *expr, py_end] + [filler] * (len(answer) + 2) + [*tok.encode(" so"), end]
+    model = ScriptedModel(tok.get_vocab_size(), script, filler)
+    engine = Engine(model, tok)
+    sequences, masks = engine.generate_batch(prompt, num_samples=2, max_tokens=40, temperature=1.0)
+    expected = prompt + [py_start, *expr, py_end, out_start, *answer, out_end, *tok.encode(" so")]
+    expected_mask = [0] * len(prompt) + [1] * (len(expr) + 2) + [0] * (len(answer) + 2) + [1] * len(tok.encode(" so"))
+    for seq, mask in zip(sequences, masks):
+        assert seq == expected
+        assert mask == expected_mask
+    assert "<|output_start|>84<|output_end|>" in tok.decode(sequences[0])
+    # the forced tokens were fed back to the model (it conditions on the tool's answer)
+    assert [step[0][0] for step in model.fed[1:]] == expected[len(prompt) :]
+
+
+def test_calculator_refuses_code_written_by_the_model(tok):
+    prompt = prompt_ids(tok, "hi")
+    py_start, py_end = tok.encode_special("<|python_start|>"), tok.encode_special("<|python_end|>")
+    end = tok.encode_special("<|assistant_end|>")
+    code = tok.encode("__import__('os').getcwd()")
+    script = [py_start, *code, py_end, end]
+    model = ScriptedModel(tok.get_vocab_size(), script, end)
+    sequences, masks = Engine(model, tok).generate_batch(prompt, max_tokens=60, temperature=0.0)
+    assert sequences[0] == prompt + [py_start, *code, py_end]  # no <|output_start|>: nothing was evaluated
+    assert 0 not in masks[0][len(prompt) :]
+
+
+def test_each_row_stops_on_its_own(tok):
+    # at the first step half the mass is on <|assistant_end|> (or <|bos|>), half on a word: rows split, finished
+    # rows stop and the others run on to max_tokens
+    prompt = prompt_ids(tok, "hi")
+    end, bos = tok.encode_special("<|assistant_end|>"), tok.get_bos_token_id()
+    word = tok.encode("the")[0]
+    for stop in (end, bos):
+        model = ScriptedModel(tok.get_vocab_size(), [(stop, word)], word)
+        sequences, masks = Engine(model, tok).generate_batch(prompt, num_samples=32, max_tokens=5, seed=1)
+        lengths = sorted(len(s) - len(prompt) for s in sequences)
+        assert set(lengths) == {0, 5}, lengths
+        for s in sequences:
+            assert stop not in s[len(prompt) :]
+
+
+# -----------------------------------------------------------------------------
+# The terminal chat, end to end from a saved checkpoint
+
+
+@pytest.mark.slow  # two interpreter start-ups with torch
+def test_chat_cli_one_shot_and_interactive(base_dir):
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    from conftest import subprocess_env
+
+    from nanochat.checkpoint_manager import save_checkpoint
+    from nanochat.tokenizer import get_tokenizer
+
+    tok = get_tokenizer()
+    m = tiny_model(tok.get_vocab_size(), depth=1, sequence_len=64, seed=4)
+    save_checkpoint(str(base_dir / "chatsft_checkpoints" / "d1"), 5, m.state_dict(), None, {"model_config": asdict(m.config)})
+    special = tok.encode_special
+    stops = stop_ids(tok)
+
+    def turn(history, text):
+        prompt = history + [special("<|user_start|>"), *tok.encode(text), special("<|user_end|>"), special("<|assistant_start|>")]
+        seq = greedy_by_recompute(m, prompt, 12, stops)
+        return tok.decode(seq[len(prompt) :]), seq + [special("<|assistant_end|>")]
+
+    bos = [tok.get_bos_token_id()]
+    reply1, history = turn(bos, "Hello there")
+    reply2, _ = turn(history, "Tell me more")
+    assert reply1 and reply2 and reply1 != reply2  # preconditions for the checks below to mean something
+
+    cmd = [sys.executable, "-m", "scripts.chat_cli", "-i", "sft", "-t", "0", "-m", "12", "--device_type", "cpu"]
+    env = subprocess_env(base_dir)
+    one = subprocess.run(cmd + ["-p", "Hello there"], env=env, capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stderr
+    assert one.stdout == reply1 + "\n"
+
+    # the conversation is kept between turns; `clear` starts over; `quit` leaves
+    stdin = "Hello there\nTell me more\nclear\nHello there\nquit\n"
+    chat = subprocess.run(cmd, input=stdin, env=env, capture_output=True, text=True, timeout=240)
+    assert chat.returncode == 0, chat.stderr
+    replies = [part.split("\n\nUser: ")[0] for part in chat.stdout.split("\nAssistant: ")[1:]]
+    assert replies == [reply1, reply2, reply1]
+    assert "Conversation cleared." in chat.stdout

@@ -1,0 +1,99 @@
+"""
+Train the tokenizer on the pretraining shards (rustbpe), in nanochat's way.
+
+    python -m scripts.tok_train                                   # defaults: 10B chars, docs capped at 10k chars, 65536 tokens
+    python -m scripts.tok_train --max_chars=2000000000 --vocab_size=65536
+    python -m scripts.tok_train --max-chars 5000000 --doc-cap 2000 --vocab-size 4096   # a quick CPU run
+
+Writes base_dir/tokenizer/tokenizer.pkl (tiktoken encoding) and base_dir/tokenizer/token_bytes.pt (bytes per
+token id, used to report losses in bits per byte).
+"""
+
+import os
+import time
+
+from nanochat.common import get_base_dir, print0
+from nanochat.configurator import parse_flags_or_exit
+from nanochat.dataset import list_parquet_files, parquets_iter_batched
+from nanochat.report import get_report
+from nanochat.tokenizer import RustBPETokenizer, compute_token_bytes, save_token_bytes
+
+defaults = dict(
+    max_chars=10_000_000_000,  # train on at most this many characters
+    doc_cap=10_000,  # characters kept from the start of each document
+    vocab_size=65536,  # including the 9 special tokens
+)
+
+
+def text_iterator(max_chars, doc_cap):
+    """Train-split documents, each cut to doc_cap chars, until max_chars chars have been given out."""
+    nchars = 0
+    for batch in parquets_iter_batched(split="train"):
+        for doc in batch:
+            text = doc[:doc_cap]
+            nchars += len(text)
+            yield text
+            if nchars >= max_chars:
+                return
+
+
+def main():
+    config = parse_flags_or_exit(defaults, description=__doc__)
+    max_chars, doc_cap, vocab_size = config["max_chars"], config["doc_cap"], config["vocab_size"]
+    if max_chars < 1 or doc_cap < 1:
+        raise SystemExit(f"error: --max_chars and --doc_cap must be positive, got {max_chars} and {doc_cap}")
+    print0(f"max_chars: {max_chars:,}\ndoc_cap: {doc_cap:,}\nvocab_size: {vocab_size:,}")
+
+    shards = list_parquet_files()
+    if len(shards) < 2:
+        data_dir = os.path.join(get_base_dir(), "base_data")
+        raise SystemExit(
+            f"error: the tokenizer trains on the train shards in {data_dir}, which has {len(shards)} shard(s) "
+            f"(the last shard is validation, so at least 2 are needed). Get data first:\n"
+            f"  python -m nanochat.dataset -n 8          # download FineWeb-Edu shards\n"
+            f"  python -m nanochat.dataset import PATH   # or import local .txt/.jsonl/.json/.parquet text (offline)"
+        )
+
+    t0 = time.time()
+    try:
+        tokenizer = RustBPETokenizer.train_from_iterator(text_iterator(max_chars, doc_cap), vocab_size)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    train_time = time.time() - t0
+    print0(f"Training time: {train_time:.2f}s")
+    if tokenizer.get_vocab_size() != vocab_size:
+        print0(
+            f"warning: the training text ran out of pairs to merge: the vocabulary has {tokenizer.get_vocab_size():,} "
+            f"tokens instead of {vocab_size:,} (train on more text or ask for a smaller --vocab_size)"
+        )
+
+    tokenizer_dir = os.path.join(get_base_dir(), "tokenizer")
+    tokenizer.save(tokenizer_dir)
+
+    # quick sanity check: ordinary text and special-token-looking text survive a round trip
+    test_text = "Round trip check: 3.14159 and 2,048 items\n\tindented, we'll see; ÅÄÖ ñ 東京 🚀 <|bos|> ~$%&*"
+    decoded = tokenizer.decode(tokenizer.encode(test_text))
+    if decoded != test_text:
+        raise SystemExit(f"error: the trained tokenizer does not round-trip text: {test_text!r} -> {decoded!r}")
+
+    token_bytes = compute_token_bytes(tokenizer)
+    path = save_token_bytes(token_bytes, tokenizer_dir)
+    print0(f"Saved token_bytes to {path}")
+
+    nonzero = token_bytes[token_bytes > 0].float()
+    stats = {
+        "train_time_s": round(train_time, 2),
+        "vocab_size": tokenizer.get_vocab_size(),
+        "num_special_tokens": int((token_bytes == 0).sum()),
+        "token_bytes_min": int(nonzero.min()),
+        "token_bytes_max": int(nonzero.max()),
+        "token_bytes_mean": round(nonzero.mean().item(), 3),
+        "token_bytes_std": round(nonzero.std().item(), 3) if nonzero.numel() > 1 else 0.0,
+    }
+    for k, v in stats.items():
+        print0(f"{k}: {v}")
+    get_report().log(section="Tokenizer training", data=[config, stats])
+
+
+if __name__ == "__main__":
+    main()

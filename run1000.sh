@@ -1,51 +1,9 @@
 #!/usr/bin/env bash
-# The ~$1000 tier: a d32 chat model end to end on one 8xH100 node (~33 hours), as nanochat's run1000.sh.
-#   bash run1000.sh                         (or: WANDB_RUN=d32 screen -L -Logfile run1000.log bash run1000.sh)
-# Stages: shards + tokenizer -> base d32 -> CORE/bpb -> mid -> SFT -> chat evals -> report card.
+# The ~$1000 tier, as nanochat's run1000.sh: a d32 chat model (1.9B params) end to end on one 8xH100 node (~33 hours).
+#   bash run1000.sh          (or: WANDB_RUN=d32 screen -L -Logfile run1000.log bash run1000.sh)
+# Same pipeline as speedrun.sh with d32 settings: 800 shards for ~20 tokens/param, and smaller per-GPU batches to fit
+# 80 GB at sequence length 2048 (gradient accumulation keeps the 0.5M-token optimizer batch).
 set -euo pipefail
 cd "$(dirname "$0")"
-export OMP_NUM_THREADS=1
-export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
-mkdir -p "$NANOCHAT_BASE_DIR"
-WANDB_RUN="${WANDB_RUN:-dummy}"
-NPROC="${NPROC:-8}"
-
-VENV="${NANOCHAT_VENV:-.venv}"
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
-"$VENV/bin/python" -c "import rustbpe, nanochat" 2>/dev/null || "$VENV/bin/python" -m pip install -q -e .
-PY="$VENV/bin/python"
-TORCHRUN="$VENV/bin/torchrun --standalone --nproc_per_node=$NPROC"
-
-"$PY" -m nanochat.report reset
-
-# tokenizer on ~2B characters of the first 8 shards, while the rest of the 800 shards download
-"$PY" -m nanochat.dataset -n 8
-"$PY" -m nanochat.dataset -n 800 &
-DOWNLOAD_PID=$!
-"$PY" -m scripts.tok_train --max_chars=2000000000 --vocab_size=65536
-"$PY" -m scripts.tok_eval
-
-# eval bundle for CORE (downloaded once into the base dir by base_eval itself when missing)
-echo "Waiting for the shard download..."
-wait $DOWNLOAD_PID
-
-# base model: d32 (1.9B params); device batch 8 to fit 80 GB with seq 2048 (grad accumulation keeps the 0.5M-token batch)
-$TORCHRUN -m scripts.base_train -- --depth=32 --device_batch_size=8 --run="$WANDB_RUN"
-$TORCHRUN -m scripts.base_loss
-$TORCHRUN -m scripts.base_eval
-
-# identity conversations for mid-training (nanochat's file; skip quietly if it cannot be fetched)
-curl -fsSL -o "$NANOCHAT_BASE_DIR/identity_conversations.jsonl" \
-    https://karpathy-public.s3.us-west-2.amazonaws.com/identity_conversations.jsonl || \
-    echo "could not download identity_conversations.jsonl; mid-training leaves it out"
-
-$TORCHRUN -m scripts.mid_train -- --device_batch_size=8 --run="$WANDB_RUN"
-$TORCHRUN -m scripts.chat_eval -- -i mid
-$TORCHRUN -m scripts.chat_sft -- --device_batch_size=4 --run="$WANDB_RUN"
-$TORCHRUN -m scripts.chat_eval -- -i sft
-# RL on GSM8K is optional in the speedrun (as in nanochat):
-# $TORCHRUN -m scripts.chat_rl -- --run="$WANDB_RUN" && $TORCHRUN -m scripts.chat_eval -- -i rl -a GSM8K
-
-"$PY" -m nanochat.report generate
-echo "Talk to it: $PY -m scripts.chat_web"
+export DEPTH=32 NUM_SHARDS=800 DEVICE_BATCH=8 MID_DEVICE_BATCH=8 SFT_DEVICE_BATCH=4
+exec bash speedrun.sh "$@"

@@ -9,7 +9,7 @@
 # missing are skipped and named.
 #
 # Environment: NANOCHAT_BASE_DIR (default ~/.cache/nanochat), NANOCHAT_VENV (default .venv),
-#              NANOCHAT_DATA_DIR (local task/eval data), RUNCPU_BASE_STEPS (default 400).
+#              NANOCHAT_DATA_DIR (local task/eval data), RUNCPU_BASE_STEPS (default 500).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -19,8 +19,20 @@ mkdir -p "$NANOCHAT_BASE_DIR"
 if [ -z "${NANOCHAT_DATA_DIR:-}" ] && [ -d ../shared/data ]; then
     export NANOCHAT_DATA_DIR="$(cd ../shared/data && pwd)"
 fi
-BASE_STEPS="${RUNCPU_BASE_STEPS:-400}"
+BASE_STEPS="${RUNCPU_BASE_STEPS:-500}"
 log() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
+
+# Stages after the base model depend on task data that may be missing offline: run each, and if one fails keep going
+# with the others, then list what failed at the end (and exit non-zero). Each stage prints what data it lacked.
+FAILED=()
+stage() {
+    local name="$1"; shift
+    "$@" && return 0
+    local rc=$?
+    printf '\n\033[31m!!! stage "%s" failed (exit %s): see its messages above\033[0m\n' "$name" "$rc"
+    FAILED+=("$name")
+    return 0
+}
 
 # Offline (no route to the Hugging Face hub): tell the datasets/hub libraries up front, so every task falls back to
 # $NANOCHAT_DATA_DIR at once instead of retrying network calls.
@@ -50,7 +62,7 @@ log "report: reset"
 DATA="$NANOCHAT_BASE_DIR/base_data"
 if ls "$DATA"/shard_*.parquet >/dev/null 2>&1 && [ "$(ls "$DATA"/shard_*.parquet | wc -l)" -ge 2 ]; then
     log "pretraining shards already in $DATA"
-elif timeout 120 "$PY" -m nanochat.dataset -n 4 -w 2 --max_attempts 2; then
+elif timeout 900 "$PY" -m nanochat.dataset -n 4 -w 2 --max_attempts 2; then
     log "downloaded 4 FineWeb-Edu shards"
 else
     rm -f "$DATA"/shard_*.parquet "$DATA"/*.tmp 2>/dev/null || true
@@ -88,30 +100,35 @@ log "tokenizer: train (vocab 4096) and evaluate"
 
 # ---------------------------------------------------------------- base model
 log "base model: d4, $BASE_STEPS steps"
-"$PY" -m scripts.base_train --depth=4 --max_seq_len=256 --device_batch_size=16 --total_batch_size=4096 \
-    --num_iterations="$BASE_STEPS" --eval_every=100 --eval_tokens=32768 --core_metric_every=-1 \
-    --sample_every=200 --matrix_lr=0.02 --embedding_lr=0.1 --warmdown_ratio=0.3
-"$PY" -m scripts.base_loss --device_batch_size=16 --split_tokens=32768
-"$PY" -m scripts.base_eval --max_per_task=16
+"$PY" -m scripts.base_train --device_type=cpu --depth=4 --max_seq_len=256 --device_batch_size=8 --total_batch_size=2048 \
+    --num_iterations="$BASE_STEPS" --eval_every=100 --eval_tokens=16384 --core_metric_every=-1 \
+    --sample_every=100 --warmdown_ratio=0.3
+"$PY" -m scripts.base_loss --device_type=cpu --device_batch_size=8 --split_tokens=16384
+stage "CORE eval" "$PY" -m scripts.base_eval --device_type=cpu --max_per_task=8
 
 # ---------------------------------------------------------------- mid-training, SFT, RL
 log "mid-training"
-"$PY" -m scripts.mid_train --max_seq_len=256 --device_batch_size=16 --total_batch_size=4096 --num_iterations=60 \
-    --eval_every=30 --eval_tokens=16384
-"$PY" -m scripts.chat_eval -i mid -a all -x 32 -m 64
+stage "mid-training" "$PY" -m scripts.mid_train --device_type=cpu --max_seq_len=256 --device_batch_size=8 \
+    --total_batch_size=2048 --num_iterations=150 --eval_every=50 --eval_tokens=8192
+stage "chat eval (mid)" "$PY" -m scripts.chat_eval --device_type=cpu -i mid -a all -x 24 -m 48
 
 log "SFT"
-"$PY" -m scripts.chat_sft --device_batch_size=8 --target_examples_per_step=16 --num_iterations=60 --eval_every=30 \
-    --eval_metrics_every=-1
-"$PY" -m scripts.chat_eval -i sft -a all -x 32 -m 64
+stage "SFT" "$PY" -m scripts.chat_sft --device_type=cpu --device_batch_size=4 --target_examples_per_step=8 \
+    --num_iterations=150 --eval_every=50 --eval_steps=4 --eval_metrics_every=-1
+stage "chat eval (sft)" "$PY" -m scripts.chat_eval --device_type=cpu -i sft -a all -x 24 -m 48
 
 log "RL (a few steps)"
-"$PY" -m scripts.chat_rl --num_samples=4 --max_new_tokens=64 --examples_per_step=2 --num_iterations=4 \
-    --eval_every=-1 --eval_examples=8
-"$PY" -m scripts.chat_eval -i rl -a GSM8K -x 16 -m 64
+stage "RL" "$PY" -m scripts.chat_rl --device_type=cpu --num_samples=4 --device_batch_size=4 --examples_per_step=2 \
+    --max_new_tokens=48 --num_iterations=4 --eval_every=-1 --eval_examples=8
+stage "chat eval (rl)" "$PY" -m scripts.chat_eval --device_type=cpu -i rl -a GSM8K -x 16 -m 48
 
 # ---------------------------------------------------------------- report
 log "report card"
 "$PY" -m nanochat.report generate
 echo
+if [ ${#FAILED[@]} -gt 0 ]; then
+    printf '\033[31mThese stages did not complete: %s\033[0m\n' "$(IFS=,; echo "${FAILED[*]}")"
+    echo "Usually missing data offline: point NANOCHAT_DATA_DIR at a directory laid out like ../shared/data (docs/data.md)."
+    exit 1
+fi
 echo "Done. Talk to the model:  $PY -m scripts.chat_cli -i sft    or    $PY -m scripts.chat_web -i sft"

@@ -288,6 +288,14 @@ def load_train_state(checkpoint_dir, step, model, optimizers, device, use_fsdp=F
             f"step {step} was saved by {saved_world} rank(s) but this run has {world_size}: the optimizer state and "
             f"data position are per rank, so resume with --nproc_per_node/--nnodes giving {saved_world} ranks"
         )
+    saved_fsdp = bool(meta.get("user_config", {}).get("use_fsdp", False))
+    if saved_fsdp != bool(use_fsdp):
+        paths = {True: "FSDP (--use_fsdp=1)", False: "DDP (--use_fsdp=0)"}
+        raise ValueError(
+            f"step {step} was saved by the {paths[saved_fsdp]} path, whose optimizer state this {paths[bool(use_fsdp)]} "
+            f"run cannot resume: resume with --use_fsdp={int(saved_fsdp)}. (The model file itself is the same on both "
+            f"paths: later stages such as mid_train load it either way.)"
+        )
     load_model_state(model, model_sd, use_fsdp)
     if len(optim_sd) != len(optimizers):
         raise ValueError(f"checkpoint has {len(optim_sd)} optimizer states but the run built {len(optimizers)}")

@@ -84,3 +84,14 @@ def test_resume_is_exact(base_dir, capsys):
     b, _, _ = load_checkpoint(str(dst), 2 * n, "cpu", load_optimizer=True)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_resume_refuses_other_parallelism_path(tmp_path):
+    """Optimizer state differs between the DDP and FSDP paths: resuming across them is a clear error, not a crash."""
+    from nanochat.gpt import GPTConfig
+
+    model = T.build_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=64), "cpu")
+    optimizers = model.setup_optimizers()
+    T.save_train_state(str(tmp_path), 3, model, optimizers, {"user_config": {"use_fsdp": True}})
+    with pytest.raises(ValueError, match="resume with --use_fsdp=1"):
+        T.load_train_state(str(tmp_path), 3, model, optimizers, "cpu", use_fsdp=False)

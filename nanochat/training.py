@@ -151,17 +151,25 @@ def all_reduce_mean(value, device):
     return t.item()
 
 
-def train_step(model, optimizers, next_batch, grad_accum_steps, grad_clip=1.0, autocast=None, loss_fn=None):
+def train_step(model, optimizers, next_batch, grad_accum_steps, grad_clip=1.0, autocast=None, loss_fn=None,
+               defer_grad_sync=False):
     """
     Accumulate gradients over `grad_accum_steps` micro-batches from `next_batch()` (returns (x, y) or (x, y, ...)),
     clip, step every optimizer, zero grads. Returns (global mean loss as float, grad norm or None, last batch extras).
     The distributed optimizers (DistAdamW/DistMuon/FSDP) average gradients across ranks themselves.
+    defer_grad_sync (FSDP only): reduce-scatter gradients once, after the last micro-batch, instead of after every one
+    (less traffic with many micro-steps; costs one unsharded gradient per rank).
     """
     autocast = autocast or contextlib.nullcontext
     device = next(model.parameters()).device
     loss_sum = torch.zeros((), device=device, dtype=torch.float32)
     extras = None
-    for _ in range(grad_accum_steps):
+    fsdp_module = getattr(model, "_orig_mod", model)  # torch.compile wraps the FSDP module
+    if defer_grad_sync and not hasattr(fsdp_module, "set_requires_gradient_sync"):
+        raise ValueError("--fsdp_defer_grad_sync=1 needs --use_fsdp=1")
+    for i in range(grad_accum_steps):
+        if defer_grad_sync:
+            fsdp_module.set_requires_gradient_sync(i == grad_accum_steps - 1)
         batch = next_batch()
         x, y = batch[0], batch[1]
         extras = batch[2:] if len(batch) > 2 else None

@@ -63,6 +63,7 @@ DEFAULTS = dict(
     dtype="auto",  # auto | bfloat16 | float32
     use_fsdp=False,
     fsdp_reduce_dtype="float32",
+    fsdp_defer_grad_sync=False,  # FSDP: reduce-scatter grads once per step, not per micro-step (more memory, less traffic)
     data_world_size=1,  # single process only: read data as W ranks would, to reproduce a W-rank run exactly
     seed=42,
 )
@@ -233,7 +234,8 @@ def main(argv=None):
         lrm = T.lr_multiplier(step, num_iterations, config["warmup_ratio"], config["warmdown_ratio"], config["final_lr_frac"])
         T.apply_schedule(optimizers, lrm, T.muon_momentum(step))
         t0 = time.time()
-        loss, grad_norm, _ = T.train_step(model, optimizers, next_batch, grad_accum * len(train_loaders), config["grad_clip"], autocast)
+        loss, grad_norm, _ = T.train_step(model, optimizers, next_batch, grad_accum * len(train_loaders), config["grad_clip"],
+                                          autocast, defer_grad_sync=config["fsdp_defer_grad_sync"])
         if device_type == "cuda":
             torch.cuda.synchronize()
         dt = time.time() - t0

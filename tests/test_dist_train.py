@@ -71,6 +71,16 @@ def test_fsdp_two_ranks_match_one_process(base_dir, use_muon):
     assert_same_run(base_dir, f"ref{use_muon}", ref, f"fsdp{use_muon}", p.stdout, steps)
 
 
+def test_fsdp_deferred_grad_sync_matches_one_process(base_dir):
+    """With 2 micro-steps per rank, reduce-scattering once per step gives the same run as syncing every micro-step."""
+    steps = 3
+    ref = single_process(base_dir, "refacc", steps, 2, ["--total_batch_size=1024"])
+    p = run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=1024", f"--num_iterations={steps}",
+                      "--model_tag=fsdpacc", "--use_fsdp=1", "--fsdp_defer_grad_sync=1"], env=subprocess_env(base_dir))
+    assert "2 accumulation" in p.stdout
+    assert_same_run(base_dir, "refacc", ref, "fsdpacc", p.stdout, steps)
+
+
 def test_resume_on_two_ranks_is_exact(base_dir):
     n = 3
     args = ["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={2 * n}", f"--save_every={n}"]

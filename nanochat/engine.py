@@ -429,7 +429,7 @@ class Engine:
         # 1) Prefill the prompt once, batch 1.
         prefill_cache = self._new_cache(1, len(tokens))
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
-        logits = self.model.forward(ids, kv_cache=prefill_cache)[:, -1, :]  # (1, V)
+        logits = self.model(ids, kv_cache=prefill_cache)[:, -1, :]  # (1, V)
 
         # 2) Copy it into num_samples rows; each row then samples on its own (its first token included).
         # Room for the whole reply when it is bounded by something reasonable; a longer one grows the cache as it
@@ -462,7 +462,7 @@ class Engine:
             if step == steps - 1 or all(row.completed for row in rows):
                 return
             ids = torch.tensor(token_column, dtype=torch.long, device=device).unsqueeze(1)
-            logits = self.model.forward(ids, kv_cache=cache)[:, -1, :]
+            logits = self.model(ids, kv_cache=cache)[:, -1, :]
 
     def generate_batch(self, tokens, num_samples=1, **kwargs):
         """

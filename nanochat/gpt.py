@@ -384,7 +384,7 @@ class GPT(nn.Module):
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
         for _ in range(max_tokens):
             ctx = ids[:, -self.rotary_seq_len :]  # the model cannot see further back than its rotary table
-            logits = self.forward(ctx)[:, -1, :]
+            logits = self(ctx)[:, -1, :]  # via __call__, not .forward: FSDP2 gathers sharded weights in its hooks
             if top_k is not None and top_k > 0:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float("inf")

@@ -192,7 +192,8 @@ def _fetch_to_tmp(url, tmp_path, timeout):
         if have > 0 and response.status == 206:
             start, total = _parse_content_range(response.headers.get("Content-Range"))
             if start != have:
-                raise DownloadError(f"server resumed at byte {start}, expected {have}; restarting")
+                os.remove(tmp_path)  # the next attempt then asks for the whole file instead of the same bad range
+                raise DownloadError(f"server resumed at byte {start}, expected {have}; restarting from zero")
             mode = "ab"
         else:
             # 200: the server sends the whole file (no Range support): start over

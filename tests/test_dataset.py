@@ -112,6 +112,7 @@ class ShardServer:
         self.fail_first = {}  # name -> number of leading requests answered with 503
         self.cut_first = {}  # name -> number of leading requests whose body stops half way
         self.ignore_range = False
+        self.misreport_range = 0  # leading Range requests answered 206 with the whole file (a wrong Content-Range)
         self.requests = []  # (name, Range header or None)
         self.lock = threading.Lock()
         server = self
@@ -134,7 +135,12 @@ class ShardServer:
                     return
                 body = server.files[name]
                 start = 0
-                if rng and not server.ignore_range:
+                if rng and server.misreport_range > 0:
+                    with server.lock:
+                        server.misreport_range -= 1
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes 0-{len(body) - 1}/{len(body)}")
+                elif rng and not server.ignore_range:
                     start = int(re.fullmatch(r"bytes=(\d+)-", rng).group(1))
                     if start >= len(body):
                         self.send_response(416)
@@ -193,6 +199,18 @@ def test_download_then_skip_complete_without_requests(server, tmp_path):
     server.requests.clear()
     assert download_shards(range(3), tmp_path, server.url, num_workers=1, **fast()) == []
     assert server.requests == []  # complete files: not a single request
+
+
+def test_download_restarts_when_server_resumes_at_wrong_offset(server, tmp_path):
+    """A partial .tmp resumed at the wrong byte is thrown away, so the next attempt fetches the whole file."""
+    add_shards(server, 1)
+    name = "shard_00000.parquet"
+    body = server.files[name]
+    (tmp_path / (name + ".tmp")).write_bytes(body[:100])
+    server.misreport_range = 99  # every Range request gets the wrong answer: only a restart from zero can succeed
+    assert download_shards(range(1), tmp_path, server.url, num_workers=1, **fast()) == []
+    assert (tmp_path / name).read_bytes() == body
+    assert [r for _, r in server.requests] == ["bytes=100-", None]
 
 
 def test_download_retries_server_errors(server, tmp_path):

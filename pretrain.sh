@@ -370,20 +370,26 @@ main() {
     # The preset batch is what fits one GPU's memory; on many GPUs one step of it can exceed the whole total batch
     # (d20: 16 rows x 2048 tokens x 32 GPUs = 1M tokens > 524288). Then halve it, loudly, unless it was given.
     local DBS_NOTE=""
-    if ((!DBS_GIVEN)); then
-        local total=524288 seq=2048 p # base_train's defaults, unless passed through
-        for p in ${PASS[@]+"${PASS[@]}"}; do
-            case "$p" in
-                --total_batch_size=*) total="${p#*=}" ;;
-                --max_seq_len=*) seq="${p#*=}" ;;
-            esac
-        done
-        if is_uint "$total" && is_uint "$seq"; then
-            local before=$DBS world=$((NNODES * NPROC))
+    local total=524288 seq=2048 p # base_train's defaults, unless passed through
+    for p in ${PASS[@]+"${PASS[@]}"}; do
+        case "$p" in
+            --total_batch_size=*) total="${p#*=}" ;;
+            --max_seq_len=*) seq="${p#*=}" ;;
+        esac
+    done
+    if is_uint "$total" && is_uint "$seq" && ((total > 0)); then
+        local before=$DBS world=$((NNODES * NPROC))
+        if ((!DBS_GIVEN)); then
             while ((DBS > 1 && DBS * seq * world > total)); do DBS=$((DBS / 2)); done
             if ((DBS != before)); then
                 DBS_NOTE="preset device_batch_size $before x $seq tokens x $world processes exceeds total_batch_size $total: using $DBS (pass --device_batch_size=$before --total_batch_size=$((before * seq * world)) to keep $before)"
             fi
+        fi
+        # base_train refuses a total batch that is not a whole number of micro-batches: say so now, before any
+        # download or tokenizer training, rather than after
+        local unit=$((DBS * seq * world))
+        if [[ "$MODE" != posttrain ]] && ((total % unit != 0)); then
+            die "total_batch_size $total is not divisible by device_batch_size x max_seq_len x processes = $DBS x $seq x $world = $unit: pass --total_batch_size=$(((total / unit + 1) * unit)) or a --device_batch_size that divides it"
         fi
     fi
 

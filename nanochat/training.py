@@ -339,14 +339,14 @@ def batch_arithmetic(total_batch_size, device_batch_size, max_seq_len, world_siz
 CPU_EVAL_STEPS = 4
 
 
-def eval_steps_for(eval_tokens, default_eval_tokens, tokens_per_fwdbwd, device_type, enabled=True):
+def eval_steps_for(eval_tokens, default_eval_tokens, tokens_per_fwdbwd, device_type, enabled=True, flag="eval_tokens"):
     """Batches per bpb evaluation; on CPU a default that would take long is cut to CPU_EVAL_STEPS with a note."""
     if not enabled:
         return 0
     steps = max(1, eval_tokens // tokens_per_fwdbwd)
     if device_type == "cpu" and eval_tokens == default_eval_tokens and steps > CPU_EVAL_STEPS:
-        print0(f"Note: on CPU the default --eval_tokens={default_eval_tokens} would take {steps} eval batches; "
-               f"using {CPU_EVAL_STEPS}. Set --eval_tokens explicitly to override.")
+        print0(f"Note: on CPU the default --{flag}={default_eval_tokens} would take {steps} eval batches; "
+               f"using {CPU_EVAL_STEPS}. Set --{flag} explicitly to override.")
         steps = CPU_EVAL_STEPS
     return steps
 

@@ -14,7 +14,7 @@ from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes
-from nanochat.training import autocast_ctx, resolve_dtype
+from nanochat.training import autocast_ctx, eval_steps_for, resolve_dtype
 
 DEFAULTS = dict(
     device_type="",
@@ -47,7 +47,8 @@ def main(argv=None):
                                         step=config["model_step"] if config["model_step"] >= 0 else None)
     T = config["max_seq_len"] if config["max_seq_len"] > 0 else model.config.sequence_len
     B = config["device_batch_size"]
-    steps = max(1, config["split_tokens"] // (B * T * world_size))
+    steps = eval_steps_for(config["split_tokens"], DEFAULTS["split_tokens"], B * T * world_size, device.type,
+                           flag="split_tokens")
     token_bytes = get_token_bytes(device=device)
     results = {}
     for split in ("train", "val"):

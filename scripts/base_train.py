@@ -67,6 +67,7 @@ DEFAULTS = dict(
     data_world_size=1,  # single process only: read data as W ranks would, to reproduce a W-rank run exactly
     seed=42,
 )
+CPU_CORE_MAX_PER_TASK = 16
 
 def main(argv=None):
     config = parse_flags_or_exit(DEFAULTS, argv, description=__doc__)
@@ -123,6 +124,12 @@ def main(argv=None):
     core_bundle = None
     if config["core_metric_every"] > 0:
         from nanochat.core_eval import get_bundle_dir
+
+        if device_type == "cpu" and config["core_metric_max_per_task"] == DEFAULTS["core_metric_max_per_task"]:
+            config["core_metric_max_per_task"] = CPU_CORE_MAX_PER_TASK
+            print0(f"Note: on CPU CORE uses {CPU_CORE_MAX_PER_TASK} examples per task instead of "
+                   f"{DEFAULTS['core_metric_max_per_task']} (~11k forwards); set --core_metric_max_per_task to override, "
+                   f"or --core_metric_every=-1 to turn CORE off.")
 
         try:
             core_bundle = get_bundle_dir()

@@ -122,7 +122,8 @@ def test_single_node_cpu_runs_one_standalone_process(tmp_path):
 
 
 def test_single_node_counts_visible_gpus(tmp_path):
-    p = run_pretrain(tmp_path, env=base_env(tmp_path, CUDA_VISIBLE_DEVICES="0,1,3"))
+    # 3 GPUs: 524288 tokens are no whole number of 16 x 2048 x 3 micro-batches, so give a total that is
+    p = run_pretrain(tmp_path, "--total_batch_size=589824", env=base_env(tmp_path, CUDA_VISIBLE_DEVICES="0,1,3"))
     calls = torchrun_calls(parse(p.stdout)[1])
     assert calls["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=3"]
     # no CUDA_VISIBLE_DEVICES: nvidia-smi -L decides
@@ -193,9 +194,12 @@ def test_preset_batch_is_halved_when_one_step_exceeds_the_total_batch(tmp_path):
     assert calls["scripts.base_train"][1][:2] == ["--depth=20", "--device_batch_size=8"]
     assert "--total_batch_size=1048576 to keep 16" in p.stdout
     # a larger total batch, or an explicit device batch, is left alone
-    for extra in (["--total_batch_size=1048576"], ["--device_batch_size=16"]):
+    for extra in (["--total_batch_size=1048576"], ["--device_batch_size=16", "--total_batch_size=1048576"]):
         calls = torchrun_calls(parse(run_pretrain(tmp_path, *extra, env=env).stdout)[1])
         assert calls["scripts.base_train"][1][1] == "--device_batch_size=16"
+    # an explicit device batch that cannot make the total batch is refused before anything runs
+    p = run_pretrain(tmp_path, "--device_batch_size=16", env=env, check=False)
+    assert p.returncode != 0 and "--total_batch_size=1048576" in p.stderr
     # a shorter sequence fits twice the rows
     calls = torchrun_calls(parse(run_pretrain(tmp_path, "--max_seq_len=1024", env=env).stdout)[1])
     assert calls["scripts.base_train"][1][1] == "--device_batch_size=16"
@@ -669,3 +673,15 @@ def test_volc_submit_without_cli_says_how_to_install(tmp_path):
     if subprocess.run(["bash", "-c", "command -v volc"], env={"PATH": "/usr/bin:/bin"}).returncode == 0:
         pytest.skip("a real volc CLI is installed in /usr/bin")
     assert p.returncode != 0 and "volc CLI is not installed" in p.stderr and "--dry-run" in p.stderr
+
+
+def test_indivisible_total_batch_is_refused_before_any_work(tmp_path):
+    """3 nodes x 8 GPUs at d20: no device batch makes 524288 tokens whole micro-batches; say so up front."""
+    env = slurm_env(tmp_path, 0, nodelist="gpu[01-03]", nnodes=3)
+    p = run_pretrain(tmp_path, "--depth=20", env=env, check=False)
+    assert p.returncode != 0
+    assert "not divisible" in p.stderr and "--total_batch_size=786432" in p.stderr
+    assert "RUN:" not in p.stdout  # nothing was launched or prepared
+    # the suggested total works
+    p = run_pretrain(tmp_path, "--depth=20", "--total_batch_size=786432", env=env)
+    assert "--total_batch_size=786432" in " ".join(torchrun_calls(parse(p.stdout)[1])["scripts.base_train"][1])

@@ -22,10 +22,55 @@ def test_exception_is_a_failure_with_its_traceback():
     assert 'File "<generated>", line 2, in f' in r.stderr
 
 
-def test_failed_assert_fails_and_sys_exit_zero_succeeds():
+def test_failed_assert_fails_and_nonzero_exit_fails():
     assert not execute_code("assert 1 + 1 == 3").success
-    assert execute_code("import sys\nprint('x')\nsys.exit(0)").success
     assert not execute_code("import sys\nsys.exit(3)").success
+
+
+# a wrong answer followed by an early exit must not pass: success needs the program to run to its end
+WRONG_THEN_CHECK = "def f():\n    return 42\n{exit}\nassert f() == 1, 'wrong answer'\nprint('checked')\n"
+
+
+@pytest.mark.parametrize("exit_call", ["exit()", "quit()", "import sys; sys.exit(0)", "import sys; sys.exit()",
+                                       "raise SystemExit", "raise SystemExit(0)", "import os; os._exit(0)",
+                                       "import posix; posix._exit(0)"])
+def test_exit_before_the_checks_is_a_failure(exit_call):
+    r = execute_code("print('before', flush=True)\n" + WRONG_THEN_CHECK.format(exit=exit_call))
+    assert not r.success and not r.timeout and not r.memory_exceeded, r
+    assert "before" in r.stdout and "checked" not in r.stdout
+    if "_exit" in exit_call:
+        assert "before it ran to its end" in r.error and "os._exit" in r.error, r
+    else:
+        assert r.error.startswith("SystemExit: the program called exit(") and "before it ran to its end" in r.error, r
+
+
+def test_exit_in_an_atexit_handler_or_thread_does_not_fake_a_pass():
+    # the wrong answer still fails: the checks run (and fail) before any handler could exit
+    r = execute_code("import atexit, os\natexit.register(os._exit, 0)\n" + WRONG_THEN_CHECK.format(exit="pass"))
+    assert not r.success and "AssertionError: wrong answer" in r.error, r
+    # a correct program that exits 0 from a thread still passes
+    ok = execute_code("import threading, sys\nt = threading.Thread(target=sys.exit)\nt.start(); t.join()\nprint('ok')")
+    assert ok.success and ok.stdout == "ok\n", ok
+
+
+def test_passing_program_still_passes_and_the_marker_is_not_in_the_output(monkeypatch):
+    r = execute_code("def f():\n    return 1\nassert f() == 1\nprint('checked', end='')")
+    assert r.success and r.error is None and r.stdout == "checked" and r.stderr == "", r
+    # the token file is gone before the code runs and argv / environment do not hold the token
+    import nanochat.execution
+    token = "f00d" * 8
+    monkeypatch.setattr(nanochat.execution.secrets, "token_hex", lambda n: token)
+    r = execute_code("import os, sys\nprint(sorted(os.listdir('.')))\nprint(sys.argv)\n"
+                     "print(open('/proc/self/cmdline', 'rb').read())\nprint(open('/proc/self/environ', 'rb').read())")
+    assert r.success, r
+    assert ".nanochat_token" not in r.stdout.splitlines()[0] and ".nanochat_done" not in r.stdout.splitlines()[0]
+    assert token not in r.stdout
+
+
+def test_the_program_cannot_write_the_marker_itself():
+    # without the per-run token, writing the marker file by hand and exiting early is still a failure
+    r = execute_code("open('.nanochat_done', 'w').write('0' * 32)\nimport os\nos._exit(0)")
+    assert not r.success and "before it ran to its end" in r.error, r
 
 
 def test_infinite_loop_times_out():
@@ -82,6 +127,36 @@ def test_destructive_file_calls_are_disabled(tmp_path):
         assert not r.success and "PermissionError" in r.error, (call, r)
     assert victim.read_text() == "keep me"
     assert oct(victim.stat().st_mode & 0o777) != oct(0)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the posix module")
+def test_posix_module_bypass_is_blocked(tmp_path):
+    victim = tmp_path / "data.txt"
+    victim.write_text("keep me")
+    flag = tmp_path / "ran.txt"
+    for call in [f"import posix\nposix.unlink({str(victim)!r})", f"import posix\nposix.remove({str(victim)!r})",
+                 f"import posix\nposix.rename({str(victim)!r}, {str(victim) + '.moved'!r})",
+                 f"import posix\nposix.truncate({str(victim)!r}, 0)",
+                 f"import posix\nposix.system('touch {flag}')",
+                 f"import posix\nposix.posix_spawn('/usr/bin/touch', ['touch', {str(flag)!r}], {{}})",
+                 f"import posix\nposix.execv('/usr/bin/touch', ['touch', {str(flag)!r}])",
+                 "import posix\npid = posix.fork()\nprint('forked', pid)",
+                 "import posix\nposix.kill(posix.getppid(), 0)",
+                 f"import subprocess\nsubprocess._fork_exec(*[None] * 23)",
+                 f"import os\nos.posix_spawnp('touch', ['touch', {str(flag)!r}], {{}})"]:
+        r = execute_code(call)
+        assert not r.success and r.error.startswith("PermissionError"), (call, r)
+        assert "disabled in the nanochat execution sandbox" in r.error, (call, r)
+        assert "forked" not in r.stdout
+    assert victim.read_text() == "keep me"
+    assert not flag.exists(), "a command ran"
+
+
+@pytest.mark.parametrize("module", ["_posixsubprocess", "pty", "ctypes", "multiprocessing"])
+def test_process_spawning_modules_are_unimportable(module):
+    r = execute_code(f"import {module}\nprint('imported')")
+    assert not r.success and r.error.startswith(("ImportError", "ModuleNotFoundError")), r
+    assert "imported" not in r.stdout
 
 
 def test_runs_in_a_fresh_temp_dir_that_is_removed():

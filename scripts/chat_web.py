@@ -51,6 +51,7 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 0.0, 2.0
 MIN_TOP_K, MAX_TOP_K = 0, 200  # 0 = no top-k
 MIN_MAX_TOKENS, MAX_MAX_TOKENS = 1, 4096
 MAX_N = 8  # completions per /v1 request (rows sampled together on one worker)
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts (signed or unsigned 64-bit)
 MAX_BODY_BYTES = 1_000_000
 DISCONNECT_POLL_S = 0.1  # how often a waiting request checks whether its client is still there
 
@@ -294,6 +295,9 @@ def validate_openai_request(body, defaults, model_name):
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise RequestError(f"seed must be an integer, got {json.dumps(seed)}", "seed")
+    if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
+        # torch.Generator.manual_seed takes any signed or unsigned 64-bit integer and raises outside that range
+        raise RequestError(f"seed must be between {MIN_SEED} and {MAX_SEED}, got {seed}", "seed")
     top_p = _number(body, "top_p", 0.0, 1.0, None)
     if top_p is not None and top_p == 0.0:
         raise RequestError("top_p must be greater than 0 (use temperature 0 for greedy decoding)", "top_p")
@@ -327,7 +331,9 @@ async def read_json_body(request):
         raise RequestError("the request body is empty; send a JSON object")
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:  # e.g. '[' * 50000: nested deeper than the parser can follow
+        raise RequestError("the request body is nested too deeply to parse; send a flatter JSON object") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer with too many digits, ...
         raise RequestError(f"the request body is not valid JSON: {e}") from None
 
 

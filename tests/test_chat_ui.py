@@ -140,11 +140,68 @@ def test_send_message_and_see_streamed_reply(browser, server):
     page.close()
 
 
-def test_validation_errors_are_shown(browser, server):
+def posted_messages(requests):
+    return [json.loads(r.post_data)["messages"] for r in requests if r.method == "POST"]
+
+
+def test_validation_errors_are_shown_and_the_rejected_message_is_taken_back(browser, server):
     page = browser.new_page()
+    requests = []
+    page.on("request", lambda req: requests.append(req))
     page.goto(server.base_url + "/")
-    page.fill("#input", "x" * 8001)  # over the server's per-message limit
+    too_long = "x" * 8001  # over the server's per-message limit: a 400
+    page.fill("#input", too_long)
     page.click("#send")
     page.wait_for_selector("#error:not(:empty)", timeout=30_000)
     assert "the limit is 8000" in page.text_content("#error")
+    # the rejected message left the conversation and the page, and its text is back in the input box to edit
+    assert page.locator(".message").count() == 0 and page.locator("#hint").count() == 1
+    assert page.input_value("#input") == too_long
+    assert page.locator("#regenerate").is_hidden()
+
+    # so the next (normal) message is sent on its own and succeeds
+    page.fill("#input", "Hello there")
+    page.press("#input", "Enter")
+    page.wait_for_selector(".message.assistant:not(.streaming)", timeout=30_000)
+    assert page.text_content("#error") == ""
+    assert page.locator(".message.user").all_text_contents() == ["Hello there"]
+    assert page.locator(".message.assistant").count() == 1 and page.locator(".message.assistant.empty").count() == 0
+    assert posted_messages(requests)[-1] == [{"role": "user", "content": "Hello there"}]
+    reply = page.locator(".message.assistant").nth(0).text_content()
+
+    # a follow-up that is too long is taken back too; the earlier exchange stays and the conversation goes on
+    page.fill("#input", too_long)
+    page.click("#send")
+    page.wait_for_selector("#error:not(:empty)", timeout=30_000)
+    assert page.locator(".message.user").all_text_contents() == ["Hello there"]
+    assert page.locator(".message.assistant").count() == 1 and page.input_value("#input") == too_long
+    page.fill("#input", "And then?")
+    page.click("#send")
+    page.wait_for_function("document.querySelectorAll('.message.assistant:not(.streaming)').length === 2", timeout=30_000)
+    assert page.text_content("#error") == ""
+    assert posted_messages(requests)[-1] == [
+        {"role": "user", "content": "Hello there"}, {"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"},
+    ]
+    page.close()
+
+
+def test_network_error_before_any_token_takes_the_message_back(browser, server):
+    page = browser.new_page()
+    requests = []
+    page.on("request", lambda req: requests.append(req))
+    page.goto(server.base_url + "/")
+    page.route("**/chat/completions", lambda route: route.abort("connectionrefused"))
+    page.fill("#input", "Are you there?")
+    page.press("#input", "Enter")
+    page.wait_for_selector("#error:not(:empty)", timeout=30_000)
+    assert page.text_content("#error").startswith("Error: ")
+    assert page.locator(".message").count() == 0 and page.input_value("#input") == "Are you there?"
+
+    # the network is back: sending the restored text works, and it is sent once
+    page.unroute("**/chat/completions")
+    page.press("#input", "Enter")
+    page.wait_for_selector(".message.assistant:not(.streaming)", timeout=30_000)
+    assert page.text_content("#error") == "" and page.input_value("#input") == ""
+    assert page.locator(".message.user").all_text_contents() == ["Are you there?"]
+    assert posted_messages(requests)[-1] == [{"role": "user", "content": "Are you there?"}]
     page.close()

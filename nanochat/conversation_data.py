@@ -12,11 +12,18 @@ the padding, so the loss is exactly the assistant's own tokens.
 
 Stage setup: `build_mixture` (leave out tasks whose data is not available, saying which), `load_stage_model`
 (load the previous stage's checkpoint, or say which command makes one), `scale_initial_lr`, `save_stage_model`.
+
+Under torchrun every rank looks for the task data itself (local files, a hub probe), so ranks could disagree about
+what exists: one would then evaluate or train on a task another left out, and their collectives would pair up wrong
+or hang. `build_on_every_rank` makes that decision collective (a task is used only if every rank has it, and has it
+the same size), and `raise_on_every_rank` turns an error one rank hits before a collective into an error on every
+rank. In a single process both do nothing more than the plain code would.
 """
 
 import torch
+import torch.distributed as dist
 
-from nanochat.common import get_base_dir, get_dist_info, print0
+from nanochat.common import get_base_dir, get_dist_info, is_ddp_initialized, print0
 
 # the command that produces each checkpoint source, for "no checkpoint" errors
 STAGE_COMMANDS = {
@@ -28,6 +35,91 @@ STAGE_COMMANDS = {
 
 
 # -----------------------------------------------------------------------------
+# agreeing across ranks
+
+
+def _world_size():
+    return dist.get_world_size() if is_ddp_initialized() else 1
+
+
+def _collective_device():
+    """Where a small tensor for a collective lives: the current CUDA device under nccl, else the CPU (gloo)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def raise_on_every_rank(error, what):
+    """
+    Every rank calls this with the exception it hit (or None) before the next collective. If any rank hit one,
+    every rank raises: its own exception where it has one, else a RuntimeError naming the ranks that failed and why.
+    In one process (or without torch.distributed initialised) it only re-raises `error` if there is one.
+    """
+    if _world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    flag = torch.tensor([int(error is not None)], dtype=torch.long, device=_collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return
+    messages = [None] * _world_size()
+    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = {r: m for r, m in enumerate(messages) if m is not None}
+    raise RuntimeError(f"{what} failed on " + "; ".join(f"rank {r}: {m}" for r, m in failed.items()))
+
+
+def build_on_every_rank(name, build):
+    """
+    build() on this rank -> the task, decided the same way on every rank. In one process this is just build().
+    Under torchrun (world > 1) it is collective (every rank must call it, for the same tasks in the same order):
+    - a rank whose build() raised anything but TaskDataNotFound makes every rank raise (`raise_on_every_rank`);
+    - if any rank raised TaskDataNotFound, every rank raises TaskDataNotFound: its own where no rank found the data,
+      else one naming the ranks that lacked it and where they looked (the task is used only if every rank has it);
+    - if every rank built it but the sizes differ (ranks read different copies of the data), every rank raises
+      ValueError.
+    """
+    from tasks.data import TaskDataNotFound
+
+    world = _world_size()
+    task = not_found = error = None
+    try:
+        task = build()
+    except TaskDataNotFound as e:
+        not_found = e
+    except Exception as e:
+        if world == 1:
+            raise
+        error = e
+    if world == 1:
+        if not_found is not None:
+            raise not_found
+        return task
+    raise_on_every_rank(error, f"loading {name}")
+    size = torch.tensor([-1 if task is None else len(task)], dtype=torch.long, device=_collective_device())
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    sizes = [int(s.item()) for s in sizes]
+    lacking = [r for r, s in enumerate(sizes) if s < 0]
+    if len(lacking) == world:
+        raise not_found
+    if lacking:
+        looked = [None] * world
+        dist.all_gather_object(looked, None if not_found is None else not_found.looked)
+        ranks = ", ".join(map(str, lacking))
+        raise TaskDataNotFound(
+            f"{name} on rank(s) {ranks} (the other ranks found it, but a task is used only if every rank has it)",
+            [f"rank {r}: {place}" for r in lacking for place in looked[r]],
+        )
+    if len(set(sizes)) > 1:
+        raise ValueError(f"{name} has a different size on each rank ({', '.join(f'rank {r}: {s:,}' for r, s in enumerate(sizes))}): "
+                         f"every rank must read the same copy of its data (check NANOCHAT_DATA_DIR on every node)")
+    return task
+
+
+# -----------------------------------------------------------------------------
 # task mixtures
 
 
@@ -35,7 +127,8 @@ def build_mixture(specs, what):
     """
     specs: list of (name, factory) where factory() builds a Task. A task whose data is nowhere to be found
     (TaskDataNotFound) is left out with a message naming it and where it was looked for; if none is left this is an
-    error. Returns (TaskMixture, names of the tasks used).
+    error. Returns (TaskMixture, names of the tasks used). Under torchrun it is collective: a task is used only if
+    every rank found it (`build_on_every_rank`), so every rank gets the same mixture.
     """
     from tasks.common import TaskMixture
     from tasks.data import TaskDataNotFound
@@ -43,7 +136,7 @@ def build_mixture(specs, what):
     tasks, used, missing = [], [], []
     for name, factory in specs:
         try:
-            task = factory()
+            task = build_on_every_rank(name, factory)
         except TaskDataNotFound as e:
             missing.append(name)
             print0(f"[{what}] leaving out {name}: {e}")
@@ -178,8 +271,24 @@ def sft_batches(dataset, tokenizer, B, device="cpu", rank=0, world_size=1, max_t
     Endless iterator of (inputs, targets) on `device`, B conversations per batch: this rank takes examples rank,
     rank + world_size, ... of `dataset`, pass after pass. Rows are padded with <|assistant_end|> (never a target).
     Conversations are cut at max_tokens; one cut before its first assistant token has nothing to train and is
-    skipped (it would only cost compute).
+    skipped (it would only cost compute). Under torchrun the first next() is collective: a rank whose share has
+    nothing to train on makes every rank raise there, instead of leaving the others waiting in the first backward.
     """
+    batches = _sft_batches(dataset, tokenizer, B, device, rank, world_size, max_tokens)
+    if world_size == 1 or _world_size() == 1:
+        yield from batches
+        return
+    first = error = None
+    try:
+        first = next(batches)  # a share with nothing to train raises here, before any batch (passes all look alike)
+    except Exception as e:
+        error = e
+    raise_on_every_rank(error, "making the SFT batches")
+    yield first
+    yield from batches
+
+
+def _sft_batches(dataset, tokenizer, B, device, rank, world_size, max_tokens):
     if len(dataset) < world_size:
         raise ValueError(f"{len(dataset)} conversations cannot be split over {world_size} ranks")
     pad_id = tokenizer.encode_special("<|assistant_end|>")

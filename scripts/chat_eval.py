@@ -12,7 +12,8 @@ if any sample is right (pass@num_samples).
 
 ChatCORE is the mean over the six tasks of the centered accuracy (acc - baseline) / (1 - baseline), baseline 0.25
 for the 4-way multiple choice tasks and 0 for the generative ones. A task whose data cannot be found is skipped with
-a message naming what is missing, and ChatCORE is then marked partial.
+a message naming what is missing, and ChatCORE is then marked partial. Under torchrun a task is evaluated only if
+every rank found its data (the ranks agree before evaluating it, so their counts are always summed for one task).
 """
 
 import argparse
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, get_dist_info, print0
 from nanochat.configurator import add_dashed_aliases
+from nanochat.conversation_data import build_on_every_rank
 from tasks.data import TaskDataNotFound
 
 TASK_NAMES = ["ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee"]
@@ -48,6 +50,14 @@ def build_task(name, data_dir=None):
     if name not in builders:
         raise ValueError(f"unknown task {name!r}; choose from {', '.join(TASK_NAMES)} or all")
     return builders[name]()
+
+
+def build_task_on_every_rank(name, data_dir=None):
+    """build_task, agreed between ranks under torchrun (collective there): every rank gets the task, or every rank
+    raises TaskDataNotFound (naming the ranks that lacked the data when only some did)."""
+    if name not in TASK_NAMES:
+        raise ValueError(f"unknown task {name!r}; choose from {', '.join(TASK_NAMES)} or all")
+    return build_on_every_rank(name, lambda: build_task(name, data_dir))
 
 
 def _reduce_counts(passed, total, device):
@@ -140,8 +150,9 @@ def run_generative_eval(task, tokenizer, model, engine, num_samples, max_new_tok
 
 def run_chat_eval(task_name, model, tokenizer, engine, batch_size=1, num_samples=1, max_new_tokens=512,
                   temperature=0.0, top_k=50, max_problems=None, data_dir=None, task=None):
-    """Accuracy of the model on one task (by name). Used by this script and by chat_sft's periodic evals."""
-    task = task if task is not None else build_task(task_name, data_dir)
+    """Accuracy of the model on one task (by name). Used by this script and by chat_sft's periodic evals. Under
+    torchrun every rank must call it for the same tasks in the same order (the counts are summed across ranks)."""
+    task = task if task is not None else build_task_on_every_rank(task_name, data_dir)
     if task.eval_type == "categorical":
         return run_categorical_eval(task, tokenizer, model, batch_size, max_problems)
     if task.eval_type == "generative":
@@ -201,7 +212,7 @@ def main(argv=None):
     results, missing = {}, {}
     for name in task_names:
         try:
-            task = build_task(name, args.data_dir)
+            task = build_task_on_every_rank(name, args.data_dir)
         except TaskDataNotFound as e:
             missing[name] = "; ".join(e.looked)
             print0(f"Skipping {name}: {e}")

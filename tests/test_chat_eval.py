@@ -238,3 +238,81 @@ def test_ddp_splits_problems_and_all_reduces(tmp_path):
     assert r0["cat"] == r1["cat"] == sum(k == "A" for k in keys) / 11
     assert r0["gen"] == r1["gen"] == expected_gen
     assert (r0["seen"], r1["seen"]) == (6, 5)  # 11 problems strided over 2 ranks
+
+
+MISSING_ON_ONE_RANK_SCRIPT = """
+import json, os, sys
+os.environ["NANOCHAT_DATA_DIR"] = {dirs!r}[int(os.environ["RANK"])]  # rank 1's data dir lacks ARC-Easy
+sys.path.insert(0, {tests!r})
+from nanochat.common import compute_init
+from nanochat.conversation_data import build_mixture, sft_batches
+from nanochat.tokenizer import RustBPETokenizer
+from scripts.chat_eval import main
+from tasks.arc import ARC
+ddp, rank, _, world, device = compute_init("cpu")
+out = {{"world": world}}
+mixture, out["used"] = build_mixture([("ARC-Easy", lambda: ARC("ARC-Easy", "test")),
+                                      ("ARC-Challenge", lambda: ARC("ARC-Challenge", "test"))], "dist test")
+out["mixture"] = len(mixture)
+# rank 1's only conversation is cut before its assistant turn: nothing to train there, an error on every rank
+tok = RustBPETokenizer.from_directory({tokdir!r})
+short = {{"messages": [{{"role": "user", "content": "hi"}}, {{"role": "assistant", "content": "hello"}}]}}
+long = {{"messages": [{{"role": "user", "content": "word " * 200}}, {{"role": "assistant", "content": "ok"}}]}}
+try:
+    next(sft_batches([short, long], tok, B=1, rank=rank, world_size=world, max_tokens=32))
+    out["sft"] = "no error"
+except Exception as e:
+    out["sft"] = f"{{type(e).__name__}}: {{e}}"
+res = main(["-i", "sft", "-a", "ARC-Easy|ARC-Challenge", "-x", "6", "-b", "2", "--device_type", "cpu"])
+out["results"], out["missing"] = res["results"], res["missing"]
+with open({out!r} + f".{{rank}}", "w") as f:
+    json.dump(out, f)
+"""
+
+
+@pytest.mark.dist
+def test_ddp_ranks_agree_on_a_task_one_rank_lacks(tmp_path):
+    """
+    Two ranks, rank 1's data dir lacks ARC-Easy (and the hub is unreachable): build_mixture and chat_eval leave
+    ARC-Easy out on both ranks, naming rank 1 and where it looked; the run completes with ARC-Challenge summed over
+    both ranks. An SFT share with nothing to train on one rank raises on both instead of hanging.
+    """
+    from conftest import run_torchrun, subprocess_env
+    from nanochat.checkpoint_manager import save_checkpoint
+
+    arc = shared("arc")
+    dirs = [tmp_path / "data0", tmp_path / "data1"]
+    dirs[0].mkdir()
+    (dirs[0] / "arc").symlink_to(arc)
+    (dirs[1] / "arc").mkdir(parents=True)
+    (dirs[1] / "arc" / "ARC-Challenge-test.jsonl").symlink_to(arc / "ARC-Challenge-test.jsonl")
+    base = tmp_path / "base"
+    tok = tiny_tokenizer()
+    tok.save(str(base / "tokenizer"))
+    model = tiny_model(tok.get_vocab_size(), depth=1, sequence_len=128)
+    cfg = {"sequence_len": 128, "vocab_size": tok.get_vocab_size(), "n_layer": 1, "n_head": 1, "n_kv_head": 1,
+           "n_embd": 64}
+    save_checkpoint(str(base / "chatsft_checkpoints" / "d1"), 3, model.state_dict(), None,
+                    {"model_config": cfg, "step": 3})
+    script = tmp_path / "dist_missing.py"
+    out = tmp_path / "out.json"
+    script.write_text(MISSING_ON_ONE_RANK_SCRIPT.format(dirs=[str(d) for d in dirs], tests=str(Path(__file__).parent),
+                                                        tokdir=str(base / "tokenizer"), out=str(out)))
+    env = subprocess_env(base, HF_ENDPOINT=f"http://127.0.0.1:{closed_port()}")
+    env.pop("HF_HUB_OFFLINE", None)
+    env.pop("NANOCHAT_DATA_DIR", None)
+    p = run_torchrun([str(script)], nproc=2, env=env, timeout=180)
+    r0, r1 = (json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1))
+    assert r0["world"] == r1["world"] == 2
+    assert r0["used"] == r1["used"] == ["ARC-Challenge"] and r0["mixture"] == r1["mixture"] > 0
+    assert "leaving out ARC-Easy" in p.stdout and "rank(s) 1" in p.stdout
+    assert r1["sft"].startswith("ValueError: no conversation of this rank's share")
+    assert r0["sft"].startswith("RuntimeError: making the SFT batches failed on rank 1: ValueError: no conversation")
+    assert list(r0["results"]) == list(r1["results"]) == ["ARC-Challenge"]
+    assert r0["results"] == r1["results"] and r0["results"]["ARC-Challenge"] in {k / 6 for k in range(7)}
+    assert list(r0["missing"]) == list(r1["missing"]) == ["ARC-Easy"]
+    for missing in (r0["missing"], r1["missing"]):
+        assert "rank 1: " in missing["ARC-Easy"] and "ARC-Easy-test.jsonl" in missing["ARC-Easy"]
+        assert "rank 0" not in missing["ARC-Easy"]
+    report = (base / "report" / "chat-evaluation-sft.md").read_text()
+    assert "ARC-Easy" in report and "rank 1: " in report

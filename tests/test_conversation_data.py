@@ -160,6 +160,27 @@ def test_mixture_leaves_out_missing_tasks_by_name(tmp_path, capsys):
         build_mixture([("SmolTalk", missing)], "test data")
 
 
+def test_rank_agreement_is_a_pass_through_in_one_process():
+    """Without torchrun the collective helpers change nothing: same result, same exception (the torchrun case is
+    tests/test_chat_eval.py::test_ddp_ranks_agree_on_a_task_one_rank_lacks)."""
+    from nanochat.conversation_data import build_on_every_rank, raise_on_every_rank
+    from tasks.data import TaskDataNotFound
+
+    raise_on_every_rank(None, "nothing")
+    with pytest.raises(KeyError):
+        raise_on_every_rank(KeyError("k"), "something")
+    items = [1, 2]
+    assert build_on_every_rank("list", lambda: items) is items
+    with pytest.raises(ZeroDivisionError):
+        build_on_every_rank("broken", lambda: 1 / 0)
+
+    def missing():
+        raise TaskDataNotFound("X", ["nowhere"])
+
+    with pytest.raises(TaskDataNotFound, match="could not find the data for X"):
+        build_on_every_rank("X", missing)
+
+
 class _ListTask:
     def __init__(self, items):
         self.items = items

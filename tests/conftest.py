@@ -42,14 +42,21 @@ def subprocess_env(base_dir=None, **extra):
 
 def run_torchrun(args, nproc=2, env=None, timeout=300, extra_launcher_args=()):
     """Run `torchrun --nproc_per_node=N ... args` with gloo on CPU; fail the test with its output on error/timeout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *extra_launcher_args]
-    if not any(a.startswith("--master_port") or a.startswith("--rdzv") or a == "--standalone" for a in extra_launcher_args):
-        cmd += ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    cmd += list(args)
-    try:
-        p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun timed out after {timeout}s: {' '.join(cmd)}\n{e.stdout}\n{e.stderr}")
+    pick_port = not any(a.startswith("--master_port") or a.startswith("--rdzv") or a == "--standalone"
+                        for a in extra_launcher_args)
+    for attempt in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *extra_launcher_args]
+        if pick_port:
+            cmd += ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+        cmd += list(args)
+        try:
+            p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"torchrun timed out after {timeout}s: {' '.join(cmd)}\n{e.stdout}\n{e.stderr}")
+        # the free port we picked can be taken by another process before torchrun binds it: try once more
+        port_taken = "address already in use" in (p.stderr + p.stdout).lower() or "EADDRINUSE" in p.stderr
+        if p.returncode == 0 or not (pick_port and port_taken and attempt == 0):
+            break
     if p.returncode != 0:
         pytest.fail(f"torchrun failed ({p.returncode}): {' '.join(cmd)}\nSTDOUT:\n{p.stdout[-6000:]}\nSTDERR:\n{p.stderr[-6000:]}")
     return p

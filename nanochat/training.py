@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.checkpoint_manager import clean_state_dict, load_checkpoint, save_checkpoint
-from nanochat.common import get_dist_info, is_ddp_initialized, peak_flops_for, print0
+from nanochat.common import compute_init, get_dist_info, is_ddp_initialized, peak_flops_for, print0
 
 # -----------------------------------------------------------------------------
 # precision
@@ -41,6 +41,17 @@ def autocast_ctx(device_type, dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.amp.autocast(device_type=device_type, dtype=dtype)
+
+
+def setup_run(config):
+    """
+    The start of every training script: torch.distributed/device setup from --device_type and --seed, and the
+    autocast context for --dtype. Returns (ddp, rank, local_rank, world_size, device, autocast) where autocast()
+    gives a fresh context manager.
+    """
+    ddp, rank, local_rank, world_size, device = compute_init(config["device_type"] or None, seed=config["seed"])
+    dtype = resolve_dtype(config["dtype"], device.type)
+    return ddp, rank, local_rank, world_size, device, lambda: autocast_ctx(device.type, dtype)
 
 
 # -----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import time
 import torch
 
 from nanochat.checkpoint_manager import checkpoint_root
-from nanochat.common import compute_cleanup, compute_init, get_wandb, print0, print_banner
+from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.configurator import parse_flags_or_exit
 from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.gpt import config_for_depth
@@ -74,11 +74,9 @@ def main(argv=None):
     user_config = dict(config)
     print_banner()
 
-    ddp, rank, local_rank, world_size, device = compute_init(config["device_type"] or None, seed=config["seed"])
+    ddp, rank, local_rank, world_size, device, autocast = T.setup_run(config)
     device_type = device.type
     master = rank == 0
-    dtype = T.resolve_dtype(config["dtype"], device_type)
-    autocast = lambda: T.autocast_ctx(device_type, dtype)  # noqa: E731
     if config["data_world_size"] > 1 and world_size > 1:
         raise ValueError("--data_world_size is for single-process runs that reproduce a multi-rank run; unset it")
     data_world = max(world_size, config["data_world_size"])

@@ -21,7 +21,7 @@ import torch
 
 from nanochat import training as T
 from nanochat.checkpoint_manager import checkpoint_root
-from nanochat.common import compute_cleanup, compute_init, get_dist_info, get_wandb, is_ddp_initialized, print0, print_banner
+from nanochat.common import compute_cleanup, get_dist_info, get_wandb, is_ddp_initialized, print0, print_banner
 from nanochat.configurator import parse_flags_or_exit
 from nanochat.conversation_data import collate_sft, load_stage_model, save_stage_model, scale_initial_lr
 from nanochat.engine import Engine
@@ -151,11 +151,9 @@ def main(argv=None):
     if config["num_samples"] < 1 or config["device_batch_size"] < 1:
         raise ValueError("--num_samples and --device_batch_size must be >= 1")
 
-    ddp, rank, local_rank, world_size, device = compute_init(config["device_type"] or None, seed=config["seed"])
+    ddp, rank, local_rank, world_size, device, autocast = T.setup_run(config)
     device_type = device.type
     master = rank == 0
-    dtype = T.resolve_dtype(config["dtype"], device_type)
-    autocast = lambda: T.autocast_ctx(device_type, dtype)  # noqa: E731
 
     if config["examples_per_step"] % world_size != 0:
         raise ValueError(f"--examples_per_step={config['examples_per_step']} must be divisible by the {world_size} ranks")

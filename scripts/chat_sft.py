@@ -22,7 +22,7 @@ import torch
 
 from nanochat import training as T
 from nanochat.checkpoint_manager import checkpoint_root
-from nanochat.common import compute_cleanup, compute_init, get_wandb, print0, print_banner
+from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.configurator import parse_flags_or_exit
 from nanochat.conversation_data import build_mixture, held_out_tasks, load_stage_model, save_stage_model, scale_initial_lr, sft_batches
 
@@ -107,11 +107,9 @@ def main(argv=None):
     if config["eval_every"] > 0 and config["eval_steps"] < 1:
         raise ValueError("--eval_steps must be >= 1 (or turn the validation off with --eval_every=-1)")
 
-    ddp, rank, local_rank, world_size, device = compute_init(config["device_type"] or None, seed=config["seed"])
+    ddp, rank, local_rank, world_size, device, autocast = T.setup_run(config)
     device_type = device.type
     master = rank == 0
-    dtype = T.resolve_dtype(config["dtype"], device_type)
-    autocast = lambda: T.autocast_ctx(device_type, dtype)  # noqa: E731
 
     model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
     model_config = model.config

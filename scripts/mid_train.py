@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from nanochat import training as T
 from nanochat.checkpoint_manager import checkpoint_root
-from nanochat.common import compute_cleanup, compute_init, get_wandb, is_ddp_initialized, print0, print_banner
+from nanochat.common import compute_cleanup, get_wandb, is_ddp_initialized, print0, print_banner
 from nanochat.configurator import parse_flags_or_exit
 from nanochat.conversation_data import ConversationPacker, build_mixture, held_out_tasks, load_stage_model, scale_initial_lr
 from nanochat.loss_eval import evaluate_bpb
@@ -101,11 +101,9 @@ def main(argv=None):
     user_config = dict(config)
     print_banner()
 
-    ddp, rank, local_rank, world_size, device = compute_init(config["device_type"] or None, seed=config["seed"])
+    ddp, rank, local_rank, world_size, device, autocast = T.setup_run(config)
     device_type = device.type
     master = rank == 0
-    dtype = T.resolve_dtype(config["dtype"], device_type)
-    autocast = lambda: T.autocast_ctx(device_type, dtype)  # noqa: E731
 
     # the base model and its tokenizer
     model, tokenizer, base_meta = load_stage_model("base", device, config["model_tag"], config["model_step"])

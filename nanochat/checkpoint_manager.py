@@ -18,6 +18,7 @@ import re
 
 import torch
 
+from nanochat.atomic import atomic_write
 from nanochat.common import barrier, get_base_dir, setup_default_logging
 
 setup_default_logging()
@@ -42,43 +43,13 @@ def checkpoint_root(source):
 # atomic writes
 
 
-def _fsync_dir(path):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes_via(path, write_fn):
-    """Call write_fn(file_object) on a temp file next to `path`, fsync it, then rename it over `path`."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write_fn(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    _fsync_dir(directory)
-
-
 def atomic_torch_save(obj, path):
-    atomic_write_bytes_via(path, lambda f: torch.save(obj, f))
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def atomic_json_save(obj, path):
     data = json.dumps(obj, indent=2).encode("utf-8")
-    atomic_write_bytes_via(path, lambda f: f.write(data))
+    atomic_write(path, lambda f: f.write(data))
 
 
 # -----------------------------------------------------------------------------

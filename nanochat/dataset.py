@@ -30,6 +30,7 @@ from multiprocessing import Pool
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from nanochat.atomic import fsync_dir
 from nanochat.configurator import add_dashed_aliases
 
 # -----------------------------------------------------------------------------
@@ -106,20 +107,6 @@ def parquets_iter_batched(split, start=0, step=1, data_dir=None):
 def _check_text_column(pf, path):
     if "text" not in pf.schema_arrow.names:
         raise ValueError(f"{path} has no 'text' column (columns: {pf.schema_arrow.names}); shards need one")
-
-
-def _fsync_dir(path):
-    # the rename of a finished file is durable only once its directory entry is flushed
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # -----------------------------------------------------------------------------
@@ -241,7 +228,7 @@ def download_single_file(index, data_dir=None, base_url=None, max_attempts=5, ba
                 os.remove(tmp_path)
                 raise
             os.replace(tmp_path, path)
-            _fsync_dir(data_dir)
+            fsync_dir(data_dir)
             print(f"Successfully downloaded {filename}")
             return True
         except _NotRetryable as e:
@@ -640,7 +627,7 @@ def import_corpus(
             os.remove(os.path.join(out_dir, f))
         for name in train_names + [val_name, IMPORT_INFO]:
             os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
-        _fsync_dir(out_dir)
+        fsync_dir(out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log(

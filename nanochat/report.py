@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 
+from nanochat.atomic import atomic_write
 from nanochat.common import get_base_dir, get_dist_info
 
 # The order sections appear in the report (others are appended after these, in file-name order).
@@ -156,10 +157,7 @@ class Report:
         os.makedirs(report_dir, exist_ok=True)
 
     def _write(self, path, text):
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
     def log(self, section, data):
         """Write one section: data is a list of dicts (rendered as '- key: value') and strings (verbatim)."""

@@ -12,9 +12,10 @@ import copy
 import os
 import pickle
 import sys
-import tempfile
 
 import tiktoken
+
+from nanochat.atomic import atomic_write
 
 SPECIAL_TOKENS = [
     # every document begins with the Beginning of Sequence token, which also delimits documents
@@ -37,27 +38,6 @@ SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| 
 
 TOKENIZER_FILENAME = "tokenizer.pkl"
 TOKEN_BYTES_FILENAME = "token_bytes.pt"
-
-
-def _atomic_write(path, write):
-    """Write a file via a temp file in the same directory + fsync + rename, so readers never see half a file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        # mkstemp makes the file private (0600); give it the usual permissions (0666 less the umask)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class RustBPETokenizer:
@@ -117,7 +97,7 @@ class RustBPETokenizer:
     def save(self, tokenizer_dir):
         """Write tokenizer_dir/tokenizer.pkl (a pickled tiktoken.Encoding), atomically."""
         path = os.path.join(tokenizer_dir, TOKENIZER_FILENAME)
-        _atomic_write(path, lambda f: pickle.dump(self.enc, f))
+        atomic_write(path, lambda f: pickle.dump(self.enc, f))
         print(f"Saved tokenizer encoding to {path}")
         return path
 
@@ -329,7 +309,7 @@ def save_token_bytes(token_bytes, tokenizer_dir):
     import torch
 
     path = os.path.join(tokenizer_dir, TOKEN_BYTES_FILENAME)
-    _atomic_write(path, lambda f: torch.save(token_bytes, f))
+    atomic_write(path, lambda f: torch.save(token_bytes, f))
     return path
 
 

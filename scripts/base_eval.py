@@ -12,10 +12,12 @@ eval_bundle.zip there. Writes <base_dir>/base_eval/<model>.csv and the "Base mod
 import argparse
 import contextlib
 import csv
+import io
 import os
 
 import torch
 
+from nanochat.atomic import atomic_write
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, get_base_dir, print0
 from nanochat.configurator import add_dashed_aliases
 from nanochat.core_eval import evaluate_model, get_bundle_dir
@@ -23,19 +25,16 @@ from nanochat.core_eval import evaluate_model, get_bundle_dir
 
 def write_results_csv(path, out):
     """Task, Accuracy, Centered per task (missing tasks with empty values and a note), then the CORE row."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["Task", "Accuracy", "Centered", "Note"])
-        for label, acc in out["results"].items():
-            w.writerow([label, f"{acc:.6f}", f"{out['centered_results'][label]:.6f}", ""])
-        for label in out["missing"]:
-            w.writerow([label, "", "", "missing data file"])
-        note = f"partial: {out['num_tasks']}/{out['num_tasks_total']} tasks" if out["partial"] else ""
-        w.writerow(["CORE", "", f"{out['core_metric']:.6f}", note])
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["Task", "Accuracy", "Centered", "Note"])
+    for label, acc in out["results"].items():
+        w.writerow([label, f"{acc:.6f}", f"{out['centered_results'][label]:.6f}", ""])
+    for label in out["missing"]:
+        w.writerow([label, "", "", "missing data file"])
+    note = f"partial: {out['num_tasks']}/{out['num_tasks_total']} tasks" if out["partial"] else ""
+    w.writerow(["CORE", "", f"{out['core_metric']:.6f}", note])
+    atomic_write(path, lambda f: f.write(buf.getvalue().encode("utf-8")))
 
 
 def main(argv=None):

@@ -14,10 +14,12 @@ With HF_HUB_OFFLINE=1 there is no probe: `datasets` then reads its local cache o
 """
 
 import os
-import socket
+import shutil
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from nanochat.atomic import atomic_write
 
 HUB_PROBE_TIMEOUT = 3.0  # seconds; the hub answers a HEAD in well under a second when it is reachable
 
@@ -86,25 +88,12 @@ def load_hf_dataset(name, subset, split, looked):
 
 def download_file(url, dest, timeout=15.0):
     """
-    Download url to dest atomically (unique tmp file + fsync + os.replace), so concurrent ranks that race to
+    Download url to dest atomically (nanochat.atomic: unique tmp file + fsync + rename), so concurrent ranks that race to
     fetch the same file each write their own tmp and the last rename wins with a complete file.
     Raises OSError (urllib.error.URLError) on any network failure; a partial file is never left at dest.
     """
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    # host + pid: ranks on several nodes may share this directory
-    tmp = dest.with_name(f"{dest.name}.tmp.{socket.gethostname()}.{os.getpid()}")
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp, open(tmp, "wb") as f:
-            while True:
-                chunk = resp.read(1 << 20)
-                if not chunk:
-                    break
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    # the response is opened first, so a network failure leaves nothing behind; each writer has its own temp file
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        atomic_write(str(dest), lambda f: shutil.copyfileobj(resp, f, 1 << 20))
     return dest

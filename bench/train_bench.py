@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from nanochat import training as T  # noqa: E402
+from nanochat.training import autocast_ctx, build_model, resolve_dtype, train_step  # noqa: E402
 from nanochat.common import autodetect_device_type, peak_flops_for  # noqa: E402
 from nanochat.configurator import parse_flags_or_exit  # noqa: E402
 from nanochat.gpt import config_for_depth  # noqa: E402
@@ -57,15 +57,15 @@ def sync(device):
 def bench_one(cfg, attn, device):
     device_type = device.type
     torch.manual_seed(cfg["seed"])
-    dtype = T.resolve_dtype(cfg["dtype"], device_type)
+    dtype = resolve_dtype(cfg["dtype"], device_type)
     model_config = config_for_depth(cfg["depth"], cfg["vocab_size"], cfg["max_seq_len"])
-    model = T.build_model(model_config, device, cfg["init"], attn)
+    model = build_model(model_config, device, cfg["init"], attn)
     orig_model = model
     compiled = bool(cfg["compile"]) and device_type == "cuda"
     if compiled:
         model = torch.compile(model, dynamic=False)
-    optimizers = T.setup_optimizers(orig_model, use_muon=cfg["use_muon"])
-    autocast = lambda: T.autocast_ctx(device_type, dtype)  # noqa: E731
+    optimizers = orig_model.setup_optimizers(use_muon=cfg["use_muon"])  # one process: the DDP path's optimizers
+    autocast = lambda: autocast_ctx(device_type, dtype)  # noqa: E731
 
     B, L = cfg["device_batch_size"], cfg["max_seq_len"]
     g = torch.Generator().manual_seed(cfg["seed"])
@@ -83,7 +83,7 @@ def bench_one(cfg, attn, device):
     for step in range(cfg["warmup"] + cfg["steps"]):
         sync(device)
         t0 = time.perf_counter()
-        loss, _, _ = T.train_step(model, optimizers, next_batch, 1, cfg["grad_clip"], autocast)  # .item() syncs too
+        loss, _, _ = train_step(model, optimizers, next_batch, 1, cfg["grad_clip"], autocast)  # .item() syncs too
         sync(device)
         dt = time.perf_counter() - t0
         losses.append(loss)

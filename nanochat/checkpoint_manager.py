@@ -92,12 +92,18 @@ def is_step_complete(checkpoint_dir, step):
 
 
 def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=0):
-    """Returns (model_state_dict, optimizer_state_dict or None, meta_dict)."""
+    """
+    Returns (model_state_dict, optimizer_state_dict or None, meta_dict).
+    The model state dict stays on the CPU, memory-mapped from the file (mmap=True): no bytes are read until a tensor
+    is used, so moving it tensor by tensor to the GPU holds one copy there and none in process memory, and an FSDP
+    rank that slices its rows out of each tensor reads only those rows. The optimizer state (per rank, small) goes
+    to `device`.
+    """
     model_path, meta_path, optim_path = _paths(checkpoint_dir, step, rank)
     for p in (model_path, meta_path):
         if not os.path.exists(p):
             raise FileNotFoundError(f"checkpoint step {step} is incomplete or missing: {p} does not exist")
-    model_data = torch.load(model_path, map_location=device, weights_only=False)
+    model_data = torch.load(model_path, map_location="cpu", mmap=True, weights_only=True)
     optimizer_data = None
     if load_optimizer:
         if not os.path.exists(optim_path):
@@ -152,25 +158,59 @@ def clean_state_dict(state_dict):
     return {k.removeprefix("_orig_mod."): v for k, v in state_dict.items()}
 
 
-def build_model(checkpoint_dir, step, device, phase):
-    """Rebuild a GPT from a checkpoint. phase: 'train' or 'eval' (sets model.train()/eval())."""
-    from nanochat.gpt import GPT, GPTConfig
+WEIGHTS_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def weights_dtype_for(device_type, phase, requested=None):
+    """
+    The dtype the weights of a loaded model are held in. requested: auto|bfloat16|float32, default the environment
+    variable NANOCHAT_WEIGHTS_DTYPE, else auto. auto = bf16 for evaluation/inference on CUDA, fp32 otherwise:
+    - CUDA eval: the matmuls run under bf16 autocast, which rounds fp32 weights to bf16 on every forward anyway, so
+      bf16 weights give the same matmuls at half the memory (an fp32 d64 plus its autocast copies does not leave
+      room to evaluate on one 80 GB GPU) and without the per-forward casts.
+    - training keeps fp32 master weights (the optimizers need them); CPU/MPS compute in fp32 (bf16 matmuls on CPU are
+      ~10x slower), so bf16 checkpoints written on a GPU are widened there.
+    """
+    requested = requested or os.environ.get("NANOCHAT_WEIGHTS_DTYPE") or "auto"
+    if requested not in WEIGHTS_DTYPES:
+        raise ValueError(f"weights dtype must be one of {'|'.join(WEIGHTS_DTYPES)} (NANOCHAT_WEIGHTS_DTYPE), got {requested!r}")
+    if WEIGHTS_DTYPES[requested] is not None:
+        return WEIGHTS_DTYPES[requested]
+    return torch.bfloat16 if device_type == "cuda" and phase == "eval" else torch.float32
+
+
+def model_from_state_dict(model_data, config, device, dtype=torch.float32):
+    """
+    A GPT holding `model_data` on `device`, built without a second copy of the weights: the modules are made on the
+    meta device (no memory), each checkpoint tensor is moved/cast once and assigned into place, and only the derived
+    buffers (rotary tables) are computed on the device. (to_empty() + init_weights() before loading would hold two
+    full copies on the device at once.) Floating tensors are cast to `dtype`.
+    """
+    from nanochat.gpt import GPT
+
+    device = torch.device(device)
+    state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in model_data.items()}
+    with torch.device("meta"):
+        model = GPT(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.init_buffers()  # rotary tables on the device, attention backend for it
+    return model
+
+
+def build_model(checkpoint_dir, step, device, phase, weights_dtype=None):
+    """Rebuild a GPT from a checkpoint. phase: 'train' or 'eval' (sets model.train()/eval()); weights_dtype: see
+    weights_dtype_for."""
+    from nanochat.gpt import GPTConfig
     from nanochat.tokenizer import get_tokenizer
 
     if phase not in ("train", "eval"):
         raise ValueError(f"phase must be 'train' or 'eval', got {phase!r}")
     device = torch.device(device)
+    dtype = weights_dtype_for(device.type, phase, weights_dtype)
     model_data, _, meta = load_checkpoint(checkpoint_dir, step, device, load_optimizer=False)
-    model_data = clean_state_dict(model_data)
-    if device.type in ("cpu", "mps"):
-        # bf16 checkpoints written on GPU: CPU matmuls are far faster (and MPS more complete) in fp32
-        model_data = {k: v.float() if v.dtype == torch.bfloat16 else v for k, v in model_data.items()}
     config = GPTConfig(**meta["model_config"])
-    with torch.device("meta"):
-        model = GPT(config)
-    model.to_empty(device=device)
-    model.init_weights()  # also builds the non-persistent rotary buffers; weights are overwritten below
-    model.load_state_dict(model_data, strict=True, assign=True)
+    model = model_from_state_dict(clean_state_dict(model_data), config, device, dtype)
+    del model_data
     model.train() if phase == "train" else model.eval()
     tokenizer = get_tokenizer()
     if tokenizer.get_vocab_size() != config.vocab_size:
@@ -181,7 +221,7 @@ def build_model(checkpoint_dir, step, device, phase):
     return model, tokenizer, meta
 
 
-def load_model_from_dir(checkpoints_dir, device, phase, model_tag=None, step=None):
+def load_model_from_dir(checkpoints_dir, device, phase, model_tag=None, step=None, weights_dtype=None):
     if model_tag is None:
         model_tag = find_largest_model(checkpoints_dir)
         logger.info(f"No model tag given, using {model_tag}")
@@ -190,9 +230,9 @@ def load_model_from_dir(checkpoints_dir, device, phase, model_tag=None, step=Non
         raise FileNotFoundError(f"no checkpoints for model tag {model_tag!r} in {checkpoints_dir}")
     if step is None:
         step = find_last_step(checkpoint_dir)
-    return build_model(checkpoint_dir, step, device, phase)
+    return build_model(checkpoint_dir, step, device, phase, weights_dtype)
 
 
-def load_model(source, device, phase, model_tag=None, step=None):
+def load_model(source, device, phase, model_tag=None, step=None, weights_dtype=None):
     """(model, tokenizer, meta) for source in base|mid|sft|rl: the largest model tag and last step by default."""
-    return load_model_from_dir(checkpoint_root(source), device, phase, model_tag=model_tag, step=step)
+    return load_model_from_dir(checkpoint_root(source), device, phase, model_tag=model_tag, step=step, weights_dtype=weights_dtype)

@@ -1,6 +1,7 @@
 """
-Small utilities every part of nanochat uses: the base directory, rank-0 printing, logging,
-device detection and torch.distributed setup/teardown.
+Small utilities every part of nanochat uses: the base directory, rank-0 printing, logging, wandb, peak FLOPS.
+Device detection and torch.distributed setup/teardown are in nanochat/dist.py (re-exported here: nanochat's
+`from nanochat.common import compute_init, get_dist_info` keeps working).
 """
 
 import logging
@@ -8,7 +9,9 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
+
+# torch.distributed setup lives in nanochat/dist.py; nanochat's scripts import these names from here
+from nanochat.dist import autodetect_device_type, barrier, compute_cleanup, compute_init, get_dist_info, is_ddp_initialized  # noqa: F401
 
 # -----------------------------------------------------------------------------
 # Logging: one format for every entrypoint, colours only on a terminal.
@@ -57,18 +60,7 @@ def get_base_dir():
 
 
 # -----------------------------------------------------------------------------
-# Distributed helpers
-
-
-def get_dist_info():
-    """(is_distributed, rank, local_rank, world_size) from torchrun's environment variables."""
-    if all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
-        return True, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    return False, 0, 0, 1
-
-
-def is_ddp_initialized():
-    return dist.is_available() and dist.is_initialized()
+# Printing
 
 
 def print0(*args, **kwargs):
@@ -85,66 +77,6 @@ def print_banner():
         " | | | | (_| | | | | (_) | (__| | | | (_| | |_ \n"
         " |_| |_|\\__,_|_| |_|\\___/ \\___|_| |_|\\__,_|\\__|\n"
     )
-
-
-def autodetect_device_type():
-    """cuda > mps > cpu."""
-    if torch.cuda.is_available():
-        return "cuda"
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
-
-
-def compute_init(device_type=None, seed=42):
-    """
-    Seed, pick the device and, under torchrun, init the process group (nccl on CUDA, gloo on CPU).
-    Returns (ddp, rank, local_rank, world_size, device).
-    """
-    device_type = device_type or autodetect_device_type()
-    if device_type not in ("cuda", "mps", "cpu"):
-        raise ValueError(f"device_type must be one of cuda|mps|cpu, got {device_type!r}")
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device_type=cuda was asked for but torch sees no CUDA device; use --device_type=cpu")
-    if device_type == "mps" and not torch.backends.mps.is_available():
-        raise RuntimeError("--device_type=mps was asked for but MPS is not available; use --device_type=cpu")
-
-    torch.manual_seed(seed)
-    if device_type == "cuda":
-        torch.cuda.manual_seed(seed)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        torch.set_float32_matmul_precision("high")
-
-    ddp, rank, local_rank, world_size = get_dist_info()
-    if ddp and device_type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        if not dist.is_initialized():
-            dist.init_process_group(backend="nccl", device_id=device)
-        dist.barrier()
-    elif ddp:
-        if device_type == "mps":
-            raise RuntimeError("distributed training on MPS is not supported; use --device_type=cpu under torchrun")
-        device = torch.device("cpu")
-        if not dist.is_initialized():
-            dist.init_process_group(backend="gloo")
-        dist.barrier()
-    else:
-        device = torch.device(device_type)
-    if rank == 0:
-        logger.info(f"Distributed world size: {world_size}" if ddp else f"Single process on {device}")
-    return ddp, rank, local_rank, world_size, device
-
-
-def compute_cleanup():
-    if is_ddp_initialized():
-        dist.destroy_process_group()
-
-
-def barrier():
-    if is_ddp_initialized():
-        dist.barrier()
 
 
 class DummyWandb:

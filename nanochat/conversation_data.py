@@ -10,20 +10,24 @@ SFT (`sft_batches`, `collate_sft`): one conversation per row, padded to the long
 -1 wherever the render mask is 0 (system/user turns, the tool outputs the engine forces at inference time) and on
 the padding, so the loss is exactly the assistant's own tokens.
 
-Stage setup: `build_mixture` (leave out tasks whose data is not available, saying which), `load_stage_model`
-(load the previous stage's checkpoint, or say which command makes one), `scale_initial_lr`, `save_stage_model`.
+Stage setup: `load_stage_model` (load the previous stage's checkpoint, or say which command makes one) and
+`scale_initial_lr`; saving a stage's model is nanochat.training.save_stage_model. Which tasks a stage trains and
+validates on, and how they become one mixture, is tasks/suites.py: this library never imports tasks/ (the scripts
+pass the tasks in).
 
 Under torchrun every rank looks for the task data itself (local files, a hub probe), so ranks could disagree about
 what exists: one would then evaluate or train on a task another left out, and their collectives would pair up wrong
 or hang. `build_on_every_rank` makes that decision collective (a task is used only if every rank has it, and has it
-the same size), and `raise_on_every_rank` turns an error one rank hits before a collective into an error on every
-rank. In a single process both do nothing more than the plain code would.
+the same size), and `raise_on_every_rank` (nanochat/dist.py) turns an error one rank hits before a collective into
+an error on every rank. In a single process both do nothing more than the plain code would.
 """
 
 import torch
 import torch.distributed as dist
 
-from nanochat.common import get_base_dir, get_dist_info, is_ddp_initialized, print0
+from nanochat.common import get_base_dir
+from nanochat.data_sources import TaskDataNotFound
+from nanochat.dist import collective_device, dist_world_size, raise_on_every_rank
 
 # the command that produces each checkpoint source, for "no checkpoint" errors
 STAGE_COMMANDS = {
@@ -38,39 +42,6 @@ STAGE_COMMANDS = {
 # agreeing across ranks
 
 
-def _world_size():
-    return dist.get_world_size() if is_ddp_initialized() else 1
-
-
-def _collective_device():
-    """Where a small tensor for a collective lives: the current CUDA device under nccl, else the CPU (gloo)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def raise_on_every_rank(error, what):
-    """
-    Every rank calls this with the exception it hit (or None) before the next collective. If any rank hit one,
-    every rank raises: its own exception where it has one, else a RuntimeError naming the ranks that failed and why.
-    In one process (or without torch.distributed initialised) it only re-raises `error` if there is one.
-    """
-    if _world_size() == 1:
-        if error is not None:
-            raise error
-        return
-    flag = torch.tensor([int(error is not None)], dtype=torch.long, device=_collective_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if not flag.item():
-        return
-    messages = [None] * _world_size()
-    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = {r: m for r, m in enumerate(messages) if m is not None}
-    raise RuntimeError(f"{what} failed on " + "; ".join(f"rank {r}: {m}" for r, m in failed.items()))
-
-
 def build_on_every_rank(name, build):
     """
     build() on this rank -> the task, decided the same way on every rank. In one process this is just build().
@@ -81,9 +52,7 @@ def build_on_every_rank(name, build):
     - if every rank built it but the sizes differ (ranks read different copies of the data), every rank raises
       ValueError.
     """
-    from tasks.data import TaskDataNotFound
-
-    world = _world_size()
+    world = dist_world_size()
     task = not_found = error = None
     try:
         task = build()
@@ -98,7 +67,7 @@ def build_on_every_rank(name, build):
             raise not_found
         return task
     raise_on_every_rank(error, f"loading {name}")
-    size = torch.tensor([-1 if task is None else len(task)], dtype=torch.long, device=_collective_device())
+    size = torch.tensor([-1 if task is None else len(task)], dtype=torch.long, device=collective_device())
     sizes = [torch.empty_like(size) for _ in range(world)]
     dist.all_gather(sizes, size)
     sizes = [int(s.item()) for s in sizes]
@@ -117,61 +86,6 @@ def build_on_every_rank(name, build):
         raise ValueError(f"{name} has a different size on each rank ({', '.join(f'rank {r}: {s:,}' for r, s in enumerate(sizes))}): "
                          f"every rank must read the same copy of its data (check NANOCHAT_DATA_DIR on every node)")
     return task
-
-
-# -----------------------------------------------------------------------------
-# task mixtures
-
-
-def build_mixture(specs, what):
-    """
-    specs: list of (name, factory) where factory() builds a Task. A task whose data is nowhere to be found
-    (TaskDataNotFound) is left out with a message naming it and where it was looked for; if none is left this is an
-    error. Returns (TaskMixture, names of the tasks used). Under torchrun it is collective: a task is used only if
-    every rank found it (`build_on_every_rank`), so every rank gets the same mixture.
-    """
-    from tasks.common import TaskMixture
-    from tasks.data import TaskDataNotFound
-
-    tasks, used, missing = [], [], []
-    for name, factory in specs:
-        try:
-            task = build_on_every_rank(name, factory)
-        except TaskDataNotFound as e:
-            missing.append(name)
-            print0(f"[{what}] leaving out {name}: {e}")
-            continue
-        if len(task) == 0:
-            missing.append(name)
-            print0(f"[{what}] leaving out {name}: it has no examples")
-            continue
-        tasks.append(task)
-        used.append(name)
-    if not tasks:
-        raise FileNotFoundError(
-            f"no data for the {what}: every task was unavailable ({', '.join(missing)}). Point NANOCHAT_DATA_DIR at a "
-            f"directory laid out like ../shared/data (see docs/data.md) or run with access to the Hugging Face hub."
-        )
-    mixture = TaskMixture(tasks)
-    print0(f"[{what}] {len(mixture):,} conversations from {', '.join(f'{n} ({len(t):,})' for n, t in zip(used, tasks))}")
-    return mixture, used
-
-
-def held_out_tasks():
-    """
-    Held-out conversations for the validation loss of mid-training and SFT (nanochat's mid-training validation
-    set): SmolTalk test, the first 5200 of MMLU test, the first 420 of GSM8K test. One set for both stages, so
-    their validation numbers are measured on the same conversations.
-    """
-    from tasks.gsm8k import GSM8K
-    from tasks.mmlu import MMLU
-    from tasks.smoltalk import SmolTalk
-
-    return [
-        ("SmolTalk test", lambda: SmolTalk(split="test")),
-        ("MMLU test", lambda: MMLU(subset="all", split="test", stop=5200)),
-        ("GSM8K test", lambda: GSM8K(subset="main", split="test", stop=420)),
-    ]
 
 
 # -----------------------------------------------------------------------------
@@ -275,7 +189,7 @@ def sft_batches(dataset, tokenizer, B, device="cpu", rank=0, world_size=1, max_t
     nothing to train on makes every rank raise there, instead of leaving the others waiting in the first backward.
     """
     batches = _sft_batches(dataset, tokenizer, B, device, rank, world_size, max_tokens)
-    if world_size == 1 or _world_size() == 1:
+    if world_size == 1 or dist_world_size() == 1:
         yield from batches
         return
     first = error = None
@@ -336,13 +250,3 @@ def scale_initial_lr(optimizers, frac):
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * frac
             group["initial_lr"] = group["lr"]
-
-
-def save_stage_model(checkpoint_dir, step, model, meta, use_fsdp=False):
-    """The model and meta only (nanochat's SFT/RL checkpoints carry no optimizer state). Every rank must call it."""
-    from nanochat.checkpoint_manager import save_checkpoint
-    from nanochat.training import model_state_for_saving
-
-    rank = get_dist_info()[1]
-    state = model_state_for_saving(model, use_fsdp)
-    save_checkpoint(checkpoint_dir, step, state if rank == 0 else None, None, dict(meta, step=step), rank=rank)

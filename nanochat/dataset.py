@@ -8,36 +8,24 @@ Two ways to fill that directory:
     python -m nanochat.dataset -n 8 -w 4          # download FineWeb-Edu 100B shards 0..7 (nanochat's command)
     python -m nanochat.dataset import PATH ...    # import local .txt / .jsonl / .json / .parquet text (offline)
 
-Readers: `list_parquet_files()` and `parquets_iter_batched(split, start, step)` (documents one row group at a time).
-The tokenizing, rank-sharded, resumable loader built on these shards is in nanochat/dataloader.py.
+This module: the layout, the readers `list_parquet_files()` and `parquets_iter_batched(split, start, step)`
+(documents one row group at a time), and that command line. The downloader is nanochat/download.py, the importer
+nanochat/corpus_import.py; the tokenizing, rank-sharded, resumable loader built on the shards is
+nanochat/dataloader.py.
 """
 
 import argparse
-import functools
-import gzip
-import http.client
-import json
+import importlib
 import os
-import random
-import re
-import shutil
 import sys
-import time
-import urllib.error
-import urllib.request
-from multiprocessing import Pool
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanochat.atomic import fsync_dir
 from nanochat.configurator import add_dashed_aliases
 
 # -----------------------------------------------------------------------------
 # Where the shards live
 
-BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
-MAX_SHARD = 1822  # the last shard index of FineWeb-Edu 100B shuffled (1823 shards, ~100 MB each)
 IMPORT_INFO = "import_info.json"  # written by `import` so the downloader never mixes web shards into a local corpus
 
 
@@ -99,176 +87,23 @@ def parquets_iter_batched(split, start=0, step=1, data_dir=None):
         raise ValueError(f"need start >= 0 and step >= 1, got start={start}, step={step}")
     for path in split_parquet_files(split, data_dir):
         pf = pq.ParquetFile(path)
-        _check_text_column(pf, path)
+        check_text_column(pf, path)
         for rg_idx in range(start, pf.num_row_groups, step):
             yield pf.read_row_group(rg_idx, columns=["text"]).column("text").to_pylist()
 
 
-def _check_text_column(pf, path):
+def check_text_column(pf, path):
     if "text" not in pf.schema_arrow.names:
         raise ValueError(f"{path} has no 'text' column (columns: {pf.schema_arrow.names}); shards need one")
 
 
 # -----------------------------------------------------------------------------
-# Download (FineWeb-Edu 100B shuffled, the shards nanochat trains on)
-
-
-class DownloadError(RuntimeError):
-    pass
-
-
-class _NotRetryable(DownloadError):
-    pass
-
-
-def _validate_parquet(path):
-    """
-    Raise unless `path` is a whole, readable parquet file with a text column. The footer alone is not enough: a
-    resumed download whose first part came from another version of the file has a valid footer and broken pages,
-    so every row group is decoded (about a second for a 100 MB shard, less than fetching it).
-    """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(4)
-        f.seek(max(0, size - 4))
-        tail = f.read(4)
-    if size < 12 or head != b"PAR1" or tail != b"PAR1":
-        raise DownloadError(f"downloaded file is not a parquet file ({size} bytes, no PAR1 magic at both ends)")
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises ArrowInvalid / OSError / ... depending on how the file is broken
-        raise DownloadError(f"downloaded file has an unreadable parquet footer ({e})") from None
-    with pf:
-        _check_text_column(pf, path)
-        if pf.metadata.num_rows == 0:
-            raise DownloadError("downloaded parquet file has no rows")
-        for rg in range(pf.num_row_groups):
-            try:
-                pf.read_row_group(rg, columns=["text"])
-            except Exception as e:
-                raise DownloadError(f"row group {rg} of the downloaded file cannot be decoded ({e})") from None
-
-
-def _parse_content_range(value):
-    """'bytes 100-199/200' -> (100, 200); total is None when the server writes '*'."""
-    m = re.fullmatch(r"\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*", value or "")
-    if not m:
-        return None, None
-    return int(m.group(1)), (None if m.group(3) == "*" else int(m.group(3)))
-
-
-def _fetch_to_tmp(url, tmp_path, timeout):
-    """
-    One HTTP attempt. Appends to an existing partial `tmp_path` when the server honours a Range request,
-    otherwise rewrites it. Raises when the body ends before its announced length.
-    """
-    have = os.path.getsize(tmp_path) if os.path.exists(tmp_path) else 0
-    headers = {"User-Agent": "nanochat-dataset/1.0"}
-    if have > 0:
-        headers["Range"] = f"bytes={have}-"
-    request = urllib.request.Request(url, headers=headers)
-    try:
-        response = urllib.request.urlopen(request, timeout=timeout)
-    except urllib.error.HTTPError as e:
-        if e.code == 416 and have > 0:
-            return  # nothing past what we already hold: the .tmp may be whole (a crash before the rename); the check decides
-        if 400 <= e.code < 500 and e.code not in (408, 429):
-            raise _NotRetryable(f"HTTP {e.code} {e.reason} for {url}") from None
-        raise DownloadError(f"HTTP {e.code} {e.reason}") from None
-    with response:
-        if have > 0 and response.status == 206:
-            start, total = _parse_content_range(response.headers.get("Content-Range"))
-            if start != have:
-                os.remove(tmp_path)  # the next attempt then asks for the whole file instead of the same bad range
-                raise DownloadError(f"server resumed at byte {start}, expected {have}; restarting from zero")
-            mode = "ab"
-        else:
-            # 200: the server sends the whole file (no Range support): start over
-            have, mode = 0, "wb"
-            length = response.headers.get("Content-Length")
-            total = int(length) if length is not None else None
-        written = have
-        with open(tmp_path, mode) as f:
-            while True:
-                chunk = response.read(1 << 20)
-                if not chunk:
-                    break
-                f.write(chunk)
-                written += len(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-    if total is not None and written != total:
-        raise DownloadError(f"connection ended at {written} of {total} bytes")
-
-
-def download_single_file(index, data_dir=None, base_url=None, max_attempts=5, backoff=2.0, timeout=60):
-    """
-    Download shard `index` into the data dir. Returns True when the shard is present afterwards.
-    Complete shards are skipped without a request; the body goes to `<name>.tmp` (resumed with an HTTP Range
-    request when a previous attempt left one), is checked to be a readable parquet file, then renamed into place.
-    Failed attempts are retried after backoff * 2**(attempt-1) seconds.
-    """
-    data_dir = get_data_dir(data_dir)
-    base_url = (base_url or os.environ.get("NANOCHAT_DATA_URL") or BASE_URL).rstrip("/")
-    filename = index_to_filename(index)
-    path = os.path.join(data_dir, filename)
-    if os.path.exists(path):
-        print(f"Skipping {filename} (already downloaded)")
-        return True
-    url = f"{base_url}/{filename}"
-    tmp_path = path + ".tmp"
-    print(f"Downloading {filename}...")
-    for attempt in range(1, max_attempts + 1):
-        try:
-            _fetch_to_tmp(url, tmp_path, timeout)
-            try:
-                _validate_parquet(tmp_path)
-            except (DownloadError, ValueError):
-                # bad bytes on disk: resuming from them would only extend the damage, so start from zero
-                os.remove(tmp_path)
-                raise
-            os.replace(tmp_path, path)
-            fsync_dir(data_dir)
-            print(f"Successfully downloaded {filename}")
-            return True
-        except _NotRetryable as e:
-            print(f"Failed to download {filename}: {e} (not retrying; check the base URL, --base_url or $NANOCHAT_DATA_URL)")
-            return False
-        except (DownloadError, ValueError, OSError, http.client.HTTPException) as e:  # URLError, timeouts: OSError
-            if attempt == max_attempts:
-                print(f"Failed to download {filename} after {max_attempts} attempts: {e}")
-                return False
-            wait = backoff * 2 ** (attempt - 1)
-            print(f"Attempt {attempt}/{max_attempts} for {filename} failed: {e}; retrying in {wait:g}s")
-            time.sleep(wait)
-    return False
-
-
-def _refuse_imported_corpus(data_dir):
-    if os.path.exists(os.path.join(data_dir, IMPORT_INFO)):
-        raise FileExistsError(
-            f"{data_dir} holds an imported corpus ({IMPORT_INFO}); downloading FineWeb-Edu shards next to it would "
-            f"mix the two and shift the validation shard. Move that directory away or set NANOCHAT_BASE_DIR elsewhere."
-        )
-
-
-def download_shards(indices, data_dir=None, base_url=None, num_workers=4, max_attempts=5, backoff=2.0, timeout=60):
-    """Download the given shard indices with a pool of `num_workers` processes. Returns the indices that failed."""
-    data_dir = get_data_dir(data_dir)
-    _refuse_imported_corpus(data_dir)
-    indices = list(indices)
-    fetch = functools.partial(
-        download_single_file, data_dir=data_dir, base_url=base_url, max_attempts=max_attempts, backoff=backoff, timeout=timeout
-    )
-    if num_workers <= 1:
-        results = [fetch(i) for i in indices]
-    else:
-        with Pool(processes=num_workers) as pool:
-            results = pool.map(fetch, indices, chunksize=1)
-    return [i for i, ok in zip(indices, results) if not ok]
+# The command line: download (the default, nanochat's `-n 8 -w 4`) or import
 
 
 def download_main(argv):
+    from nanochat.download import BASE_URL, MAX_SHARD, download_shards, refuse_imported_corpus
+
     parser = argparse.ArgumentParser(
         prog="python -m nanochat.dataset",
         description="Download FineWeb-Edu 100B shuffled pretraining shards (or: `python -m nanochat.dataset import --help`).",
@@ -291,7 +126,7 @@ def download_main(argv):
         num = MAX_SHARD + 1
     data_dir = get_data_dir()
     try:
-        _refuse_imported_corpus(data_dir)
+        refuse_imported_corpus(data_dir)
     except FileExistsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -308,336 +143,9 @@ def download_main(argv):
     return 0
 
 
-# -----------------------------------------------------------------------------
-# Import local text into the same shard format
-
-
-SUPPORTED_FORMATS = ("txt", "jsonl", "json", "parquet")
-TXT_SPLITS = ("auto", "blank", "line", "whole", "wikitext")
-ENDOFTEXT = "<|endoftext|>"
-# a WikiText article starts with a ' = Title = ' line between two blank lines (section headings are ' = = X = = ')
-_WIKITEXT_ARTICLE = re.compile(r"(?<=\n)(?=[ \t]*\n = [^=\n][^\n]* = [ \t]*\n[ \t]*\n)")
-_WIKITEXT_AT_START = re.compile(r"\A(?:[ \t]*\n)* = [^=\n][^\n]* = [ \t]*\n[ \t]*\n")
-_BLANK_LINES = re.compile(r"\n[ \t]*\n")
-
-
-def detect_format(path):
-    name = os.path.basename(path).lower()
-    if name.endswith(".gz"):
-        name = name[:-3]
-    ext = name.rsplit(".", 1)[-1] if "." in name else ""
-    return ext if ext in SUPPORTED_FORMATS else None
-
-
-def _open_text(path):
-    if path.lower().endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, "r", encoding="utf-8")  # universal newlines: CRLF files become \n
-
-
-def _clean(doc):
-    """Drop leading blank lines and trailing whitespace (splitting leaves them), keep the first line's indentation."""
-    return re.sub(r"\A(?:[ \t]*\n)+", "", doc).rstrip()
-
-
-def split_text(text, mode="auto", separator=None, split_on=None):
-    """
-    Split one text file into documents. Returns (docs, how) where `how` says which rule was used.
-    Precedence: `separator` (literal string) > `split_on` (regex; use a lookahead to keep the matched text) > mode.
-    mode 'auto' picks: '<|endoftext|>' separators if present, WikiText articles if the file starts like WikiText,
-    blank-line paragraphs if there are blank lines, else one document per line.
-    """
-    if separator is not None:
-        if separator == "":
-            raise ValueError("--separator must not be empty")
-        parts, how = text.split(separator), f"separator {separator!r}"
-    elif split_on is not None:
-        try:
-            pattern = re.compile(split_on, re.MULTILINE)
-        except re.error as e:
-            raise ValueError(f"--split_on {split_on!r} is not a valid regular expression: {e}") from None
-        parts, how = pattern.split(text), f"regex {split_on!r}"
-    else:
-        if mode not in TXT_SPLITS:
-            raise ValueError(f"txt split mode must be one of {', '.join(TXT_SPLITS)}, got {mode!r}")
-        how = mode
-        if mode == "auto":
-            if ENDOFTEXT in text:
-                return split_text(text, separator=ENDOFTEXT)[0], f"separator {ENDOFTEXT!r} (auto)"
-            if _WIKITEXT_AT_START.match(text):
-                mode = "wikitext"
-            elif _BLANK_LINES.search(text):
-                mode = "blank"
-            else:
-                mode = "line"
-            how = f"{mode} (auto)"
-        if mode == "whole":
-            parts = [text]
-        elif mode == "line":
-            parts = text.split("\n")
-        elif mode == "blank":
-            parts = _BLANK_LINES.split(text)
-        else:  # wikitext
-            parts = _WIKITEXT_ARTICLE.split(text)
-    docs = [d for d in map(_clean, parts) if d.strip()]
-    return docs, how
-
-
-def iter_file_documents(path, fmt=None, text_field="text", txt_split="auto", separator=None, split_on=None, log=print):
-    """Yield the documents of one input file (empty / whitespace-only documents are left out)."""
-    fmt = fmt or detect_format(path)
-    if fmt is None:
-        raise ValueError(f"{path}: unknown file type; name it .txt/.jsonl/.json/.parquet (optionally .gz) or pass --format")
-    if fmt == "txt":
-        with _open_text(path) as f:
-            try:
-                text = f.read()
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path} is not UTF-8 text ({e}); convert it first (e.g. iconv -t UTF-8)") from None
-        docs, how = split_text(text, txt_split, separator, split_on)
-        log(f"  {path}: {len(docs):,} documents (split: {how})")
-        yield from docs
-    elif fmt in ("json", "jsonl"):
-        yield from _iter_json_documents(path, fmt, text_field, log)
-    elif fmt == "parquet":
-        pf = pq.ParquetFile(path)
-        if text_field not in pf.schema_arrow.names:
-            raise ValueError(f"{path} has no {text_field!r} column (columns: {pf.schema_arrow.names}); pass --text_field NAME")
-        n = skipped = 0
-        for rg in range(pf.num_row_groups):
-            for value in pf.read_row_group(rg, columns=[text_field]).column(text_field).to_pylist():
-                if not isinstance(value, str):
-                    if value is None:
-                        skipped += 1
-                        continue
-                    raise ValueError(f"{path}: column {text_field!r} holds {type(value).__name__} values, need strings")
-                if value.strip():
-                    n += 1
-                    yield value
-                else:
-                    skipped += 1
-        log(f"  {path}: {n:,} documents" + (f" ({skipped} empty skipped)" if skipped else ""))
-    else:
-        raise ValueError(f"--format must be one of {', '.join(SUPPORTED_FORMATS)}, got {fmt!r}")
-
-
-def _iter_json_documents(path, fmt, text_field, log):
-    def text_of(record, where):
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object with a {text_field!r} field, got {type(record).__name__}")
-        if text_field not in record:
-            raise ValueError(f"{where}: no {text_field!r} field (keys: {sorted(record)[:10]}); pass --text_field NAME")
-        value = record[text_field]
-        if not isinstance(value, str):
-            raise ValueError(f"{where}: field {text_field!r} is {type(value).__name__}, need a string")
-        return value
-
-    with _open_text(path) as f:
-        head = f.read(4096)
-        # a .json file may hold one array or (a common mislabel) JSON lines: the first character tells which
-        is_array = head.lstrip().startswith("[")
-        f.seek(0)
-        if fmt == "json" and is_array:
-            try:
-                records = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: invalid JSON ({e})") from None
-            items = ((rec, f"{path}: item {i}") for i, rec in enumerate(records))
-        else:
-            items = _json_lines(f, path)
-        n = skipped = 0
-        for record, where in items:
-            text = text_of(record, where)
-            if text.strip():
-                n += 1
-                yield text
-            else:
-                skipped += 1
-    log(f"  {path}: {n:,} documents" + (f" ({skipped} empty skipped)" if skipped else ""))
-
-
-def _json_lines(f, path):
-    for lineno, line in enumerate(f, 1):
-        if not line.strip():
-            continue
-        try:
-            yield json.loads(line), f"{path}:{lineno}"
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: invalid JSON line ({e})") from None
-
-
-def expand_inputs(paths, fmt=None):
-    """Files to import: each path as given, directories searched recursively for supported files (sorted)."""
-    files = []
-    for p in paths:
-        p = os.fspath(p)
-        if os.path.isdir(p):
-            found = []
-            for root, dirs, names in os.walk(p):
-                dirs.sort()
-                found += [os.path.join(root, n) for n in sorted(names) if detect_format(n)]
-            if not found:
-                raise ValueError(f"{p}: no .txt/.jsonl/.json/.parquet files in this directory")
-            files += found
-        elif os.path.isfile(p):
-            if fmt is None and detect_format(p) is None:
-                raise ValueError(f"{p}: unknown file type; name it .txt/.jsonl/.json/.parquet (optionally .gz) or pass --format")
-            files.append(p)
-        else:
-            raise FileNotFoundError(f"{p}: no such file or directory")
-    seen, unique = set(), []  # a file named twice (or inside a named directory too) is imported once
-    for f in files:
-        if os.path.realpath(f) not in seen:
-            seen.add(os.path.realpath(f))
-            unique.append(f)
-    return unique
-
-
-def _write_shard(path, docs, rows_per_group):
-    """Write docs as one parquet file, `rows_per_group` documents per row group, atomically."""
-    tmp = path + ".tmp"
-    schema = pa.schema([("text", pa.string())])
-    with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
-        for i in range(0, len(docs), rows_per_group):
-            writer.write_table(pa.table({"text": docs[i : i + rows_per_group]}, schema=schema))
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def import_corpus(
-    paths,
-    out_dir=None,
-    val_paths=None,
-    val_docs=None,
-    val_fraction=0.01,
-    rows_per_group=1024,
-    docs_per_shard=65536,
-    shuffle=True,
-    seed=42,
-    overwrite=False,
-    fmt=None,
-    text_field="text",
-    txt_split="auto",
-    separator=None,
-    split_on=None,
-    log=print,
-):
-    """
-    Turn local text files into train shards plus one validation shard (the last file), nanochat's layout.
-    Validation documents come from `val_paths` when given, else the last `val_docs` (or `val_fraction`) of the
-    documents after the deterministic shuffle (random.Random(seed)). Returns a summary dict (also written to
-    out_dir/import_info.json). With shuffle=False the documents stream in input order (two passes, low memory).
-    """
-    if rows_per_group < 1 or docs_per_shard < 1:
-        raise ValueError(f"--rows_per_group and --docs_per_shard must be >= 1, got {rows_per_group}, {docs_per_shard}")
-    if val_docs is not None and val_docs < 1:
-        raise ValueError(f"--val_docs must be >= 1, got {val_docs}")
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"--val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
-    out_dir = get_data_dir(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    existing = [f for f in os.listdir(out_dir) if f.endswith(".parquet") or f.endswith(".parquet.tmp") or f == IMPORT_INFO]
-    if existing and not overwrite:
-        raise FileExistsError(
-            f"{out_dir} already holds {len([f for f in existing if f.endswith('.parquet')])} shard(s) "
-            f"({', '.join(sorted(existing)[:3])}{', ...' if len(existing) > 3 else ''}); an import must not mix with "
-            f"them. Pass --overwrite to replace them, or --out DIR for another directory."
-        )
-    files = expand_inputs(paths, fmt)
-    val_files = expand_inputs(val_paths, fmt) if val_paths else []
-    kw = dict(fmt=fmt, text_field=text_field, txt_split=txt_split, separator=separator, split_on=split_on, log=log)
-
-    def stream(file_list, quiet=False):
-        for path in file_list:
-            yield from iter_file_documents(path, **dict(kw, log=(lambda *a: None) if quiet else log))
-
-    log(f"Reading {len(files)} file(s)" + (f" (+ {len(val_files)} validation file(s))" if val_files else ""))
-    if shuffle:
-        docs = list(stream(files))
-        random.Random(seed).shuffle(docs)
-        total = len(docs)
-    else:
-        docs = None
-        total = sum(1 for _ in stream(files))
-    if val_files:
-        val = list(stream(val_files))
-        if not val:
-            raise ValueError(f"the validation files hold no documents: {val_files}")
-        n_train = total
-    else:
-        n_val = val_docs if val_docs is not None else max(1, round(total * val_fraction))
-        if total - n_val < 1:
-            raise ValueError(
-                f"{total} document(s) cannot give {n_val} validation document(s) and at least one for training; "
-                f"check how the files were split into documents (--txt_split, --separator) or lower --val_docs"
-            )
-        n_train = total - n_val
-        val = docs[n_train:] if shuffle else None
-    if n_train < 1:
-        raise ValueError(f"no training documents found in {files}")
-
-    staging = os.path.join(out_dir, f".import-staging-{os.getpid()}")
-    os.makedirs(staging, exist_ok=False)
-    try:
-        train_names = []
-        train_iter = iter(docs[:n_train]) if shuffle else stream(files, quiet=True)
-        written = 0
-        while written < n_train:
-            chunk = []
-            for doc in train_iter:
-                chunk.append(doc)
-                if len(chunk) == min(docs_per_shard, n_train - written):
-                    break
-            if not chunk:
-                raise RuntimeError("the input files changed while they were being imported; run the import again")
-            name = index_to_filename(len(train_names))
-            _write_shard(os.path.join(staging, name), chunk, rows_per_group)
-            train_names.append(name)
-            written += len(chunk)
-        if val is None:  # no shuffle: the validation documents are the tail of the input stream
-            val = list(train_iter)
-        val_name = index_to_filename(len(train_names))
-        _write_shard(os.path.join(staging, val_name), val, rows_per_group)
-
-        summary = {
-            "sources": [os.path.abspath(p) for p in files],
-            "val_sources": [os.path.abspath(p) for p in val_files],
-            "num_train_docs": n_train,
-            "num_val_docs": len(val),
-            "train_shards": train_names,
-            "val_shard": val_name,
-            "rows_per_group": rows_per_group,
-            "docs_per_shard": docs_per_shard,
-            "shuffle": shuffle,
-            "seed": seed,
-            "txt_split": txt_split,
-            "separator": separator,
-            "split_on": split_on,
-            "text_field": text_field,
-        }
-        with open(os.path.join(staging, IMPORT_INFO), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-
-        # swap in: old shards out, then the new train shards in order and the validation shard last, so that an
-        # interruption never leaves a train shard sitting in the validation position behind complete data
-        for f in existing:
-            os.remove(os.path.join(out_dir, f))
-        for name in train_names + [val_name, IMPORT_INFO]:
-            os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
-        fsync_dir(out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    log(
-        f"Wrote {len(train_names)} train shard(s) ({n_train:,} docs) and 1 validation shard {val_name} "
-        f"({len(val):,} docs) to {out_dir}, {rows_per_group} docs per row group"
-    )
-    return summary
-
-
 def import_main(argv):
+    from nanochat.corpus_import import SUPPORTED_FORMATS, TXT_SPLITS, import_corpus
+
     parser = argparse.ArgumentParser(
         prog="python -m nanochat.dataset import",
         description="Import local text into pretraining shards (train shards + the last shard as validation).",
@@ -685,6 +193,23 @@ def main(argv=None):
     if argv and argv[0] == "download":
         argv = argv[1:]
     return download_main(argv)
+
+
+# The downloader and the importer lived in this module; their names still import from here (`from nanochat.dataset
+# import import_corpus`). They load on first use, so reading shards never imports them, and they can import the
+# layout above without a cycle.
+_MOVED = {
+    "nanochat.download": ("BASE_URL", "MAX_SHARD", "DownloadError", "download_single_file", "download_shards"),
+    "nanochat.corpus_import": ("SUPPORTED_FORMATS", "TXT_SPLITS", "ENDOFTEXT", "detect_format", "split_text",
+                               "iter_file_documents", "expand_inputs", "import_corpus"),
+}
+
+
+def __getattr__(name):
+    for module, names in _MOVED.items():
+        if name in names:
+            return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,22 @@ Notable features:
 - logit softcap 15*tanh(logits/15), computed in fp32
 - attention through PyTorch SDPA or FlashAttention-3 (Hopper), KV-cache aware for inference
 
-Parameters stay fp32; on CUDA the training loop runs the forward under bf16 autocast. That keeps one
-code path for single GPU, DDP and FSDP (which all want fp32 master weights).
+Dtype policy (explicit, because autocast alone does not give it):
+- Parameters are fp32 for training (master weights for the optimizers; FSDP gathers them in bf16 on CUDA). A model
+  loaded for evaluation on CUDA holds bf16 weights (checkpoint_manager.weights_dtype_for).
+- The compute dtype is autocast's dtype when autocast is on (bf16 on CUDA), else the embedding's dtype (fp32 on CPU).
+- The residual stream is in the compute dtype: the embedding output is cast to it (as nanochat, which casts `wte` to
+  bf16 on CUDA; here the activation is cast so the weight stays an fp32 master).
+- Attention inputs (q, k, v), and so the engine's KV cache (allocated with k's dtype), are in the compute dtype.
+  `norm` returns its input's dtype: on torch >= 2.12 CUDA autocast runs F.rms_norm in fp32 and returns fp32, which
+  would otherwise make q/k, the KV cache and the FA3 output fp32 (slower kernels, twice the cache memory).
+- The rotary tables are bf16 on CUDA (nanochat's rounding), fp32 elsewhere; rotary returns its input's dtype.
+- Logits are cast to fp32 before the softcap; softcap and cross-entropy run in fp32.
+Without autocast on fp32 weights everything is fp32 (the CPU default), bit for bit as before.
 """
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -61,8 +72,15 @@ def _validate_config(c):
 
 
 def norm(x):
-    # Parameter-free RMSNorm (no learnable gain), as nanochat.
-    return F.rms_norm(x, (x.size(-1),))
+    # Parameter-free RMSNorm (no learnable gain), as nanochat. Returns x's dtype whatever autocast does (see the top).
+    return F.rms_norm(x, (x.size(-1),)).to(x.dtype)
+
+
+def compute_dtype(x):
+    """The dtype activations run in: autocast's when it is on for x's device, else x's own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def apply_rotary_emb(x, cos, sin):
@@ -78,16 +96,33 @@ def apply_rotary_emb(x, cos, sin):
 # Attention backends
 
 
-_FA3_FUNC = None  # cached flash_attn_func once found
-_FA3_ERROR = None  # why it could not be loaded (for the error message)
+_FA3_FUNC = None  # flash_attn_func once loaded
+_FA3_ERROR = None  # why it could not be loaded; set once, so a failed load is not retried
 
 
 def _load_fa3():
-    """Return FlashAttention-3's flash_attn_func or None (reason kept in _FA3_ERROR)."""
+    """
+    Return FlashAttention-3's flash_attn_func or None (reason kept in _FA3_ERROR). Tried once per process: through
+    Hugging Face `kernels` first (prebuilt from the Hub, registered as a torch op that torch.compile traces), then the
+    `flash_attn_interface` build (whose extension call may break the compiled graph: nanochat.compile reports it).
+    A failure is cached, so every later model/worker in the process does not wait on the Hub again;
+    NANOCHAT_FA3=0 skips the attempt altogether (e.g. offline machines where the Hub lookup would time out).
+    """
     global _FA3_FUNC, _FA3_ERROR
-    if _FA3_FUNC is not None:
+    if _FA3_FUNC is not None or _FA3_ERROR is not None:
         return _FA3_FUNC
+    if os.environ.get("NANOCHAT_FA3", "1") == "0":
+        _FA3_ERROR = "turned off by NANOCHAT_FA3=0"
+        return None
     reasons = []
+    try:
+        from kernels import get_kernel  # Hugging Face `kernels` package: prebuilt FA3 from the Hub
+
+        mod = get_kernel("kernels-community/flash-attn3")
+        _FA3_FUNC = getattr(mod, "flash_attn_func", None) or mod.flash_attn_interface.flash_attn_func
+        return _FA3_FUNC
+    except Exception as e:  # ImportError, no network, no build for this GPU/torch
+        reasons.append(f"kernels: {type(e).__name__}: {e}")
     try:
         from flash_attn_interface import flash_attn_func  # the FA3 "hopper" build
 
@@ -95,14 +130,6 @@ def _load_fa3():
         return _FA3_FUNC
     except Exception as e:  # ImportError, or a broken build raising at import
         reasons.append(f"flash_attn_interface: {type(e).__name__}: {e}")
-    try:
-        from kernels import get_kernel  # Hugging Face `kernels` package: prebuilt FA3 from the Hub
-
-        mod = get_kernel("kernels-community/flash-attn3")
-        _FA3_FUNC = getattr(mod, "flash_attn_func", None) or mod.flash_attn_interface.flash_attn_func
-        return _FA3_FUNC
-    except Exception as e:
-        reasons.append(f"kernels: {type(e).__name__}: {e}")
     _FA3_ERROR = "; ".join(reasons)
     return None
 
@@ -134,6 +161,27 @@ def resolve_attn_backend(attn, device_type):
 
 # -----------------------------------------------------------------------------
 # Model
+
+
+def head(x, lm_head_weight, vocab_size, targets=None, loss_reduction="mean"):
+    """
+    Final norm, lm_head, softcap and (with targets) cross-entropy: logits (B, T, vocab_size) or the loss.
+    A plain function of tensors (the lm_head weight is passed in, not read from a module) so that the FSDP path can
+    compile it on its own (nanochat.compile): the FSDP hooks around the whole model would otherwise leave it eager.
+    """
+    B, T, _ = x.shape
+    logits = F.linear(norm(x), lm_head_weight)
+    softcap = 15.0
+    logits = logits[..., :vocab_size].float()  # drop the padding columns, softcap in fp32
+    logits = softcap * torch.tanh(logits / softcap)
+    if targets is None:
+        return logits
+    if loss_reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none', got {loss_reduction!r}")
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=loss_reduction)
+    if loss_reduction == "none":
+        loss = loss.view(B, T)  # per-token losses, 0 where target == -1
+    return loss
 
 
 class CausalSelfAttention(nn.Module):
@@ -214,7 +262,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, config, attn="auto"):
         """Builds the modules only (no data-dependent ops), so it works under `with torch.device("meta")`.
-        Call init_weights() afterwards (after to_empty() when built on meta)."""
+        Call init_weights() afterwards (after to_empty() when built on meta), or load a state dict with assign=True
+        and call init_buffers()."""
         super().__init__()
         _validate_config(config)
         self.config = config
@@ -231,6 +280,7 @@ class GPT(nn.Module):
             }
         )
         self.lm_head = nn.Linear(config.n_embd, self.padded_vocab_size, bias=False)
+        self.head = head  # nanochat.compile replaces it by a compiled copy on the FSDP path
         # Rotary table for 10x the training length so generation can run past sequence_len.
         self.rotary_seq_len = config.sequence_len * 10
         cos, sin = self._precompute_rotary_embeddings(self.rotary_seq_len, config.n_embd // config.n_head)
@@ -275,6 +325,12 @@ class GPT(nn.Module):
                 else:
                     s = math.sqrt(3) / math.sqrt(self.config.n_embd)
                     torch.nn.init.uniform_(lin.weight, -s, s)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self):
+        """Recompute what is not in the checkpoint (the rotary tables) on the model's device and resolve the attention
+        backend for it. init_weights() calls it; a model loaded from a checkpoint onto meta calls only this."""
         device = self.get_device()
         cos, sin = self._precompute_rotary_embeddings(self.rotary_seq_len, self.config.n_embd // self.config.n_head, device=device)
         self.cos, self.sin = cos, sin
@@ -336,7 +392,7 @@ class GPT(nn.Module):
         return optimizers
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
-        B, T = idx.size()
+        T = idx.size(1)
         pos = kv_cache.get_pos() if kv_cache is not None else 0
         if pos + T > self.cos.size(1):
             raise ValueError(
@@ -345,28 +401,14 @@ class GPT(nn.Module):
             )
         if self.cos.device != idx.device:
             raise RuntimeError(f"rotary tables are on {self.cos.device} but the input is on {idx.device}; call init_weights() after moving the model")
-        backend = self.attn_backend
-        if backend == "fa3" and not idx.is_cuda:
-            raise RuntimeError("attn_backend 'fa3' needs CUDA inputs; build the model with attn='sdpa' for this device")
+        backend = self.attn_backend  # 'fa3' only where resolve_attn_backend found a Hopper GPU and FA3
         cos_sin = self.cos[:, pos : pos + T], self.sin[:, pos : pos + T]
 
-        x = norm(self.transformer.wte(idx))
+        x = self.transformer.wte(idx)
+        x = norm(x.to(compute_dtype(x)))  # the residual stream runs in the compute dtype (see the top)
         for block in self.transformer.h:
             x = block(x, cos_sin, kv_cache, backend)
-        x = norm(x)
-
-        softcap = 15.0
-        logits = self.lm_head(x)
-        logits = logits[..., : self.config.vocab_size].float()  # drop the padding columns, softcap in fp32
-        logits = softcap * torch.tanh(logits / softcap)
-        if targets is None:
-            return logits
-        if loss_reduction not in ("mean", "sum", "none"):
-            raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none', got {loss_reduction!r}")
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=loss_reduction)
-        if loss_reduction == "none":
-            loss = loss.view(B, T)  # per-token losses, 0 where target == -1
-        return loss
+        return self.head(x, self.lm_head.weight, self.config.vocab_size, targets, loss_reduction)
 
     @torch.inference_mode()
     def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):

@@ -9,7 +9,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.common import is_ddp_initialized
+from nanochat.dist import dist_world_size
 
 
 @torch.no_grad()
@@ -33,7 +33,7 @@ def evaluate_bpb(model, batches, steps, token_bytes):
         counted = num_bytes > 0
         total_nats += (loss * counted).sum()
         total_bytes += num_bytes.sum()
-    if is_ddp_initialized() and dist.get_world_size() > 1:
+    if dist_world_size() > 1:
         # float64 so the byte count (up to ~1e10 at scale) and nat sum stay exact; tensors live on the rank's device
         stats = torch.stack([total_nats, total_bytes.double()])
         dist.all_reduce(stats, op=dist.ReduceOp.SUM)

@@ -36,14 +36,30 @@ def ns_dtype(device) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-@torch.no_grad()
+# Newton-Schulz is a chain of small matmuls and elementwise ops: compiled (as nanochat decorates it with
+# @torch.compile) it fuses the elementwise work. Off by default, so plain uses and the test suite stay eager (compile
+# time would dominate them); nanochat.compile turns it on for runs that compile the model.
+_COMPILED_NS = None  # the compiled iteration while compiling is on, else None
+
+
+def set_compile(enabled, backend="inductor"):
+    """Compile Newton-Schulz (enabled=True) or run it eagerly (False)."""
+    global _COMPILED_NS
+    _COMPILED_NS = torch.compile(_newtonschulz5, dynamic=False, backend=backend) if enabled else None
+
+
 def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5) -> Tensor:
     """
     Approximately orthogonalise G (..., rows, cols): returns ~U V^T where G = U S V^T, batched over leading dims.
-    Computes in ns_dtype(G.device) and returns that dtype; callers cast as they need.
+    Computes in ns_dtype(G.device) and returns that dtype; callers cast as they need. Compiled after set_compile(True).
     """
     if G.ndim < 2:
         raise ValueError(f"Newton-Schulz orthogonalisation needs a matrix (or a batch of them), got shape {tuple(G.shape)}")
+    return (_COMPILED_NS or _newtonschulz5)(G, steps)
+
+
+@torch.no_grad()
+def _newtonschulz5(G: Tensor, steps: int) -> Tensor:
     a, b, c = NS_COEFFS
     X = G.to(ns_dtype(G.device))
     # Iterate on the wide orientation: X X^T is then the smaller (rows x rows) Gram matrix.

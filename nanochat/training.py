@@ -1,27 +1,31 @@
 """
 The pieces of a training run that base, mid and SFT training share (RL reuses the model/optimizer/checkpoint parts):
 
+- `setup_run` -> `RunContext`: device, ranks and compute dtype of this process (its `autocast()` for forward).
 - `resolve_dtype` / `autocast_ctx`: bf16 autocast on CUDA, plain fp32 elsewhere.
-- `build_model`: GPT from a config (meta device -> real device -> init), optional FSDP2 sharding and torch.compile.
-- `setup_optimizers`: the optimizers for the DDP/single-process path or the FSDP path.
+- `build_model`: GPT from a config (meta device -> real device -> init). Sharding, optimizers and the state dict
+  format of each parallelism strategy are in nanochat/parallel.py; collectives in nanochat/dist.py.
 - `lr_multiplier`, `muon_momentum`, `apply_schedule`: the LR and momentum schedules.
 - `train_step`: gradient accumulation over micro-batches, grad clipping, optimizer step; returns the mean loss
-  all-reduced across ranks (what gets logged is the global loss, not rank 0's).
+  all-reduced across ranks (what gets logged is the global loss, not rank 0's). `MicroBatches` fetches each next
+  micro-batch after the previous backward has been queued.
 - `ProgressMeter`: debiased EMA loss, step time, tok/s, MFU and ETA for the log line.
 - `every`: periodic actions, where a value <= 0 turns the action off entirely.
 - `save_train_state` / `load_train_state`: model + per-rank optimizer + per-rank loader + loop state, so a resumed
-  run continues exactly like an uninterrupted one.
+  run continues exactly like an uninterrupted one; `save_stage_model`: the model and meta only (SFT, RL).
 """
 
 import contextlib
 import math
-import time
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from nanochat.checkpoint_manager import clean_state_dict, load_checkpoint, save_checkpoint
-from nanochat.common import compute_init, get_dist_info, is_ddp_initialized, peak_flops_for, print0
+from nanochat.batching import batch_arithmetic  # noqa: F401  (the scripts import it from here)
+from nanochat.checkpoint_manager import load_checkpoint, save_checkpoint
+from nanochat.common import peak_flops_for, print0
+from nanochat.dist import all_reduce_mean, compute_init, gather_objects, get_dist_info
+from nanochat.parallel import DataParallel
 
 # -----------------------------------------------------------------------------
 # precision
@@ -43,73 +47,49 @@ def autocast_ctx(device_type, dtype):
     return torch.amp.autocast(device_type=device_type, dtype=dtype)
 
 
+@dataclass(frozen=True)
+class RunContext:
+    """Where this process runs: setup_run's result."""
+
+    ddp: bool  # launched by torchrun (a process group exists)
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype  # the autocast compute dtype (float32 = no autocast)
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    def autocast(self):
+        """A fresh autocast context for self.dtype."""
+        return autocast_ctx(self.device.type, self.dtype)
+
+
 def setup_run(config):
     """
     The start of every training script: torch.distributed/device setup from --device_type and --seed, and the
-    autocast context for --dtype. Returns (ddp, rank, local_rank, world_size, device, autocast) where autocast()
-    gives a fresh context manager.
+    compute dtype for --dtype. Returns a RunContext.
     """
     ddp, rank, local_rank, world_size, device = compute_init(config["device_type"] or None, seed=config["seed"])
-    dtype = resolve_dtype(config["dtype"], device.type)
-    return ddp, rank, local_rank, world_size, device, lambda: autocast_ctx(device.type, dtype)
+    return RunContext(ddp, rank, local_rank, world_size, device, resolve_dtype(config["dtype"], device.type))
 
 
 # -----------------------------------------------------------------------------
 # model and optimizers
 
 
-def build_model(config, device, init="normal", attn="auto", use_fsdp=False, fsdp_reduce_dtype="float32"):
-    """A freshly initialised GPT on `device` (sharded with FSDP2 when use_fsdp). Returns the model."""
+def build_model(config, device, init="normal", attn="auto"):
+    """A freshly initialised GPT on `device` (meta device -> to_empty -> init_weights). Returns the model; the
+    parallelism strategy wraps it afterwards (`parallel.wrap(model, device)`)."""
     from nanochat.gpt import GPT
 
     with torch.device("meta"):
         model = GPT(config, attn=attn)
     model.to_empty(device=device)
     model.init_weights(init)
-    if use_fsdp:
-        model = shard_model(model, device, fsdp_reduce_dtype)
     return model
-
-
-def shard_model(model, device, fsdp_reduce_dtype="float32"):
-    from nanochat.fsdp import apply_fsdp
-
-    if not is_ddp_initialized():
-        raise RuntimeError("--use_fsdp=1 needs torch.distributed: launch with torchrun (even --nproc_per_node=1)")
-    reduce_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(fsdp_reduce_dtype)
-    if reduce_dtype is None:
-        raise ValueError(f"--fsdp_reduce_dtype must be float32 or bfloat16, got {fsdp_reduce_dtype!r}")
-    param_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else None
-    apply_fsdp(model, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    return model
-
-
-def setup_optimizers(model, use_fsdp=False, **kwargs):
-    """kwargs: unembedding_lr, embedding_lr, matrix_lr, weight_decay, use_muon."""
-    if use_fsdp:
-        from nanochat.fsdp import setup_fsdp_optimizers
-
-        return setup_fsdp_optimizers(model, **kwargs)
-    return model.setup_optimizers(**kwargs)
-
-
-def model_state_for_saving(model, use_fsdp=False):
-    """The full, single-file model state dict (every rank must call this under FSDP; only rank 0's result is used)."""
-    if use_fsdp:
-        from nanochat.fsdp import full_model_state_dict
-
-        return full_model_state_dict(model)
-    return clean_state_dict(model.state_dict())
-
-
-def load_model_state(model, state_dict, use_fsdp=False):
-    state_dict = clean_state_dict(state_dict)
-    if use_fsdp:
-        from nanochat.fsdp import load_full_model_state_dict
-
-        load_full_model_state_dict(model, state_dict)
-    else:
-        model.load_state_dict(state_dict, strict=True)
 
 
 # -----------------------------------------------------------------------------
@@ -153,41 +133,71 @@ def every(step, period, last_step=False, at_last=True):
 # one optimisation step
 
 
-def all_reduce_mean(value, device):
-    """Mean of a python float across ranks (identity in a single process)."""
-    t = torch.tensor(float(value), dtype=torch.float64, device=device)
-    if is_ddp_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        t /= dist.get_world_size()
-    return t.item()
-
-
-def train_step(model, optimizers, next_batch, grad_accum_steps, grad_clip=1.0, autocast=None, loss_fn=None,
-               defer_grad_sync=False):
+class MicroBatches:
     """
-    Accumulate gradients over `grad_accum_steps` micro-batches from `next_batch()` (returns (x, y) or (x, y, ...)),
-    clip, step every optimizer, zero grads. Returns (global mean loss as float, grad norm or None, last batch extras).
-    The distributed optimizers (DistAdamW/DistMuon/FSDP) average gradients across ranks themselves.
-    defer_grad_sync (FSDP only): reduce-scatter gradients once, after the last micro-batch, instead of after every one
-    (less traffic with many micro-steps; costs one unsharded gradient per rank).
+    The training loop's source of micro-batches: `fetch()` returns (x, y) or (x, y, ...). train_step takes a batch,
+    queues its forward and backward, and only then fetches the next one (`prefetch`), so reading, tokenising and
+    copying the next batch overlap the accelerator's work instead of waiting behind it. Kept across steps, it also
+    fetches the next step's first micro-batch right after the last backward, before the optimizer step and the host
+    syncs of the loss and grad norm (nanochat's loop does the same).
+
+    on_take(batch) runs when a batch is trained on (not when it is fetched): bookkeeping that must describe what was
+    trained, such as a loader position saved for an exact resume, belongs there. A source that runs out is only an
+    error if its missing batch is taken.
+    """
+
+    def __init__(self, fetch, on_take=None):
+        self.fetch = fetch
+        self.on_take = on_take
+        self._next = None
+        self._exhausted = False
+
+    def prefetch(self):
+        if self._next is None and not self._exhausted:
+            try:
+                self._next = self.fetch()
+            except StopIteration:
+                self._exhausted = True
+
+    def take(self):
+        self.prefetch()
+        if self._next is None:
+            raise StopIteration("the micro-batch source is exhausted")
+        batch, self._next = self._next, None
+        if self.on_take is not None:
+            self.on_take(batch)
+        return batch
+
+
+def train_step(model, optimizers, batches, grad_accum_steps, grad_clip=1.0, autocast=None, loss_fn=None,
+               parallel=None):
+    """
+    Accumulate gradients over `grad_accum_steps` micro-batches, clip, step every optimizer, zero grads. Returns
+    (global mean loss as float, grad norm or None, last batch extras). `batches`: a MicroBatches kept across steps
+    (prefetches the next step's first batch too), or a plain `next_batch()` callable (prefetches within this step
+    only, so nothing is fetched that this step does not use). The distributed optimizers (DistAdamW/DistMuon/FSDP)
+    average gradients across ranks themselves; `parallel` (the run's strategy, nanochat/parallel.py; default the DDP
+    path) decides when gradients are synchronised.
     """
     autocast = autocast or contextlib.nullcontext
+    parallel = parallel or DataParallel()
+    across_steps = isinstance(batches, MicroBatches)
+    if not across_steps:
+        batches = MicroBatches(batches)
     device = next(model.parameters()).device
     loss_sum = torch.zeros((), device=device, dtype=torch.float32)
     extras = None
-    fsdp_module = getattr(model, "_orig_mod", model)  # torch.compile wraps the FSDP module
-    if defer_grad_sync and not hasattr(fsdp_module, "set_requires_gradient_sync"):
-        raise ValueError("--fsdp_defer_grad_sync=1 needs --use_fsdp=1")
     for i in range(grad_accum_steps):
-        if defer_grad_sync:
-            fsdp_module.set_requires_gradient_sync(i == grad_accum_steps - 1)
-        batch = next_batch()
+        parallel.set_grad_sync(model, i, grad_accum_steps)
+        batch = batches.take()
         x, y = batch[0], batch[1]
         extras = batch[2:] if len(batch) > 2 else None
         with autocast():
             loss = model(x, y) if loss_fn is None else loss_fn(model, batch)
         loss_sum += loss.detach().float()
         (loss / grad_accum_steps).backward()
+        if i < grad_accum_steps - 1 or across_steps:
+            batches.prefetch()  # while the backward just queued runs on the accelerator
     grad_norm = None
     if grad_clip > 0:
         grad_norm = clip_grad_norm(model, grad_clip)
@@ -273,32 +283,25 @@ def format_duration(seconds):
 # checkpoints of a training run
 
 
-def gather_objects(obj):
-    """List of `obj` from every rank (rank order); [obj] in a single process."""
-    if not (is_ddp_initialized() and dist.get_world_size() > 1):
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def save_train_state(checkpoint_dir, step, model, optimizers, meta, loader_state=None, use_fsdp=False):
+def save_train_state(checkpoint_dir, step, model, optimizers, meta, loader_state=None, parallel=None):
     """
-    Save model (single file, rank 0), optimizer state (one file per rank) and meta with every rank's loader state.
-    Every rank must call it.
+    Save model (single file, rank 0), optimizer state (one file per rank) and meta with every rank's loader state
+    and the parallelism strategy's name. Every rank must call it.
     """
+    parallel = parallel or DataParallel()
     _, rank, _, _ = get_dist_info()
-    model_sd = model_state_for_saving(model, use_fsdp)
+    model_sd = parallel.model_state_dict(model)
     loader_states = gather_objects(loader_state)
-    meta = dict(meta, step=step, loader_state=loader_states, world_size=len(loader_states))
+    meta = dict(meta, step=step, loader_state=loader_states, world_size=len(loader_states), parallel=parallel.name)
     if loader_states and loader_states[0] is not None:
         meta["dataloader_state_dict"] = loader_states[0]  # nanochat's key, for tools that read it
     optim_sd = [opt.state_dict() for opt in optimizers]
     save_checkpoint(checkpoint_dir, step, model_sd if rank == 0 else None, optim_sd, meta, rank=rank)
 
 
-def load_train_state(checkpoint_dir, step, model, optimizers, device, use_fsdp=False):
+def load_train_state(checkpoint_dir, step, model, optimizers, device, parallel=None):
     """Restore model and optimizers in place; returns (meta, this rank's loader state or None)."""
+    parallel = parallel or DataParallel()
     _, rank, _, world_size = get_dist_info()
     model_sd, optim_sd, meta = load_checkpoint(checkpoint_dir, step, device, load_optimizer=True, rank=rank)
     saved_world = meta.get("world_size", 1)
@@ -307,15 +310,8 @@ def load_train_state(checkpoint_dir, step, model, optimizers, device, use_fsdp=F
             f"step {step} was saved by {saved_world} rank(s) but this run has {world_size}: the optimizer state and "
             f"data position are per rank, so resume with --nproc_per_node/--nnodes giving {saved_world} ranks"
         )
-    saved_fsdp = bool(meta.get("user_config", {}).get("use_fsdp", False))
-    if saved_fsdp != bool(use_fsdp):
-        paths = {True: "FSDP (--use_fsdp=1)", False: "DDP (--use_fsdp=0)"}
-        raise ValueError(
-            f"step {step} was saved by the {paths[saved_fsdp]} path, whose optimizer state this {paths[bool(use_fsdp)]} "
-            f"run cannot resume: resume with --use_fsdp={int(saved_fsdp)}. (The model file itself is the same on both "
-            f"paths: later stages such as mid_train load it either way.)"
-        )
-    load_model_state(model, model_sd, use_fsdp)
+    parallel.check_resume(meta, step)
+    parallel.load_model_state_dict(model, model_sd)
     if len(optim_sd) != len(optimizers):
         raise ValueError(f"checkpoint has {len(optim_sd)} optimizer states but the run built {len(optimizers)}")
     for opt, sd in zip(optimizers, optim_sd):
@@ -324,26 +320,12 @@ def load_train_state(checkpoint_dir, step, model, optimizers, device, use_fsdp=F
     return meta, loader_states[rank] if rank < len(loader_states) else None
 
 
-def ceil_div(a, b):
-    return -(-a // b)
-
-
-def batch_arithmetic(total_batch_size, device_batch_size, max_seq_len, world_size):
-    """grad_accum_steps for a target total batch (in tokens), or a clear error suggesting valid values."""
-    tokens_per_fwdbwd = device_batch_size * max_seq_len * world_size
-    if total_batch_size <= 0:
-        return 1, tokens_per_fwdbwd
-    if total_batch_size % tokens_per_fwdbwd != 0:
-        lower = max(tokens_per_fwdbwd, (total_batch_size // tokens_per_fwdbwd) * tokens_per_fwdbwd)
-        upper = ceil_div(total_batch_size, tokens_per_fwdbwd) * tokens_per_fwdbwd
-        divisors = [b for b in range(1, device_batch_size * 2 + 1) if total_batch_size % (b * max_seq_len * world_size) == 0]
-        hint = f" or --device_batch_size in {divisors[:8]}" if divisors else ""
-        raise ValueError(
-            f"--total_batch_size={total_batch_size} is not divisible by device_batch_size*max_seq_len*world_size = "
-            f"{device_batch_size}*{max_seq_len}*{world_size} = {tokens_per_fwdbwd}. Use --total_batch_size={lower} or "
-            f"{upper}{hint}."
-        )
-    return total_batch_size // tokens_per_fwdbwd, tokens_per_fwdbwd
+def save_stage_model(checkpoint_dir, step, model, meta, parallel=None):
+    """The model and meta only (nanochat's SFT/RL checkpoints carry no optimizer state). Every rank must call it."""
+    parallel = parallel or DataParallel()
+    rank = get_dist_info()[1]
+    state = parallel.model_state_dict(model)
+    save_checkpoint(checkpoint_dir, step, state if rank == 0 else None, None, dict(meta, step=step), rank=rank)
 
 
 # On CPU the default eval sizes mean hours of evaluation before the first training step.
@@ -365,19 +347,3 @@ def eval_steps_for(eval_tokens, default_eval_tokens, tokens_per_fwdbwd, device_t
 def assert_finite(loss, step):
     if not math.isfinite(loss):
         raise FloatingPointError(f"loss became {loss} at step {step}: lower the learning rates or check the data")
-
-
-def print_config(config):
-    for k, v in config.items():
-        print0(f"  {k} = {v}")
-
-
-def timed(fn):
-    """Run fn() and return (result, seconds), synchronising CUDA so the time is real."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.time()
-    out = fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return out, time.time() - t0

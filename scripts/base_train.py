@@ -15,14 +15,20 @@ import time
 import torch
 
 from nanochat.checkpoint_manager import checkpoint_root
+from nanochat.compile import maybe_compile
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.configurator import parse_flags_or_exit
 from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.gpt import config_for_depth
 from nanochat.loss_eval import evaluate_bpb
+from nanochat.metrics import MetricsLogger
+from nanochat.parallel import parallel_from_config
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
-from nanochat import training as T
+from nanochat.training import (
+    MicroBatches, ProgressMeter, apply_schedule, assert_finite, batch_arithmetic, build_model, eval_steps_for,
+    every, format_duration, load_train_state, lr_multiplier, muon_momentum, save_train_state, setup_run, train_step
+)
 
 DEFAULTS = dict(
     run="dummy",  # wandb run name; "dummy" = no wandb
@@ -59,7 +65,7 @@ DEFAULTS = dict(
     resume_from_step=-1,
     model_tag="",  # default: d{depth}
     # systems
-    compile=True,  # torch.compile on CUDA (ignored elsewhere)
+    compile="auto",  # auto | 1 | 0: torch.compile wherever it works (nanochat/compile.py)
     dtype="auto",  # auto | bfloat16 | float32
     use_fsdp=False,
     fsdp_reduce_dtype="float32",
@@ -74,9 +80,11 @@ def main(argv=None):
     user_config = dict(config)
     print_banner()
 
-    ddp, rank, local_rank, world_size, device, autocast = T.setup_run(config)
+    ctx = setup_run(config)
+    rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
+    parallel = parallel_from_config(config)  # the DDP path or FSDP2 (nanochat/parallel.py)
     device_type = device.type
-    master = rank == 0
+    master = ctx.master
     if config["data_world_size"] > 1 and world_size > 1:
         raise ValueError("--data_world_size is for single-process runs that reproduce a multi-rank run; unset it")
     data_world = max(world_size, config["data_world_size"])
@@ -86,10 +94,10 @@ def main(argv=None):
     token_bytes = get_token_bytes(device=device)
     vocab_size = tokenizer.get_vocab_size()
     model_config = config_for_depth(config["depth"], vocab_size, config["max_seq_len"])
-    model = T.build_model(model_config, device, config["init"], config["attn"], config["use_fsdp"], config["fsdp_reduce_dtype"])
+    model = parallel.wrap(build_model(model_config, device, config["init"], config["attn"]), device)
     orig_model = model  # uncompiled, for eval, sampling and saving
-    if config["compile"] and device_type == "cuda":
-        model = torch.compile(model, dynamic=False)
+    model = maybe_compile(model, config["compile"], device, config["device_batch_size"], config["max_seq_len"],
+                          parallel.compile_per_block, autocast)
     num_params = orig_model.num_params()
     flops_per_token = orig_model.estimate_flops()
     print0(f"Model d{config['depth']}: {model_config} | {num_params:,} params | attn {orig_model.attn_backend} | "
@@ -97,7 +105,7 @@ def main(argv=None):
 
     # batch arithmetic
     B, Tlen = config["device_batch_size"], config["max_seq_len"]
-    grad_accum, tokens_per_fwdbwd = T.batch_arithmetic(config["total_batch_size"], B, Tlen, data_world)
+    grad_accum, tokens_per_fwdbwd = batch_arithmetic(config["total_batch_size"], B, Tlen, data_world)
     total_batch = tokens_per_fwdbwd * grad_accum
     print0(f"Batch: {B} x {Tlen} x {data_world} rank(s) x {grad_accum} accumulation = {total_batch:,} tokens/step")
 
@@ -115,8 +123,8 @@ def main(argv=None):
            f"(tokens:params = {num_iterations * total_batch / num_params:.2f}), "
            f"{flops_per_token * num_iterations * total_batch:.3e} FLOPs")
 
-    eval_steps = T.eval_steps_for(config["eval_tokens"], DEFAULTS["eval_tokens"], tokens_per_fwdbwd, device_type,
-                                  enabled=config["eval_every"] > 0)
+    eval_steps = eval_steps_for(config["eval_tokens"], DEFAULTS["eval_tokens"], tokens_per_fwdbwd, device_type,
+                                enabled=config["eval_every"] > 0)
 
     # CORE needs the eval bundle: find (or download) it now, not hours into training
     core_bundle = None
@@ -136,8 +144,8 @@ def main(argv=None):
             config["core_metric_every"] = -1
 
     # optimizers
-    optimizers = T.setup_optimizers(
-        orig_model, use_fsdp=config["use_fsdp"], unembedding_lr=config["unembedding_lr"],
+    optimizers = parallel.setup_optimizers(
+        orig_model, unembedding_lr=config["unembedding_lr"],
         embedding_lr=config["embedding_lr"], matrix_lr=config["matrix_lr"],
         weight_decay=config["weight_decay"], use_muon=config["use_muon"],
     )
@@ -145,12 +153,12 @@ def main(argv=None):
     # checkpoints and resume
     model_tag = config["model_tag"] or f"d{config['depth']}"
     checkpoint_dir = os.path.join(checkpoint_root("base"), model_tag)
-    meter = T.ProgressMeter(total_batch, flops_per_token, device, world_size, num_iterations)
+    meter = ProgressMeter(total_batch, flops_per_token, device, world_size, num_iterations)
     start_step, min_val_bpb, val_bpb = 0, float("inf"), None
     loader_states = [None] * (data_world if world_size == 1 else 1)
     if config["resume_from_step"] >= 0:
         start_step = config["resume_from_step"]
-        meta, my_state = T.load_train_state(checkpoint_dir, start_step, orig_model, optimizers, device, config["use_fsdp"])
+        meta, my_state = load_train_state(checkpoint_dir, start_step, orig_model, optimizers, device, parallel)
         loop = meta["loop_state"]
         meter.load_state_dict(loop["meter"])
         min_val_bpb, val_bpb = loop["min_val_bpb"], meta.get("val_bpb")
@@ -167,17 +175,23 @@ def main(argv=None):
     # micro-batches go round the data ranks A at a time, as each real rank would take A in a row
     micro = {"i": 0}
 
-    def next_batch():
+    def fetch():
         k = (micro["i"] // grad_accum) % len(train_loaders)
         micro["i"] += 1
         x, y, state = next(train_loaders[k])
-        loader_states[k] = state
-        return x, y
+        return x, y, k, state
+
+    def on_take(batch):  # a checkpoint saves the position after the last batch trained on, not the prefetched one
+        loader_states[batch[2]] = batch[3]
+
+    train_batches = MicroBatches(fetch, on_take)
 
     def build_val_loader():
         return tokenizing_distributed_data_loader(B, Tlen, "val", device=device_type, tokenizer=tokenizer)
 
-    wandb_run = get_wandb(config["run"], "nanochat", user_config, master)
+    resume_step = start_step if config["resume_from_step"] >= 0 else None
+    metrics = MetricsLogger(os.path.join(checkpoint_dir, "metrics.jsonl"),
+                            get_wandb(config["run"], "nanochat", user_config, master), master, resume_step)
 
     def sample():
         prompts = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then tomorrow will be",
@@ -196,26 +210,23 @@ def main(argv=None):
         meta = {"model_config": vars(model_config), "user_config": user_config, "val_bpb": val_bpb,
                 "device_batch_size": B, "max_seq_len": Tlen, "loop_state": loop_state}
         my_state = loader_states[0] if len(loader_states) == 1 else None  # this rank's; W virtual ranks live in loop_state
-        T.save_train_state(checkpoint_dir, step, orig_model, optimizers, meta, my_state, config["use_fsdp"])
+        save_train_state(checkpoint_dir, step, orig_model, optimizers, meta, my_state, parallel)
 
     # ---------------------------------------------------------------- the loop
     core_metric = None
-    curve_loss, curve_bpb = [], []  # for the report's plots
     step = start_step
     for step in range(start_step, num_iterations + 1):
         last_step = step == num_iterations
 
-        if T.every(step, config["eval_every"], last_step):
+        if every(step, config["eval_every"], last_step):
             orig_model.eval()
             with autocast():
                 val_bpb = evaluate_bpb(orig_model, build_val_loader(), eval_steps, token_bytes)
             orig_model.train()
             min_val_bpb = min(min_val_bpb, val_bpb)
-            curve_bpb.append((step, val_bpb))
-            print0(f"step {step:05d} | val bpb: {val_bpb:.4f}")
-            wandb_run.log({"step": step, "val/bpb": val_bpb})
+            metrics.log(step, {"val/bpb": val_bpb}, console=f"step {step:05d} | val bpb: {val_bpb:.4f}")
 
-        if T.every(step, config["core_metric_every"], last_step) and step > 0:
+        if every(step, config["core_metric_every"], last_step) and step > 0:
             from nanochat.core_eval import evaluate_model
 
             orig_model.eval()
@@ -224,52 +235,50 @@ def main(argv=None):
                                      bundle_dir=core_bundle)
             orig_model.train()
             core_metric = out.get("core_metric")
-            print0(f"step {step:05d} | CORE: {core_metric:.4f}" + (" (partial)" if out.get("partial") else ""))
-            wandb_run.log({"step": step, "core_metric": core_metric})
+            metrics.log(step, {"eval/core_metric": core_metric},
+                        console=f"step {step:05d} | CORE: {core_metric:.4f}" + (" (partial)" if out.get("partial") else ""))
 
-        if step > 0 and T.every(step, config["sample_every"], last_step) and (master or config["use_fsdp"]):
+        if step > 0 and every(step, config["sample_every"], last_step) and (master or parallel.collective_forward):
             sample()  # under FSDP every rank runs the forward (the all-gathers are collective); rank 0 prints
 
-        if step > start_step and (T.every(step, config["save_every"], last_step, at_last=False) or last_step):
+        if step > start_step and (every(step, config["save_every"], last_step, at_last=False) or last_step):
             save(step)
 
         if last_step:
             break
 
-        lrm = T.lr_multiplier(step, num_iterations, config["warmup_ratio"], config["warmdown_ratio"], config["final_lr_frac"])
-        T.apply_schedule(optimizers, lrm, T.muon_momentum(step))
+        lrm = lr_multiplier(step, num_iterations, config["warmup_ratio"], config["warmdown_ratio"], config["final_lr_frac"])
+        apply_schedule(optimizers, lrm, muon_momentum(step))
         t0 = time.time()
-        loss, grad_norm, _ = T.train_step(model, optimizers, next_batch, grad_accum * len(train_loaders), config["grad_clip"],
-                                          autocast, defer_grad_sync=config["fsdp_defer_grad_sync"])
+        loss, grad_norm, _ = train_step(model, optimizers, train_batches, grad_accum * len(train_loaders), config["grad_clip"],
+                                        autocast, parallel=parallel)
         if device_type == "cuda":
             torch.cuda.synchronize()
         dt = time.time() - t0
-        T.assert_finite(loss, step)
+        assert_finite(loss, step)
         fields = meter.update(step, loss, dt)
-        curve_loss.append((step + 1, fields["loss"]))
-        print0(meter.format(step, fields, lrm, f" | gnorm: {grad_norm:.3f}" if grad_norm is not None else ""))
-        wandb_run.log({"step": step, "train/loss": fields["loss"], "train/raw_loss": loss, "train/lrm": lrm,
-                       "train/tok_per_sec": fields["tok_per_sec"], "train/mfu": fields["mfu"]})
+        metrics.log(step + 1, {"train/loss": fields["loss"], "train/raw_loss": loss, "train/lrm": lrm,
+                               "train/grad_norm": grad_norm, "train/tok_per_sec": fields["tok_per_sec"],
+                               "train/mfu": fields["mfu"]},
+                    console=meter.format(step, fields, lrm, f" | gnorm: {grad_norm:.3f}" if grad_norm is not None else ""))
 
     # ---------------------------------------------------------------- wrap up
     if master:
         if device_type == "cuda":
             print0(f"Peak memory: {torch.cuda.max_memory_allocated() / 1024**2:.0f} MiB")
-        print0(f"Total training time: {T.format_duration(meter.total_time)} | min val bpb: {min_val_bpb:.4f}")
+        print0(f"Total training time: {format_duration(meter.total_time)} | min val bpb: {min_val_bpb:.4f}")
         report = get_report()
-        if curve_loss:
-            report.log_curve("Base training loss", *zip(*curve_loss), ylabel="loss (EMA)")
-        if curve_bpb:
-            report.log_curve("Base validation bpb", *zip(*curve_bpb), ylabel="bits per byte")
+        metrics.log_curves(report, {"train/loss": ("Base training loss", "loss (EMA)"),
+                                    "val/bpb": ("Base validation bpb", "bits per byte")})
         report.log(section="Base model training", data=[
             user_config,
             {"Number of parameters": num_params, "FLOPs per token": f"{flops_per_token:e}",
              "Calculated number of iterations": num_iterations, "Tokens per step": total_batch,
              "Number of training tokens": num_iterations * total_batch, "DDP world size": world_size},
             {"Minimum validation bpb": min_val_bpb, "Final validation bpb": val_bpb, "CORE metric": core_metric,
-             "Total training time": T.format_duration(meter.total_time)},
+             "Total training time": format_duration(meter.total_time)},
         ])
-    wandb_run.finish()
+    metrics.finish()
     compute_cleanup()
     return {"val_bpb": val_bpb, "min_val_bpb": min_val_bpb, "num_iterations": num_iterations, "step": step}
 

@@ -19,12 +19,15 @@ import time
 
 import torch
 
-from nanochat import training as T
 from nanochat.checkpoint_manager import checkpoint_root
-from nanochat.common import compute_cleanup, get_dist_info, get_wandb, is_ddp_initialized, print0, print_banner
+from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.configurator import parse_flags_or_exit
-from nanochat.conversation_data import collate_sft, load_stage_model, save_stage_model, scale_initial_lr
+from nanochat.conversation_data import collate_sft, load_stage_model, scale_initial_lr
+from nanochat.dist import all_reduce_sum, dist_world_size, get_dist_info
 from nanochat.engine import Engine
+from nanochat.metrics import MetricsLogger
+from nanochat.parallel import DataParallel
+from nanochat.training import apply_schedule, assert_finite, every, lr_multiplier, save_stage_model, setup_run, train_step
 
 DEFAULTS = dict(
     run="dummy",  # wandb run name; "dummy" = no wandb
@@ -126,17 +129,10 @@ def evaluate_pass_at_k(task, engine, tokenizer, num_examples, num_samples, devic
         correct = [bool(task.evaluate(conversation, tokenizer.decode(s[len(prompt):]))) for s in seqs]
         hits += torch.tensor(list(itertools.accumulate(correct, lambda a, b: a or b)), dtype=torch.float64, device=device)
         total += 1
-    if is_ddp_initialized() and torch.distributed.get_world_size() > 1:
+    if dist_world_size() > 1:
         torch.distributed.all_reduce(hits)
         torch.distributed.all_reduce(total)
     return (hits / total.clamp(min=1)).tolist()
-
-
-def all_reduce_sum(values, device):
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if is_ddp_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.all_reduce(t)
-    return t.tolist()
 
 
 # -----------------------------------------------------------------------------
@@ -151,9 +147,10 @@ def main(argv=None):
     if config["num_samples"] < 1 or config["device_batch_size"] < 1:
         raise ValueError("--num_samples and --device_batch_size must be >= 1")
 
-    ddp, rank, local_rank, world_size, device, autocast = T.setup_run(config)
+    ctx = setup_run(config)
+    rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
     device_type = device.type
-    master = rank == 0
+    master = ctx.master
 
     if config["examples_per_step"] % world_size != 0:
         raise ValueError(f"--examples_per_step={config['examples_per_step']} must be divisible by the {world_size} ranks")
@@ -175,7 +172,8 @@ def main(argv=None):
     print0(f"Training for {num_iterations:,} steps of {config['examples_per_step']} questions x "
            f"{config['num_samples']} samples ({len(train_task):,} GSM8K train questions)")
 
-    optimizers = T.setup_optimizers(
+    parallel = DataParallel()  # RL samples with the engine on each rank's own questions: no FSDP here
+    optimizers = parallel.setup_optimizers(
         model, unembedding_lr=config["unembedding_lr"], embedding_lr=config["embedding_lr"],
         matrix_lr=config["matrix_lr"], weight_decay=config["weight_decay"],
     )
@@ -185,31 +183,31 @@ def main(argv=None):
     example_indices = itertools.cycle(range(rank, len(train_task), world_size))  # this rank's questions
     model_tag = config["model_tag"] or f"d{model_config.n_layer}"
     checkpoint_dir = os.path.join(checkpoint_root("rl"), model_tag)
-    wandb_run = get_wandb(config["run"], "nanochat-rl", user_config, master)
+    metrics = MetricsLogger(os.path.join(checkpoint_dir, "metrics.jsonl"),
+                            get_wandb(config["run"], "nanochat-rl", user_config, master), master)
 
     def save(step, passk):
         meta = {"model_config": vars(model_config), "user_config": user_config, "pass_at_k": passk,
                 "source": {"phase": config["source"], "model_tag": config["model_tag"] or None, "step": source_meta.get("step")}}
-        save_stage_model(checkpoint_dir, step, model, meta)
+        save_stage_model(checkpoint_dir, step, model, meta, parallel)
         print0(f"Saved RL checkpoint step {step} to {checkpoint_dir}")
 
     # ---------------------------------------------------------------- the loop
-    passk, curve_reward, curve_pass1 = None, [], []
+    passk = None
     step = 0
     for step in range(num_iterations + 1):
         last_step = step == num_iterations
 
-        if T.every(step, config["eval_every"], last_step):
+        if every(step, config["eval_every"], last_step):
             model.eval()
             with autocast():
                 passk = evaluate_pass_at_k(val_task, engine, tokenizer, config["eval_examples"], config["device_batch_size"],
                                            device, seed=config["seed"], **sampling)
             model.train()
-            curve_pass1.append((step, passk[0]))
-            print0(f"step {step:05d} | " + " | ".join(f"pass@{k + 1}: {p:.4f}" for k, p in enumerate(passk)))
-            wandb_run.log({"step": step, **{f"pass@{k + 1}": p for k, p in enumerate(passk)}})
+            metrics.log(step, {f"eval/pass@{k + 1}": p for k, p in enumerate(passk)},
+                        console=f"step {step:05d} | " + " | ".join(f"pass@{k + 1}: {p:.4f}" for k, p in enumerate(passk)))
 
-        if step > 0 and (T.every(step, config["save_every"], last_step, at_last=False) or last_step):
+        if step > 0 and (every(step, config["save_every"], last_step, at_last=False) or last_step):
             save(step, passk)
 
         if last_step:
@@ -232,40 +230,39 @@ def main(argv=None):
         model.train()
 
         # policy-gradient update: every micro-batch's loss is averaged over all of this step's micro-batches
-        lrm = T.lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=1.0)  # = 1 - step/num_iterations
-        T.apply_schedule(optimizers, lrm)
+        lrm = lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=1.0)  # = 1 - step/num_iterations
+        apply_schedule(optimizers, lrm)
         it = iter(batches)
-        loss, _, _ = T.train_step(model, optimizers, lambda: next(it), len(batches), grad_clip=0.0, autocast=autocast,
-                                  loss_fn=lambda m, b: policy_gradient_loss(m, b[0], b[1], b[2]))
+        loss, _, _ = train_step(model, optimizers, lambda: next(it), len(batches), grad_clip=0.0, autocast=autocast,
+                                loss_fn=lambda m, b: policy_gradient_loss(m, b[0], b[1], b[2]))
         dt = time.time() - t0
-        T.assert_finite(loss, step)
+        assert_finite(loss, step)
         n_samples = examples_per_rank * config["num_samples"]
         reward_total, length_total, count = all_reduce_sum([reward_sum, length_sum, n_samples], device)
         mean_reward, mean_length = reward_total / count, length_total / count
-        curve_reward.append((step + 1, mean_reward))
-        print0(f"step {step + 1:05d}/{num_iterations:05d} | pg loss: {loss:.6f} | mean reward: {mean_reward:.4f} | "
-               f"mean sequence length: {mean_length:.1f} | lrm: {lrm:.2f} | dt: {dt:.2f}s")
-        wandb_run.log({"step": step, "reward": mean_reward, "sequence_length": mean_length, "pg_loss": loss, "lrm": lrm})
+        metrics.log(step + 1, {"train/loss": loss, "train/lrm": lrm, "rl/reward": mean_reward,
+                               "rl/sequence_length": mean_length},
+                    console=f"step {step + 1:05d}/{num_iterations:05d} | pg loss: {loss:.6f} | mean reward: "
+                            f"{mean_reward:.4f} | mean sequence length: {mean_length:.1f} | lrm: {lrm:.2f} | dt: {dt:.2f}s")
 
     # ---------------------------------------------------------------- wrap up
     if master:
         from nanochat.report import get_report
 
         report = get_report()
-        if curve_reward:
-            report.log_curve("Chat RL mean reward", *zip(*curve_reward), ylabel="mean reward")
-        if curve_pass1:
-            report.log_curve("Chat RL GSM8K pass@1", *zip(*curve_pass1), ylabel="pass@1")
-        recent = [r for _, r in curve_reward[-10:]]
+        metrics.log_curves(report, {"rl/reward": ("Chat RL mean reward", "mean reward"),
+                                    "eval/pass@1": ("Chat RL GSM8K pass@1", "pass@1")})
+        recent = [r for _, r in metrics.curve("rl/reward")[-10:]]
         report.log(section="Chat RL", data=[
             user_config,
             {"Number of iterations": num_iterations, "DDP world size": world_size,
              "Mean reward (last 10 steps)": sum(recent) / len(recent) if recent else None},
             {f"GSM8K test pass@{k + 1}": p for k, p in enumerate(passk)} if passk else {},
         ])
-    wandb_run.finish()
+    metrics.finish()
     compute_cleanup()
-    return {"step": step, "pass_at_k": passk, "rewards": [r for _, r in curve_reward], "checkpoint_dir": checkpoint_dir}
+    return {"step": step, "pass_at_k": passk, "rewards": [r for _, r in metrics.curve("rl/reward")],
+            "checkpoint_dir": checkpoint_dir}
 
 
 if __name__ == "__main__":

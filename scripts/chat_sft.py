@@ -10,21 +10,28 @@ ARC-Challenge, GSM8K, 10k SmolTalk conversations, the identity conversations, Si
 whose data cannot be found is left out with a message), with the learning rate decaying linearly to 0, and saves to
 chatsft_checkpoints/<tag>/ (--model_tag names both the input and the output checkpoint, as nanochat). Every
 --eval_every steps: loss per assistant token on the held-out conversations mid-training validates on (SmolTalk test,
-MMLU test, GSM8K test); every --eval_metrics_every steps: MMLU and ARC-Easy accuracy (scripts.chat_eval's
+MMLU test, GSM8K test); every --eval_metrics_every steps: MMLU and ARC-Easy accuracy (nanochat.chat_eval's
 categorical evaluation).
 """
 
-import importlib.util
 import os
 import time
 
 import torch
 
-from nanochat import training as T
+from nanochat.batching import sft_batch_arithmetic
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.configurator import parse_flags_or_exit
-from nanochat.conversation_data import build_mixture, held_out_tasks, load_stage_model, save_stage_model, scale_initial_lr, sft_batches
+from nanochat.conversation_data import load_stage_model, scale_initial_lr, sft_batches
+from nanochat.dist import all_reduce_mean
+from nanochat.metrics import MetricsLogger
+from nanochat.parallel import parallel_from_config
+from nanochat.training import (
+    MicroBatches, ProgressMeter, apply_schedule, assert_finite, every, lr_multiplier, save_stage_model, setup_run,
+    train_step
+)
+from tasks.suites import build_mixture, held_out_tasks
 
 DEFAULTS = dict(
     run="dummy",  # wandb run name; "dummy" = no wandb
@@ -78,23 +85,23 @@ def train_tasks():
 
 
 def chat_metrics(model, tokenizer, batch_size, max_problems, autocast):
-    """{task: accuracy} for METRIC_TASKS via scripts.chat_eval, or None (with a note) when chat_eval is absent."""
-    if importlib.util.find_spec("scripts.chat_eval") is None:
-        print0("Note: scripts/chat_eval.py is not available, skipping the MMLU / ARC-Easy accuracy evaluation")
-        return None
+    """{task: accuracy} for METRIC_TASKS (nanochat.chat_eval); a task whose data is missing is left out with a note."""
+    from nanochat.chat_eval import evaluate_task
+    from nanochat.data_sources import TaskDataNotFound
     from nanochat.engine import Engine
-    from scripts.chat_eval import run_chat_eval
-    from tasks.data import TaskDataNotFound
+    from tasks.suites import build_eval_task_on_every_rank
 
     engine = Engine(model, tokenizer)
     metrics = {}
     with autocast():
         for task_name in METRIC_TASKS:
             try:
-                metrics[task_name] = run_chat_eval(task_name, model, tokenizer, engine, batch_size=batch_size,
-                                                   max_problems=max_problems)
+                task = build_eval_task_on_every_rank(task_name)
             except TaskDataNotFound as e:
                 print0(f"Note: skipping the {task_name} accuracy: {e}")
+                continue
+            metrics[task_name] = evaluate_task(task, model, tokenizer, engine, batch_size=batch_size,
+                                               max_problems=max_problems)
     return metrics
 
 
@@ -107,25 +114,20 @@ def main(argv=None):
     if config["eval_every"] > 0 and config["eval_steps"] < 1:
         raise ValueError("--eval_steps must be >= 1 (or turn the validation off with --eval_every=-1)")
 
-    ddp, rank, local_rank, world_size, device, autocast = T.setup_run(config)
+    ctx = setup_run(config)
+    rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
+    parallel = parallel_from_config(config)  # the DDP path or FSDP2 (nanochat/parallel.py)
     device_type = device.type
-    master = rank == 0
+    master = ctx.master
 
     model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
     model_config = model.config
-    if config["use_fsdp"]:
-        T.shard_model(model, device, config["fsdp_reduce_dtype"])
+    model = parallel.wrap(model, device)
     print0(f"Fine-tuning the {config['source']} model (step {source_meta.get('step')}): {model_config}")
 
     # batch arithmetic: whole conversations per step
     B = config["device_batch_size"]
-    examples_per_fwdbwd = B * world_size
-    if config["target_examples_per_step"] % examples_per_fwdbwd != 0:
-        raise ValueError(
-            f"--target_examples_per_step={config['target_examples_per_step']} is not divisible by device_batch_size * "
-            f"world_size = {B} * {world_size} = {examples_per_fwdbwd}: change one of them"
-        )
-    grad_accum = config["target_examples_per_step"] // examples_per_fwdbwd
+    grad_accum = sft_batch_arithmetic(config["target_examples_per_step"], B, world_size)
     print0(f"Batch: {B} conversations x {world_size} rank(s) x {grad_accum} accumulation = "
            f"{config['target_examples_per_step']} conversations/step")
 
@@ -143,34 +145,35 @@ def main(argv=None):
                              f"lower --target_examples_per_step or set --num_iterations")
     print0(f"Training for {num_iterations:,} steps")
 
-    optimizers = T.setup_optimizers(
-        model, use_fsdp=config["use_fsdp"], unembedding_lr=config["unembedding_lr"],
+    optimizers = parallel.setup_optimizers(
+        model, unembedding_lr=config["unembedding_lr"],
         embedding_lr=config["embedding_lr"], matrix_lr=config["matrix_lr"], weight_decay=config["weight_decay"],
     )
     scale_initial_lr(optimizers, config["init_lr_frac"])
 
     model_tag = config["model_tag"] or f"d{model_config.n_layer}"
     checkpoint_dir = os.path.join(checkpoint_root("sft"), model_tag)
-    wandb_run = get_wandb(config["run"], "nanochat-sft", user_config, master)
-    meter = T.ProgressMeter(0, model.estimate_flops(), device, world_size, num_iterations)
+    metrics_log = MetricsLogger(os.path.join(checkpoint_dir, "metrics.jsonl"),
+                                get_wandb(config["run"], "nanochat-sft", user_config, master), master)
+    meter = ProgressMeter(0, model.estimate_flops(), device, world_size, num_iterations)
 
     # every rank counts what it processed (for tok/s) and what it trained on (tokens with a target)
     counts = torch.zeros(2, dtype=torch.float64, device=device)
 
-    def next_batch():
-        x, y = next(train_iter)
+    def on_take(batch):  # counted when trained on (the next step's first batch is fetched during this step)
+        x, y = batch
         counts[0] += x.numel()
         counts[1] += (y >= 0).sum()
-        return x, y
+
+    train_batches = MicroBatches(lambda: next(train_iter), on_take)
 
     # ---------------------------------------------------------------- the loop
     val_loss, metrics, train_loss = None, {}, None
-    curve_loss, curve_val = [], []
     step = 0
     for step in range(num_iterations + 1):
         last_step = step == num_iterations
 
-        if T.every(step, config["eval_every"], last_step):
+        if every(step, config["eval_every"], last_step):
             model.eval()
             val_iter = sft_batches(val_ds, tokenizer, B, device, rank, world_size, max_tokens)
             sums = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, trained tokens
@@ -180,14 +183,12 @@ def main(argv=None):
                     sums[0] += model(x, y, loss_reduction="sum").double()
                     sums[1] += (y >= 0).sum()
             model.train()
-            loss_sum, n_tokens = (T.all_reduce_mean(v, device) for v in sums.tolist())
+            loss_sum, n_tokens = (all_reduce_mean(v, device) for v in sums.tolist())
             val_loss = loss_sum / n_tokens  # per trained token over all ranks' batches
-            curve_val.append((step, val_loss))
-            print0(f"step {step:05d} | validation loss: {val_loss:.6f}")
-            wandb_run.log({"step": step, "val/loss": val_loss})
+            metrics_log.log(step, {"val/loss": val_loss}, console=f"step {step:05d} | validation loss: {val_loss:.6f}")
 
-        if T.every(step, config["eval_metrics_every"], last_step):
-            if config["use_fsdp"]:
+        if every(step, config["eval_metrics_every"], last_step):
+            if parallel.collective_forward:
                 # each rank evaluates different problems, but every FSDP forward is collective: they would deadlock
                 print0("Note: skipping the MMLU / ARC-Easy accuracy evaluation under --use_fsdp=1 (run scripts.chat_eval on the saved model)")
             else:
@@ -196,49 +197,47 @@ def main(argv=None):
                 model.train()
                 if out:
                     metrics = out
-                    print0(f"step {step:05d} | " + " | ".join(f"{k} acc: {v:.4f}" for k, v in metrics.items()))
-                    wandb_run.log({"step": step, **{f"{k}_acc": v for k, v in metrics.items()}})
+                    metrics_log.log(step, {f"eval/{k}_acc": v for k, v in metrics.items()},
+                                    console=f"step {step:05d} | " + " | ".join(f"{k} acc: {v:.4f}" for k, v in metrics.items()))
 
         if last_step:
             break
 
-        lrm = T.lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=1.0)  # = 1 - step/num_iterations
-        T.apply_schedule(optimizers, lrm)
+        lrm = lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=1.0)  # = 1 - step/num_iterations
+        apply_schedule(optimizers, lrm)
         counts.zero_()
         t0 = time.time()
-        train_loss, _, _ = T.train_step(model, optimizers, next_batch, grad_accum, grad_clip=0.0, autocast=autocast)
+        train_loss, _, _ = train_step(model, optimizers, train_batches, grad_accum, grad_clip=0.0, autocast=autocast,
+                                      parallel=parallel)
         if device_type == "cuda":
             torch.cuda.synchronize()
         dt = time.time() - t0
-        T.assert_finite(train_loss, step)
-        processed, trained = (T.all_reduce_mean(c, device) * world_size for c in counts.tolist())
+        assert_finite(train_loss, step)
+        processed, trained = (all_reduce_mean(c, device) * world_size for c in counts.tolist())
         meter.tokens_per_step = processed  # rows are padded to each batch's longest: the count changes every step
         fields = meter.update(step, train_loss, dt)
-        curve_loss.append((step + 1, fields["loss"]))
-        print0(meter.format(step, fields, lrm, f" | trained tokens: {int(trained):,}"))
-        wandb_run.log({"step": step, "train/loss": fields["loss"], "train/raw_loss": train_loss, "train/lrm": lrm,
-                       "train/num_tokens": trained})
+        metrics_log.log(step + 1, {"train/loss": fields["loss"], "train/raw_loss": train_loss, "train/lrm": lrm,
+                                   "train/num_tokens": trained, "train/tok_per_sec": fields["tok_per_sec"]},
+                        console=meter.format(step, fields, lrm, f" | trained tokens: {int(trained):,}"))
 
     # ---------------------------------------------------------------- wrap up
     meta = {"model_config": vars(model_config), "user_config": user_config, "val_loss": val_loss, **metrics,
             "source": {"phase": config["source"], "model_tag": config["model_tag"] or None, "step": source_meta.get("step")}}
-    save_stage_model(checkpoint_dir, step, model, meta, config["use_fsdp"])
+    save_stage_model(checkpoint_dir, step, model, meta, parallel)
     print0(f"Saved SFT checkpoint step {step} to {checkpoint_dir}")
     if master:
         from nanochat.report import get_report
 
         report = get_report()
-        if curve_loss:
-            report.log_curve("Chat SFT loss", *zip(*curve_loss), ylabel="loss (EMA)")
-        if curve_val:
-            report.log_curve("Chat SFT validation loss", *zip(*curve_val), ylabel="loss")
+        metrics_log.log_curves(report, {"train/loss": ("Chat SFT loss", "loss (EMA)"),
+                                        "val/loss": ("Chat SFT validation loss", "loss")})
         report.log(section="Chat SFT", data=[
             user_config,
             {"Training tasks": ", ".join(train_names), "Training rows": len(train_ds),
              "Number of iterations": num_iterations, "DDP world size": world_size},
             {"Training loss": train_loss, "Validation loss": val_loss, **metrics},
         ])
-    wandb_run.finish()
+    metrics_log.finish()
     compute_cleanup()
     return {"step": step, "train_loss": train_loss, "val_loss": val_loss, "metrics": metrics,
             "checkpoint_dir": checkpoint_dir, "train_tasks": train_names}

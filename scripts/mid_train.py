@@ -16,15 +16,22 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 
-from nanochat import training as T
 from nanochat.checkpoint_manager import checkpoint_root
-from nanochat.common import compute_cleanup, get_wandb, is_ddp_initialized, print0, print_banner
+from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
+from nanochat.compile import maybe_compile
 from nanochat.configurator import parse_flags_or_exit
-from nanochat.conversation_data import ConversationPacker, build_mixture, held_out_tasks, load_stage_model, scale_initial_lr
+from nanochat.conversation_data import ConversationPacker, load_stage_model, scale_initial_lr
+from nanochat.dist import all_reduce_mean, any_rank
 from nanochat.loss_eval import evaluate_bpb
+from nanochat.metrics import MetricsLogger
+from nanochat.parallel import parallel_from_config
 from nanochat.tokenizer import get_token_bytes
+from nanochat.training import (
+    MicroBatches, ProgressMeter, apply_schedule, assert_finite, batch_arithmetic, eval_steps_for, every,
+    format_duration, muon_momentum, save_train_state, setup_run, train_step
+)
+from tasks.suites import build_mixture, held_out_tasks
 
 DEFAULTS = dict(
     run="dummy",  # wandb run name; "dummy" = no wandb
@@ -50,7 +57,7 @@ DEFAULTS = dict(
     eval_tokens=20 * 524288,
     # systems
     dry_run=False,  # train and evaluate, but save no checkpoint and log no report / wandb
-    compile=True,  # torch.compile on CUDA (ignored elsewhere)
+    compile="auto",  # auto | 1 | 0: torch.compile wherever it works (nanochat/compile.py)
     use_fsdp=False,
     fsdp_reduce_dtype="float32",
     seed=42,
@@ -87,32 +94,24 @@ def lr_multiplier(progress):
     return max(0.0, (1 - progress) / WARMDOWN_RATIO)
 
 
-def any_rank(flag, device):
-    """True on every rank if `flag` is true on any (ranks pass the epoch end at slightly different steps)."""
-    if not (is_ddp_initialized() and dist.get_world_size() > 1):
-        return bool(flag)
-    t = torch.tensor(int(flag), device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def main(argv=None):
     config = parse_flags_or_exit(DEFAULTS, argv, description=__doc__)
     user_config = dict(config)
     print_banner()
 
-    ddp, rank, local_rank, world_size, device, autocast = T.setup_run(config)
+    ctx = setup_run(config)
+    rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
+    parallel = parallel_from_config(config)  # the DDP path or FSDP2 (nanochat/parallel.py)
     device_type = device.type
-    master = rank == 0
+    master = ctx.master
 
     # the base model and its tokenizer
     model, tokenizer, base_meta = load_stage_model("base", device, config["model_tag"], config["model_step"])
     model_config = model.config
-    if config["use_fsdp"]:
-        T.shard_model(model, device, config["fsdp_reduce_dtype"])
+    model = parallel.wrap(model, device)
     orig_model = model  # uncompiled, for eval and saving
-    if config["compile"] and device_type == "cuda":
-        model = torch.compile(model, dynamic=False)
+    model = maybe_compile(model, config["compile"], device, config["device_batch_size"], config["max_seq_len"],
+                          parallel.compile_per_block, autocast)
     token_bytes = get_token_bytes(device=device)
     flops_per_token = orig_model.estimate_flops()
     print0(f"Base model step {base_meta.get('step')}: {model_config} | {orig_model.num_params():,} params")
@@ -120,14 +119,14 @@ def main(argv=None):
     B, Tlen = config["device_batch_size"], config["max_seq_len"]
     if Tlen != model_config.sequence_len:
         print0(f"Note: training at --max_seq_len={Tlen}; the base model was trained at {model_config.sequence_len}")
-    grad_accum, tokens_per_fwdbwd = T.batch_arithmetic(config["total_batch_size"], B, Tlen, world_size)
+    grad_accum, tokens_per_fwdbwd = batch_arithmetic(config["total_batch_size"], B, Tlen, world_size)
     total_batch = tokens_per_fwdbwd * grad_accum
     print0(f"Batch: {B} x {Tlen} x {world_size} rank(s) x {grad_accum} accumulation = {total_batch:,} tokens/step")
-    eval_steps = T.eval_steps_for(config["eval_tokens"], DEFAULTS["eval_tokens"], tokens_per_fwdbwd, device_type,
-                                  enabled=config["eval_every"] > 0)
+    eval_steps = eval_steps_for(config["eval_tokens"], DEFAULTS["eval_tokens"], tokens_per_fwdbwd, device_type,
+                                enabled=config["eval_every"] > 0)
 
-    optimizers = T.setup_optimizers(
-        orig_model, use_fsdp=config["use_fsdp"], unembedding_lr=config["unembedding_lr"],
+    optimizers = parallel.setup_optimizers(
+        orig_model, unembedding_lr=config["unembedding_lr"],
         embedding_lr=config["embedding_lr"], matrix_lr=config["matrix_lr"], weight_decay=config["weight_decay"],
     )
     scale_initial_lr(optimizers, config["init_lr_frac"])
@@ -149,46 +148,57 @@ def main(argv=None):
     model_tag = config["model_tag"] or f"d{model_config.n_layer}"
     checkpoint_dir = os.path.join(checkpoint_root("mid"), model_tag)
     wandb_run = get_wandb("dummy" if config["dry_run"] else config["run"], "nanochat-mid", user_config, master)
+    metrics = MetricsLogger(None if config["dry_run"] else os.path.join(checkpoint_dir, "metrics.jsonl"), wandb_run, master)
     # in one-epoch mode the step count is not known in advance: the meter's ETA uses an estimate from progress
-    meter = T.ProgressMeter(total_batch, flops_per_token, device, world_size, max(num_iterations, 1))
+    meter = ProgressMeter(total_batch, flops_per_token, device, world_size, max(num_iterations, 1))
 
     # ---------------------------------------------------------------- the loop
+    # where the trained batches reached in the data (the schedule and the one-epoch stop read this, not the loader,
+    # which is one prefetched batch ahead)
+    position = {"progress": train_loader.progress, "epoch": train_loader.epoch}
+
+    def fetch():
+        x, y = next(train_loader)
+        return x, y, train_loader.progress, train_loader.epoch
+
+    def on_take(batch):
+        position["progress"], position["epoch"] = batch[2], batch[3]
+
+    train_batches = MicroBatches(fetch, on_take)
     val_bpb, min_val_bpb = None, float("inf")
-    curve_loss, curve_bpb = [], []
     step, epoch_done = 0, False
     while True:
         last_step = step == num_iterations if num_iterations > 0 else epoch_done
 
-        if T.every(step, config["eval_every"], last_step):
+        if every(step, config["eval_every"], last_step):
             orig_model.eval()
             with autocast():
                 val_bpb = evaluate_bpb(orig_model, build_val_loader(), eval_steps, token_bytes)
             orig_model.train()
             min_val_bpb = min(min_val_bpb, val_bpb)
-            curve_bpb.append((step, val_bpb))
-            print0(f"step {step:05d} | val bpb: {val_bpb:.4f}")
-            wandb_run.log({"step": step, "val/bpb": val_bpb})
+            metrics.log(step, {"val/bpb": val_bpb}, console=f"step {step:05d} | val bpb: {val_bpb:.4f}")
 
         if last_step:
             break
 
-        progress = step / num_iterations if num_iterations > 0 else T.all_reduce_mean(train_loader.progress, device)
+        progress = step / num_iterations if num_iterations > 0 else all_reduce_mean(position["progress"], device)
         lrm = lr_multiplier(progress)
-        T.apply_schedule(optimizers, lrm, T.muon_momentum(step))
+        apply_schedule(optimizers, lrm, muon_momentum(step))
         t0 = time.time()
-        loss, grad_norm, _ = T.train_step(model, optimizers, lambda: next(train_loader), grad_accum, config["grad_clip"], autocast)
+        loss, grad_norm, _ = train_step(model, optimizers, train_batches, grad_accum, config["grad_clip"], autocast,
+                                        parallel=parallel)
         if device_type == "cuda":
             torch.cuda.synchronize()
         dt = time.time() - t0
-        T.assert_finite(loss, step)
+        assert_finite(loss, step)
         if num_iterations <= 0:
-            epoch_done = any_rank(train_loader.epoch >= 1, device)
-            meter.num_iterations = step + 1 if epoch_done else max(step + 2, round((step + 1) / max(train_loader.progress, 1e-9)))
+            epoch_done = any_rank(position["epoch"] >= 1, device)
+            meter.num_iterations = step + 1 if epoch_done else max(step + 2, round((step + 1) / max(position["progress"], 1e-9)))
         fields = meter.update(step, loss, dt)
-        curve_loss.append((step + 1, fields["loss"]))
-        print0(meter.format(step, fields, lrm, f" | gnorm: {grad_norm:.3f}" if grad_norm is not None else ""))
-        wandb_run.log({"step": step, "train/loss": fields["loss"], "train/raw_loss": loss, "train/lrm": lrm,
-                       "train/tok_per_sec": fields["tok_per_sec"], "train/mfu": fields["mfu"]})
+        metrics.log(step + 1, {"train/loss": fields["loss"], "train/raw_loss": loss, "train/lrm": lrm,
+                               "train/grad_norm": grad_norm, "train/tok_per_sec": fields["tok_per_sec"],
+                               "train/mfu": fields["mfu"]},
+                    console=meter.format(step, fields, lrm, f" | gnorm: {grad_norm:.3f}" if grad_norm is not None else ""))
         step += 1
 
     # ---------------------------------------------------------------- wrap up
@@ -198,26 +208,24 @@ def main(argv=None):
             "min_val_bpb": min_val_bpb if val_bpb is not None else None, "device_batch_size": B, "max_seq_len": Tlen,
             "source": {"phase": "base", "model_tag": config["model_tag"] or None, "step": base_meta.get("step")},
         }
-        T.save_train_state(checkpoint_dir, step, orig_model, optimizers, meta, None, config["use_fsdp"])
+        save_train_state(checkpoint_dir, step, orig_model, optimizers, meta, None, parallel)
         print0(f"Saved mid-training checkpoint step {step} to {checkpoint_dir}")
-    print0(f"Total training time: {T.format_duration(meter.total_time)}" +
+    print0(f"Total training time: {format_duration(meter.total_time)}" +
            (f" | min val bpb: {min_val_bpb:.4f}" if val_bpb is not None else ""))
     if master and not config["dry_run"]:
         from nanochat.report import get_report
 
         report = get_report()
-        if curve_loss:
-            report.log_curve("Midtraining loss", *zip(*curve_loss), ylabel="loss (EMA)")
-        if curve_bpb:
-            report.log_curve("Midtraining validation bpb", *zip(*curve_bpb), ylabel="bits per byte")
+        metrics.log_curves(report, {"train/loss": ("Midtraining loss", "loss (EMA)"),
+                                    "val/bpb": ("Midtraining validation bpb", "bits per byte")})
         report.log(section="Midtraining", data=[
             user_config,
             {"Training tasks": ", ".join(train_names), "Training conversations": len(train_ds),
              "Number of iterations": step, "Tokens per step": total_batch, "DDP world size": world_size},
             {"Minimum validation bpb": min_val_bpb if val_bpb is not None else None, "Final validation bpb": val_bpb,
-             "Total training time": T.format_duration(meter.total_time)},
+             "Total training time": format_duration(meter.total_time)},
         ])
-    wandb_run.finish()
+    metrics.finish()
     compute_cleanup()
     return {"step": step, "val_bpb": val_bpb, "min_val_bpb": min_val_bpb, "checkpoint_dir": checkpoint_dir,
             "train_tasks": train_names}

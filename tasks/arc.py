@@ -5,8 +5,8 @@ HF: allenai/ai2_arc; local: <data_dir>/arc/ARC-{Easy,Challenge}-{train,validatio
 
 import json
 
+from nanochat.data_sources import TaskDataNotFound, get_data_dir, load_hf_dataset
 from tasks.common import Task, render_mc
-from tasks.data import TaskDataNotFound, get_data_dir, load_hf_dataset
 
 
 class ARC(Task):

@@ -6,8 +6,9 @@ CustomJSON: conversations from a JSONL file, one JSON array of {"role", "content
 import json
 import os
 
+from nanochat.data_sources import TaskDataNotFound, get_data_dir
+from nanochat.download import download_file
 from tasks.common import Task, validate_messages
-from tasks.data import TaskDataNotFound, download_file, get_data_dir
 
 IDENTITY_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/identity_conversations.jsonl"
 

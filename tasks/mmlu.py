@@ -8,8 +8,8 @@ dev, test, validation (or val) or auxiliary_train. Two CSV flavours are read: ..
 
 import csv
 
+from nanochat.data_sources import TaskDataNotFound, get_data_dir, load_hf_dataset
 from tasks.common import Task, render_mc
-from tasks.data import TaskDataNotFound, get_data_dir, load_hf_dataset
 
 LETTERS = ("A", "B", "C", "D")
 # local directory names that hold each split (the Hendrycks tarball calls validation "val")

@@ -6,8 +6,8 @@ list per line), or a snapshot of the HF dataset repo at <data_dir>/smoltalk/data
 
 import json
 
+from nanochat.data_sources import TaskDataNotFound, get_data_dir, load_hf_dataset
 from tasks.common import Task, validate_messages
-from tasks.data import TaskDataNotFound, get_data_dir, load_hf_dataset
 
 
 class SmolTalk(Task):

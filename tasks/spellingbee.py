@@ -16,8 +16,9 @@ import os
 import random
 import string
 
+from nanochat.data_sources import TaskDataNotFound, get_data_dir
+from nanochat.download import download_file
 from tasks.common import Task
-from tasks.data import TaskDataNotFound, download_file, get_data_dir
 from tasks.gsm8k import extract_answer
 
 WORDS_URL = "https://raw.githubusercontent.com/dwyl/english-words/refs/heads/master/words_alpha.txt"

@@ -14,7 +14,7 @@ import torch
 
 from nanochat.gpt import GPTConfig
 
-DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DATA_DIR = Path(__file__).resolve().parent / "assets" / "data"  # excerpts of ../shared/data (tests/assets/README.md)
 WIKITEXT_TRAIN = DATA_DIR / "pretrain" / "wikitext-2" / "train.txt"
 
 

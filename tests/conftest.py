@@ -1,6 +1,10 @@
 """
 Shared fixtures: a tiny but real nanochat base directory (WikiText-2 shards + a trained tokenizer), built once per
 test session, and helpers to run torchrun from tests.
+
+Test data: TEST_DATA (tests/assets/data) holds small excerpts of the real data sets in ../shared/data, in the same
+layout (provenance and licences in tests/assets/README.md), so the suite runs in any clone. Only the tests about
+../shared itself read SHARED_DATA, and they skip with `require_shared` when it is not beside the repo.
 """
 
 import os
@@ -13,13 +17,18 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# --compile=auto compiles on CPU too; in the suite's tiny runs compile time would dominate, so tests run eager
+# (tests/test_compile.py compiles on purpose). Inherited by the scripts and torchrun ranks tests launch.
+os.environ.setdefault("NANOCHAT_COMPILE", "0")
+TEST_DATA = REPO / "tests" / "assets" / "data"
 SHARED_DATA = REPO.parent / "shared" / "data"
-WIKITEXT = SHARED_DATA / "pretrain" / "wikitext-2"
+WIKITEXT = TEST_DATA / "pretrain" / "wikitext-2"
 
 
 def require_shared(path):
+    """For the tests that check the full data sets in ../shared/data (not needed by any other test)."""
     if not Path(path).exists():
-        pytest.skip(f"real test data not found at {path} (expected ../shared/data beside the repo)")
+        pytest.skip(f"checks the full copy in ../shared/data, which is not beside this clone ({path})")
     return Path(path)
 
 
@@ -65,10 +74,9 @@ def run_torchrun(args, nproc=2, env=None, timeout=300, extra_launcher_args=()):
 @pytest.fixture(scope="session")
 def tiny_base_dir(tmp_path_factory):
     """
-    A base dir with WikiText-2 imported as shards (small row groups so several ranks get data) and a 512-token
-    tokenizer trained on it. Tests that write checkpoints should copy it (see `base_dir` fixture).
+    A base dir with the WikiText-2 excerpt of tests/assets imported as shards (small row groups so several ranks get
+    data) and a 512-token tokenizer trained on it. Tests that write checkpoints should copy it (see `base_dir`).
     """
-    require_shared(WIKITEXT / "train.txt")
     from nanochat.dataset import import_corpus
     from nanochat.tokenizer import RustBPETokenizer, compute_token_bytes
 

@@ -1,35 +1,37 @@
 #!/usr/bin/env bash
 # The one test command: create or reuse a venv, install nanochat with [dev] (this builds the rustbpe
-# extension with maturin), then run the whole suite, multi-process tests included.
-#   NANOCHAT_VENV=path   venv to create/reuse (default: .venv in the repo)
-#   extra arguments are passed to pytest, e.g. `bash tests/run.sh -k tokenizer -x`
+# extension with maturin), then run the suite, multi-process tests included. Arguments go to pytest:
+#   bash tests/run.sh -k tokenizer -x
+#   bash tests/run.sh -m "not slow and not dist"
+# Settings:
+#   NANOCHAT_VENV=path            venv to create/reuse (default: .venv in the repo)
+#   NANOCHAT_INSTALL_CHROMIUM=1   install Debian's chromium with apt-get (as root) for the web UI test. Off by
+#                                 default: this script changes nothing outside the repo and its venv unless asked;
+#                                 without chromium the UI test is skipped with a reason. (CI sets it: .ci/run.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+LIB_TAG=tests/run.sh
+source scripts/lib.sh
 VENV="${NANOCHAT_VENV:-.venv}"
-PY="${PYTHON:-python3}"
 
-if [ ! -x "$VENV/bin/python" ]; then
-    echo "[tests/run.sh] creating venv at $VENV"
-    "$PY" -m venv "$VENV"
-fi
-# Rust toolchain for the rustbpe extension (maturin calls cargo).
-if ! command -v cargo >/dev/null 2>&1; then
-    if [ -x "$HOME/.cargo/bin/cargo" ]; then
-        export PATH="$HOME/.cargo/bin:$PATH"
-    else
-        echo "[tests/run.sh] cargo not found: install Rust (https://rustup.rs) to build rustbpe" >&2
-        exit 1
-    fi
-fi
+ensure_venv "$VENV"
+# Rust toolchain for the rustbpe extension (maturin calls cargo); installing one is speedrun.sh's business, not this.
+have_cargo || die "cargo not found: install Rust (https://rustup.rs, or: curl https://sh.rustup.rs -sSf | sh -s -- -y) to build rustbpe"
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-echo "[tests/run.sh] installing nanochat[dev] (builds rustbpe)"
+log "installing nanochat[dev] (builds rustbpe)"
 "$VENV/bin/python" -m pip install -q -e ".[dev]"
 
 # The web UI test drives Debian's chromium through Playwright (no browser download).
-if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[tests/run.sh] installing chromium for the UI test"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-        || echo "[tests/run.sh] could not install chromium; the UI test will be skipped with a reason"
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+    if [[ "${NANOCHAT_INSTALL_CHROMIUM:-0}" == 1 ]]; then
+        [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1 ||
+            die "NANOCHAT_INSTALL_CHROMIUM=1 needs root and apt-get; otherwise install chromium yourself"
+        log "NANOCHAT_INSTALL_CHROMIUM=1: installing chromium with apt-get for the UI test"
+        run_sh "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null" ||
+            log "could not install chromium; the UI test will be skipped with a reason"
+    else
+        log "no chromium: the web UI test will be skipped (NANOCHAT_INSTALL_CHROMIUM=1 installs it with apt-get, as root)"
+    fi
 fi
 
 export PYTHONUNBUFFERED=1

@@ -1,13 +1,12 @@
 """base_train end to end on CPU: flags, exact resume, learning, schedules and batch arithmetic."""
 
-import re
-
 import pytest
 import torch
 
-from nanochat import training as T
+from nanochat import training
 from nanochat.checkpoint_manager import load_checkpoint
 from nanochat.configurator import FlagError, parse_flags
+from nanochat.metrics import read_metrics
 
 TINY = ["--depth=1", "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=512", "--eval_every=4",
         "--eval_tokens=1024", "--core_metric_every=-1", "--sample_every=-1", "--device_type=cpu"]
@@ -21,8 +20,10 @@ def run_base_train(argv, capsys):
     return out, text
 
 
-def step_losses(text):
-    return {int(m.group(1)): m.group(2) for m in re.finditer(r"step (\d+)/\d+ .*?\| loss: ([0-9.]+)", text)}
+def step_losses(base_dir, tag):
+    """{step: train/loss} from the run's metrics.jsonl."""
+    records = read_metrics(base_dir / "base_checkpoints" / tag / "metrics.jsonl")
+    return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
 
 
 def test_flags_forms_and_errors():
@@ -36,21 +37,21 @@ def test_flags_forms_and_errors():
 
 
 def test_batch_arithmetic_suggests_valid_values():
-    assert T.batch_arithmetic(4096, 4, 64, 2) == (8, 512)
+    assert training.batch_arithmetic(4096, 4, 64, 2) == (8, 512)
     with pytest.raises(ValueError, match=r"--total_batch_size=4096 or 4608"):
-        T.batch_arithmetic(4100, 4, 64, 2)
+        training.batch_arithmetic(4100, 4, 64, 2)
 
 
 def test_schedules():
-    assert T.lr_multiplier(0, 100, warmup_ratio=0.1) == pytest.approx(0.1)
-    assert T.lr_multiplier(50, 100) == 1.0
-    assert T.lr_multiplier(100, 100, warmdown_ratio=0.2, final_lr_frac=0.0) == 0.0
-    assert T.lr_multiplier(90, 100, warmdown_ratio=0.2, final_lr_frac=0.1) == pytest.approx(0.5 + 0.5 * 0.1)
-    assert T.muon_momentum(0) == pytest.approx(0.85) and T.muon_momentum(300) == pytest.approx(0.95)
-    assert T.muon_momentum(150) == pytest.approx(0.90)
+    assert training.lr_multiplier(0, 100, warmup_ratio=0.1) == pytest.approx(0.1)
+    assert training.lr_multiplier(50, 100) == 1.0
+    assert training.lr_multiplier(100, 100, warmdown_ratio=0.2, final_lr_frac=0.0) == 0.0
+    assert training.lr_multiplier(90, 100, warmdown_ratio=0.2, final_lr_frac=0.1) == pytest.approx(0.5 + 0.5 * 0.1)
+    assert training.muon_momentum(0) == pytest.approx(0.85) and training.muon_momentum(300) == pytest.approx(0.95)
+    assert training.muon_momentum(150) == pytest.approx(0.90)
     # a period <= 0 turns an action off entirely, also at the last step (nanochat's `step % -1 == 0` bug)
-    assert not T.every(5, -1, last_step=True) and not T.every(0, 0)
-    assert T.every(0, 3) and T.every(6, 3) and not T.every(7, 3) and T.every(7, 3, last_step=True)
+    assert not training.every(5, -1, last_step=True) and not training.every(0, 0)
+    assert training.every(0, 3) and training.every(6, 3) and not training.every(7, 3) and training.every(7, 3, last_step=True)
 
 
 def test_bad_total_batch_stops_with_message(base_dir, capsys):
@@ -60,6 +61,7 @@ def test_bad_total_batch_stops_with_message(base_dir, capsys):
         base_train.main(TINY[:3] + ["--total_batch_size=1000", "--num_iterations=1", "--device_type=cpu"])
 
 
+@pytest.mark.slow  # two training runs
 def test_resume_is_exact(base_dir, capsys):
     """2N steps uninterrupted == N steps, resume, N steps: identical losses and parameters (Muon + AdamW)."""
     n = 4
@@ -75,8 +77,9 @@ def test_resume_is_exact(base_dir, capsys):
             shutil.copy(f, dst / f.name)
     resumed, resumed_text = run_base_train(TINY + [f"--num_iterations={2 * n}", "--model_tag=resumed", f"--resume_from_step={n}"], capsys)
 
-    full_losses, resumed_losses = step_losses(full_text), step_losses(resumed_text)
-    assert sorted(resumed_losses) == list(range(n + 1, 2 * n + 1))
+    full_losses, resumed_losses = step_losses(base_dir, "full"), step_losses(base_dir, "resumed")
+    assert sorted(full_losses) == list(range(1, 2 * n + 1))
+    assert sorted(resumed_losses) == list(range(n + 1, 2 * n + 1))  # the copied files held no metrics.jsonl
     for s in range(n + 1, 2 * n + 1):
         assert resumed_losses[s] == full_losses[s], f"step {s}: {resumed_losses[s]} != {full_losses[s]}"
     assert resumed["val_bpb"] == full["val_bpb"]
@@ -89,9 +92,83 @@ def test_resume_is_exact(base_dir, capsys):
 def test_resume_refuses_other_parallelism_path(tmp_path):
     """Optimizer state differs between the DDP and FSDP paths: resuming across them is a clear error, not a crash."""
     from nanochat.gpt import GPTConfig
+    from nanochat.parallel import FSDP, DataParallel
 
-    model = T.build_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=64), "cpu")
+    model = training.build_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=64), "cpu")
     optimizers = model.setup_optimizers()
-    T.save_train_state(str(tmp_path), 3, model, optimizers, {"user_config": {"use_fsdp": True}})
+    training.save_train_state(str(tmp_path), 3, model, optimizers, {"user_config": {"use_fsdp": False}})
+    _, _, meta = load_checkpoint(str(tmp_path), 3, "cpu")
+    assert meta["parallel"] == "ddp"
+    with pytest.raises(ValueError, match="resume with --use_fsdp=0"):
+        training.load_train_state(str(tmp_path), 3, model, optimizers, "cpu", FSDP())
+    training.load_train_state(str(tmp_path), 3, model, optimizers, "cpu", DataParallel())
+    # checkpoints from before meta["parallel"] existed say it with their --use_fsdp flag
     with pytest.raises(ValueError, match="resume with --use_fsdp=1"):
-        T.load_train_state(str(tmp_path), 3, model, optimizers, "cpu", use_fsdp=False)
+        DataParallel().check_resume({"user_config": {"use_fsdp": True}}, 3)
+    FSDP().check_resume({"user_config": {"use_fsdp": True}}, 3)
+
+
+def test_parallel_strategy_from_flags():
+    from nanochat.parallel import FSDP, DataParallel, parallel_from_config
+
+    assert type(parallel_from_config({"use_fsdp": False})) is DataParallel
+    assert type(parallel_from_config({})) is DataParallel  # scripts without FSDP flags (chat_rl)
+    p = parallel_from_config({"use_fsdp": True, "fsdp_reduce_dtype": "bfloat16", "fsdp_defer_grad_sync": True})
+    assert type(p) is FSDP and p.reduce_dtype == torch.bfloat16 and p.defer_grad_sync and p.collective_forward
+    with pytest.raises(ValueError, match="needs --use_fsdp=1"):
+        parallel_from_config({"use_fsdp": False, "fsdp_defer_grad_sync": True})
+    with pytest.raises(ValueError, match="--fsdp_reduce_dtype must be float32 or bfloat16"):
+        parallel_from_config({"use_fsdp": True, "fsdp_reduce_dtype": "fp8"})
+    with pytest.raises(RuntimeError, match="launch with torchrun"):  # FSDP2 needs a process group
+        FSDP().wrap(torch.nn.Linear(2, 2), "cpu")
+
+
+def test_next_micro_batch_is_fetched_after_backward_is_queued():
+    """The input pipeline off the critical path: each micro-batch is fetched after the previous backward was
+    launched (not before the forward), and a MicroBatches kept across steps fetches the next step's first batch
+    before the optimizer step. The losses are the same as fetching on demand."""
+    from nanochat.gpt import GPTConfig
+
+    config = GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=64)
+
+    def run(across_steps, steps=2, accum=3):
+        torch.manual_seed(0)
+        model = training.build_model(config, "cpu")
+        optimizers = model.setup_optimizers()
+        events, taken = [], []
+        for opt in optimizers:
+            opt.step = (lambda step: lambda *a, **k: (events.append("opt"), step(*a, **k))[1])(opt.step)
+        g = torch.Generator().manual_seed(1)
+
+        def fetch():
+            events.append("fetch")
+            t = torch.randint(0, 64, (2, 17), generator=g)
+            return t[:, :-1], t[:, 1:]
+
+        def loss_fn(m, batch):
+            loss = m(batch[0], batch[1])
+            loss.register_hook(lambda grad: events.append("backward"))  # runs when backward starts
+            return loss
+
+        source = training.MicroBatches(fetch, on_take=taken.append) if across_steps else fetch
+        losses = [training.train_step(model, optimizers, source, accum, loss_fn=loss_fn)[0] for _ in range(steps)]
+        return events, losses, taken
+
+    events, losses, taken = run(across_steps=True)
+    step = ["backward", "fetch"] * 3 + ["opt", "opt"]
+    assert events == ["fetch"] + step + step
+    assert len(taken) == 6  # 7 fetched: on_take sees only what was trained on
+    plain_events, plain_losses, _ = run(across_steps=False)
+    # a plain callable: prefetch within the step only, so nothing is fetched that the step does not use
+    step = ["fetch", "backward", "fetch", "backward", "fetch", "backward", "opt", "opt"]
+    assert plain_events == step + step
+    assert losses == plain_losses  # bit-identical
+
+
+def test_micro_batches_exhausted_source_errors_only_when_taken():
+    it = iter([1, 2])
+    mb = training.MicroBatches(lambda: (next(it),))
+    assert mb.take() == (1,) and mb.take() == (2,)
+    mb.prefetch()  # running out while prefetching is fine
+    with pytest.raises(StopIteration):
+        mb.take()

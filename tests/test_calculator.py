@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from nanochat.engine import CALC_TIME_LIMIT_S, CalculatorError, safe_eval, use_calculator
+from nanochat.calculator import CALC_TIME_LIMIT_S, CalculatorError, safe_eval, use_calculator
 
 
 @pytest.mark.parametrize(
@@ -115,3 +115,11 @@ def test_works_without_eval_or_exec(monkeypatch):
     monkeypatch.setattr(builtins, "exec", forbidden)
     assert use_calculator("(3 + 4) * 6 - 2 ** 3") == 34
     assert use_calculator("'hello world'.count('o')") == 2
+
+
+def test_engine_keeps_the_old_import_names():
+    # Code written against nanochat.engine's calculator (before it had its own module) keeps working.
+    from nanochat import calculator, engine
+
+    for name in ("CALC_TIME_LIMIT_S", "CalculatorError", "safe_eval", "use_calculator"):
+        assert getattr(engine, name) is getattr(calculator, name)

@@ -1,5 +1,5 @@
 """
-scripts/chat_eval: ChatCORE arithmetic, the categorical path (letter logits at the answer position) with a model whose
+nanochat/chat_eval (and the scripts/chat_eval command): ChatCORE arithmetic, the categorical path (letter logits at the answer position) with a model whose
 choice we control, the generative path through the real Engine with a scripted model, a tiny random GPT, and the
 whole script on a tiny checkpoint with one task's data missing (ChatCORE partial, named in the report).
 """
@@ -13,15 +13,16 @@ import pytest
 import torch
 
 from chat_fixtures import ScriptedModel, tiny_model, tiny_tokenizer
-from scripts.chat_eval import BASELINES, TASK_NAMES, chatcore, run_categorical_eval, run_chat_eval, run_generative_eval
+from nanochat.chat_eval import BASELINES, TASK_NAMES, chatcore, evaluate_task, run_categorical_eval, run_generative_eval
+from tasks.suites import build_eval_task_on_every_rank
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# excerpts of the real data sets in ../shared/data, same layout (tests/assets/README.md): every clone has them
+SHARED = Path(__file__).resolve().parent / "assets" / "data"
 
 
 def shared(*parts):
     path = SHARED.joinpath(*parts)
-    if not path.exists():
-        pytest.skip(f"real test data not found at {path} (expected ../shared/data beside the repo)")
+    assert path.exists(), f"{path} is missing from tests/assets (rebuild it: python tests/assets/make_assets.py)"
     return path
 
 
@@ -85,8 +86,9 @@ def test_categorical_counts_with_a_controlled_model(monkeypatch):
     acc = run_categorical_eval(ARC("ARC-Easy", "test"), tok, model, batch_size=3, max_problems=n)
     assert acc == expected
     assert [s[0] for s in model.batch_shapes] == [3, 3, 3, 1]  # batches of 3 (right-padded), then the rest
-    # through the dispatcher as chat_sft uses it
-    assert run_chat_eval("ARC-Easy", model, tok, engine=None, batch_size=4, max_problems=n) == expected
+    # through the dispatcher and the ChatCORE task table, as chat_sft uses them
+    task = build_eval_task_on_every_rank("ARC-Easy")
+    assert evaluate_task(task, model, tok, engine=None, batch_size=4, max_problems=n) == expected
     # a model that sees only 24 positions gets the prompts' ends: the answer position is still the last one
     model.rotary_seq_len = 24
     model.batch_shapes.clear()
@@ -123,7 +125,7 @@ def test_generative_counts_through_the_engine(monkeypatch):
                               temperature=0.0, top_k=50)
     assert acc == expected
     # a completion is graded on the generated text only: the prompt (which holds the word) is cut off
-    assert acc == run_chat_eval("SpellingBee", model, tok, Engine(model, tok), max_new_tokens=16, task=task)
+    assert acc == evaluate_task(task, model, tok, Engine(model, tok), max_new_tokens=16)
     # prompts with no room left to answer count as failures, without calling the model
     small = ScriptedModel(tok.get_vocab_size(), script, filler=script[-1], max_positions=8)
     assert run_generative_eval(task, tok, small, Engine(small, tok), 1, 16, 0.0, 50, max_problems=5) == 0.0
@@ -143,6 +145,7 @@ def test_generative_runs_on_a_tiny_random_gpt(monkeypatch):
     assert acc in (0.0, 0.5, 1.0)
 
 
+@pytest.mark.slow  # the whole script on a checkpoint
 def test_chat_eval_script_with_a_missing_task(tmp_path, monkeypatch):
     """-a all on a tiny SFT checkpoint; the word list is nowhere: SpellingBee is skipped by name, ChatCORE partial."""
     import tasks.spellingbee
@@ -197,7 +200,7 @@ from nanochat.engine import Engine
 from nanochat.tokenizer import RustBPETokenizer
 from chat_fixtures import ScriptedModel
 from test_chat_eval import LetterModel
-from scripts.chat_eval import run_categorical_eval, run_generative_eval
+from nanochat.chat_eval import run_categorical_eval, run_generative_eval
 from tasks.arc import ARC
 from tasks.spellingbee import SpellingBee
 ddp, rank, _, world, device = compute_init("cpu")
@@ -245,10 +248,11 @@ import json, os, sys
 os.environ["NANOCHAT_DATA_DIR"] = {dirs!r}[int(os.environ["RANK"])]  # rank 1's data dir lacks ARC-Easy
 sys.path.insert(0, {tests!r})
 from nanochat.common import compute_init
-from nanochat.conversation_data import build_mixture, sft_batches
+from nanochat.conversation_data import sft_batches
 from nanochat.tokenizer import RustBPETokenizer
 from scripts.chat_eval import main
 from tasks.arc import ARC
+from tasks.suites import build_mixture
 ddp, rank, _, world, device = compute_init("cpu")
 out = {{"world": world}}
 mixture, out["used"] = build_mixture([("ARC-Easy", lambda: ARC("ARC-Easy", "test")),

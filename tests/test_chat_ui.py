@@ -16,6 +16,8 @@ from chat_fixtures import ServerThread, tiny_model, tiny_tokenizer
 from nanochat.engine import Engine
 from scripts.chat_web import Worker, create_app
 
+pytestmark = pytest.mark.slow  # drives a headless browser
+
 torch.set_num_threads(1)
 
 MAX_TOKENS = 24
@@ -32,7 +34,7 @@ def chromium_path():
 def browser():
     path = chromium_path()
     if path is None:
-        pytest.skip("no chromium binary (apt-get install chromium; tests/run.sh does it when run as root)")
+        pytest.skip("no chromium binary (apt-get install chromium, or NANOCHAT_INSTALL_CHROMIUM=1 bash tests/run.sh as root)")
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is a dev dependency: pip install -e '.[dev]'")
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=path, headless=True, args=["--no-sandbox", "--disable-gpu"])

@@ -322,6 +322,7 @@ def test_cli_flags_and_api_key_from_environment(monkeypatch):
 # The OpenAI client
 
 
+@pytest.mark.slow  # the OpenAI client and its imports
 def test_openai_client_completion_and_stream(server, model, tok):
     import openai
 
@@ -420,6 +421,7 @@ def wait_for(predicate, timeout=5.0, interval=0.05):
     return predicate()
 
 
+@pytest.mark.slow  # waits for the server to notice a dropped client
 def test_dropped_client_frees_the_worker(tok):
     # a "model" that never stops on its own and takes 10 ms per token: 4096 tokens would take 40 s
     word = tok.encode(" the")[0]

@@ -97,3 +97,110 @@ def test_nanochat_format_checkpoint_loads(base_dir):
     with torch.no_grad():
         assert torch.equal(model(idx), ref(idx))
     assert tokenizer.get_vocab_size() == cfg["vocab_size"]
+
+
+# -----------------------------------------------------------------------------
+# loading memory and dtype
+
+
+def test_no_to_empty_before_load(base_dir, monkeypatch):
+    """load_model builds on meta and assigns the checkpoint tensors: no device copy is materialised first."""
+    from nanochat.gpt import GPT, GPTConfig
+    from nanochat.tokenizer import get_tokenizer
+
+    cfg = dict(sequence_len=32, vocab_size=get_tokenizer().get_vocab_size(), n_layer=1, n_head=2, n_kv_head=1, n_embd=64)
+    torch.manual_seed(1)
+    ref = GPT(GPTConfig(**cfg))
+    ref.init_weights("nanochat")
+    cm.save_checkpoint(str(base_dir / "base_checkpoints" / "d1"), 5, ref.state_dict(), None, {"model_config": cfg})
+    events = []
+    real_load_state_dict = torch.nn.Module.load_state_dict
+    monkeypatch.setattr(torch.nn.Module, "to_empty", lambda self, **kw: events.append("to_empty") or self)
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict",
+                        lambda self, *a, **kw: events.append("load") or real_load_state_dict(self, *a, **kw))
+    model, _, _ = cm.load_model("base", "cpu", phase="eval")
+    assert events == ["load"]
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    torch.testing.assert_close(model.cos, ref.cos)  # the non-persistent rotary tables were recomputed
+    idx = torch.randint(0, cfg["vocab_size"], (2, 8))
+    with torch.no_grad():
+        assert torch.equal(model(idx), ref(idx))
+
+
+_PEAK_SCRIPT = r"""
+import json, sys
+import torch
+from nanochat.checkpoint_manager import clean_state_dict, load_checkpoint, model_from_state_dict
+from nanochat.gpt import GPTConfig
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+# warm up: the first model built on meta loads ~150 MB of library code (meta kernels); that is not checkpoint data
+tiny = GPTConfig(sequence_len=8, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=16)
+from nanochat.gpt import GPT
+model_from_state_dict(GPT(tiny, attn="sdpa").state_dict(), tiny, "cpu")
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak RSS (VmHWM) to the current RSS
+base = status("VmRSS")
+sd, _, meta = load_checkpoint(sys.argv[1], 1, "cpu")
+model = model_from_state_dict(clean_state_dict(sd), GPTConfig(**meta["model_config"]), "cpu")
+del sd
+touched = sum(float(p.detach().float().sum()) for p in model.parameters())  # read every weight: all pages resident
+print(json.dumps({"peak": status("VmHWM") - base, "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}))
+"""
+
+
+def test_loading_peaks_near_one_model_size(tmp_path):
+    """Peak process memory (RSS, file-backed pages included) while loading stays <= 1.3x the model's size;
+    a load that materialises the model and then copies the checkpoint in would peak at ~2x."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+    from nanochat.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(sequence_len=64, vocab_size=16384, n_layer=4, n_head=4, n_kv_head=4, n_embd=512)  # ~118 MB fp32
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in GPT(cfg, attn="sdpa").state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    state = {k: torch.randn(s, generator=g) * 0.02 for k, s in shapes.items()}
+    cm.save_checkpoint(str(tmp_path), 1, state, None, {"model_config": vars(cfg)})
+    del state
+    p = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path)], env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["model_bytes"] > 100e6
+    assert out["peak"] <= 1.3 * out["model_bytes"], out
+
+
+def test_weights_dtype_rule(monkeypatch):
+    monkeypatch.delenv("NANOCHAT_WEIGHTS_DTYPE", raising=False)
+    assert cm.weights_dtype_for("cuda", "eval") == torch.bfloat16
+    assert cm.weights_dtype_for("cuda", "train") == torch.float32  # fp32 master weights for the optimizers
+    assert cm.weights_dtype_for("cpu", "eval") == torch.float32
+    assert cm.weights_dtype_for("mps", "eval") == torch.float32
+    assert cm.weights_dtype_for("cuda", "eval", "float32") == torch.float32
+    assert cm.weights_dtype_for("cpu", "eval", "bf16") == torch.bfloat16
+    monkeypatch.setenv("NANOCHAT_WEIGHTS_DTYPE", "float32")
+    assert cm.weights_dtype_for("cuda", "eval") == torch.float32
+    with pytest.raises(ValueError, match="NANOCHAT_WEIGHTS_DTYPE"):
+        cm.weights_dtype_for("cuda", "eval", "fp8")
+
+
+def test_bf16_loaded_model_runs_forward(tmp_path):
+    from nanochat.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(sequence_len=32, vocab_size=100, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
+    torch.manual_seed(0)
+    ref = GPT(cfg, attn="sdpa")
+    ref.init_weights("nanochat")
+    cm.save_checkpoint(str(tmp_path), 3, ref.state_dict(), None, {"model_config": vars(cfg)})
+    sd, _, _ = cm.load_checkpoint(str(tmp_path), 3, "cpu")
+    model = cm.model_from_state_dict(sd, cfg, "cpu", torch.bfloat16).eval()
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    idx = torch.randint(0, 100, (2, 16))
+    with torch.no_grad():
+        got, want = model(idx), ref(idx)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert (got - want).abs().max() < 0.05 * want.abs().max() + 0.05

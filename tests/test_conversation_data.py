@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.conversation_data import ConversationPacker, build_mixture, collate_sft, sft_batches
+from nanochat.conversation_data import ConversationPacker, collate_sft, sft_batches
 from tests.chat_fixtures import tiny_tokenizer
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED_DATA = Path(__file__).resolve().parent / "assets" / "data"  # excerpts of ../shared/data (tests/assets/README.md)
 
 
 def real_conversations(n=12):
@@ -130,8 +130,9 @@ def test_sft_batches_stride_over_ranks_and_loop(tok):
 
 def test_sft_rows_truncate_to_max_tokens(tok):
     convs = real_conversations(2)
-    x, y = next(sft_batches(convs, tok, B=2, max_tokens=17))
-    assert x.shape == (2, 16)
+    assert all(len(tok.render_conversation(c)[0]) > 41 for c in convs)
+    x, y = next(sft_batches(convs, tok, B=2, max_tokens=41))
+    assert x.shape == (2, 40)
 
 
 def test_collate_rejects_bad_rows():
@@ -146,7 +147,8 @@ def test_collate_rejects_bad_rows():
 
 
 def test_mixture_leaves_out_missing_tasks_by_name(tmp_path, capsys):
-    from tasks.data import TaskDataNotFound
+    from nanochat.data_sources import TaskDataNotFound
+    from tasks.suites import build_mixture
 
     def missing():
         raise TaskDataNotFound("SmolTalk train", [f"local file {tmp_path}/smoltalk/train.jsonl (missing)"])
@@ -164,7 +166,7 @@ def test_rank_agreement_is_a_pass_through_in_one_process():
     """Without torchrun the collective helpers change nothing: same result, same exception (the torchrun case is
     tests/test_chat_eval.py::test_ddp_ranks_agree_on_a_task_one_rank_lacks)."""
     from nanochat.conversation_data import build_on_every_rank, raise_on_every_rank
-    from tasks.data import TaskDataNotFound
+    from nanochat.data_sources import TaskDataNotFound
 
     raise_on_every_rank(None, "nothing")
     with pytest.raises(KeyError):

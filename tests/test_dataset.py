@@ -1,6 +1,7 @@
 """
 nanochat/dataset.py: shard listing and streaming, the downloader (against a real HTTP server on 127.0.0.1) and the
-importer of local text (on the real corpora in ../shared/data/pretrain).
+importer of local text (on excerpts of the real corpora in tests/assets, and on the full corpora of
+../shared/data/pretrain when it is beside the repo, with the counts docs/data.md gives).
 """
 
 import gzip
@@ -30,8 +31,8 @@ from nanochat.dataset import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-PRETRAIN = REPO.parent / "shared" / "data" / "pretrain"
-needs_shared = pytest.mark.skipif(not PRETRAIN.is_dir(), reason=f"shared pretraining corpora not found at {PRETRAIN}")
+PRETRAIN = REPO / "tests" / "assets" / "data" / "pretrain"  # excerpts of ../shared/data/pretrain (tests/assets)
+SHARED_PRETRAIN = REPO.parent / "shared" / "data" / "pretrain"
 
 
 def write_shard(path, docs, rows_per_group):
@@ -325,6 +326,7 @@ def run_cli(args, base_dir, env_extra=None):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # interpreter start-ups
 def test_cli_download_nanochat_flags(server, tmp_path, monkeypatch, capsys):
     add_shards(server, 3)
     # nanochat's command line, the mirror from the environment
@@ -353,7 +355,7 @@ def test_cli_rejects_bad_counts(capsys):
 
 
 # -----------------------------------------------------------------------------
-# importer: the real corpora
+# importer: excerpts of the real corpora (tests/assets/data/pretrain)
 
 
 def shard_summary(out):
@@ -379,14 +381,13 @@ def paragraphs(text):
     return out
 
 
-@needs_shared
 def test_import_wikitext2_one_document_per_article(tmp_path):
     train, valid = PRETRAIN / "wikitext-2" / "train.txt", PRETRAIN / "wikitext-2" / "valid.txt"
     summary = import_corpus([train], out_dir=tmp_path, val_paths=[valid], log=lambda *a: None)
     train_docs, val_docs = shard_summary(tmp_path)
-    # WikiText-2 has 600 train and 60 validation articles
-    assert summary["num_train_docs"] == 600 and sum(map(len, train_docs)) == 600
-    assert len(val_docs) == 60 and summary["num_val_docs"] == 60
+    # the excerpt holds the first 3 train and 4 validation articles
+    assert summary["num_train_docs"] == 3 and sum(map(len, train_docs)) == 3
+    assert len(val_docs) == 4 and summary["num_val_docs"] == 4
     titles = [d.split("\n", 1)[0] for d in all_train_docs(tmp_path)]
     assert all(re.fullmatch(r" = [^=].* = ", t) for t in titles)
     assert " = Valkyria Chronicles III = " in titles
@@ -396,85 +397,95 @@ def test_import_wikitext2_one_document_per_article(tmp_path):
     assert sorted(got) == sorted(lines)
 
 
-@needs_shared
 def test_import_tinystories_row_groups_and_val_shard(tmp_path):
     src = PRETRAIN / "tinystories" / "tinystories_sample.txt"
     text = src.read_text(encoding="utf-8")
     stories = [s.strip() for s in text.split("<|endoftext|>") if s.strip()]
-    assert len(stories) == text.count("<|endoftext|>") == 2316
-    import_corpus([src], out_dir=tmp_path, val_docs=16, rows_per_group=100, docs_per_shard=250, log=lambda *a: None)
+    assert len(stories) == text.count("<|endoftext|>") == 30
+    import_corpus([src], out_dir=tmp_path, val_docs=2, rows_per_group=4, docs_per_shard=10, log=lambda *a: None)
     paths = list_parquet_files(tmp_path)
-    # 2300 train docs in shards of 250 -> 9 full shards + one of 50, then the validation shard
-    assert [os.path.basename(p) for p in paths] == [f"shard_{i:05d}.parquet" for i in range(11)]
-    assert [row_group_sizes(p) for p in paths[:9]] == [[100, 100, 50]] * 9
-    assert row_group_sizes(paths[9]) == [50]
-    assert row_group_sizes(paths[10]) == [16]
+    # 28 train docs in shards of 10 -> 2 full shards + one of 8, then the validation shard
+    assert [os.path.basename(p) for p in paths] == [f"shard_{i:05d}.parquet" for i in range(4)]
+    assert [row_group_sizes(p) for p in paths[:2]] == [[4, 4, 2]] * 2
+    assert row_group_sizes(paths[2]) == [4, 4]
+    assert row_group_sizes(paths[3]) == [2]
     got = all_train_docs(tmp_path) + read_docs(paths[-1])
     # separators and the newlines around them are dropped; a story's own leading indentation is kept
     assert sorted(d.strip() for d in got) == sorted(stories)
     assert all(d == d.rstrip() and not d.startswith("\n") for d in got)
     assert got != stories  # shuffled by default
-    assert json.loads((tmp_path / "import_info.json").read_text())["num_val_docs"] == 16
+    assert json.loads((tmp_path / "import_info.json").read_text())["num_val_docs"] == 2
 
 
-@needs_shared
 def test_import_json_array_and_jsonl_keep_exact_text(tmp_path):
     fineweb = PRETRAIN / "fineweb" / "fineweb_subset.json"
     c4 = PRETRAIN / "c4_demo" / "c4_demo.jsonl"
     expected = [r["text"] for r in json.loads(fineweb.read_text(encoding="utf-8"))]
     expected += [json.loads(l)["text"] for l in c4.read_text(encoding="utf-8").splitlines() if l.strip()]
-    assert len(expected) == 600
-    summary = import_corpus([fineweb, c4], out_dir=tmp_path, val_fraction=0.05, log=lambda *a: None)
-    assert (summary["num_train_docs"], summary["num_val_docs"]) == (570, 30)
+    assert len(expected) == 20
+    summary = import_corpus([fineweb, c4], out_dir=tmp_path, val_fraction=0.1, log=lambda *a: None)
+    assert (summary["num_train_docs"], summary["num_val_docs"]) == (18, 2)
     train, val = shard_summary(tmp_path)
     assert sorted(train[0] + val) == sorted(expected)
 
 
-@needs_shared
 def test_import_shakespeare_paragraphs_and_wiki_demo_lines(tmp_path):
     shakespeare = PRETRAIN / "tinyshakespeare" / "input.txt"
     wiki = PRETRAIN / "wiki_demo" / "wiki_demo.txt"
     expected = paragraphs(shakespeare.read_text(encoding="utf-8"))
     wiki_lines = [l for l in wiki.read_text(encoding="utf-8").split("\n") if l.strip()]
-    assert len(wiki_lines) == 30
-    summary = import_corpus([shakespeare, wiki], out_dir=tmp_path, val_docs=10, shuffle=False, log=lambda *a: None)
-    assert summary["num_train_docs"] + summary["num_val_docs"] == len(expected) + 30
+    assert len(wiki_lines) == 6
+    summary = import_corpus([shakespeare, wiki], out_dir=tmp_path, val_docs=3, shuffle=False, log=lambda *a: None)
+    assert summary["num_train_docs"] + summary["num_val_docs"] == len(expected) + 6
     train, val = shard_summary(tmp_path)
-    # no shuffle: input order kept, the validation shard is the last 10 documents
+    # no shuffle: input order kept, the validation shard is the last 3 documents
     assert train[0] + val == expected + [l.rstrip() for l in wiki_lines]
 
 
-@needs_shared
 def test_import_is_deterministic_and_seeded(tmp_path):
     src = PRETRAIN / "c4_demo" / "c4_demo.jsonl"
-    import_corpus([src], out_dir=tmp_path / "a", val_docs=5, rows_per_group=64, log=lambda *a: None)
-    import_corpus([src], out_dir=tmp_path / "b", val_docs=5, rows_per_group=64, log=lambda *a: None)
-    import_corpus([src], out_dir=tmp_path / "c", val_docs=5, rows_per_group=64, seed=7, log=lambda *a: None)
+    import_corpus([src], out_dir=tmp_path / "a", val_docs=1, rows_per_group=4, log=lambda *a: None)
+    import_corpus([src], out_dir=tmp_path / "b", val_docs=1, rows_per_group=4, log=lambda *a: None)
+    import_corpus([src], out_dir=tmp_path / "c", val_docs=1, rows_per_group=4, seed=7, log=lambda *a: None)
     a, b, c = (list(parquets_iter_batched("train", data_dir=tmp_path / x)) for x in "abc")
     assert a == b and a != c
-    assert [len(g) for g in a] == [64, 64, 64, 64, 39]
+    assert [len(g) for g in a] == [4, 4, 1]
 
 
-@needs_shared
+@pytest.mark.slow  # an interpreter start-up and three imports
 def test_import_directory_and_cli(tmp_path, capsys):
     # c4_demo.jsonl is named twice (directory and file): imported once
-    res = run_cli(["import", str(PRETRAIN / "fineweb"), str(PRETRAIN / "c4_demo"), str(PRETRAIN / "c4_demo" / "c4_demo.jsonl"), "--val_docs", "20",
-                   "--rows-per-group", "128"], tmp_path)
+    res = run_cli(["import", str(PRETRAIN / "fineweb"), str(PRETRAIN / "c4_demo"), str(PRETRAIN / "c4_demo" / "c4_demo.jsonl"), "--val_docs", "2",
+                   "--rows-per-group", "4"], tmp_path)
     assert res.returncode == 0, res.stderr
     out = tmp_path / "base_data"
     train, val = shard_summary(out)
-    assert sum(map(len, train)) == 580 and len(val) == 20
-    assert row_group_sizes(list_parquet_files(out)[0]) == [128, 128, 128, 128, 68]
+    assert sum(map(len, train)) == 18 and len(val) == 2
+    assert row_group_sizes(list_parquet_files(out)[0]) == [4, 4, 4, 4, 2]
     # a second import must not mix with the first (in-process from here on, as above)
     wiki = str(PRETRAIN / "wiki_demo" / "wiki_demo.txt")
     assert dataset.main(["import", wiki, "--val_docs", "2", "--out", str(out)]) == 1
     assert "--overwrite" in capsys.readouterr().err
-    assert sum(map(len, shard_summary(out)[0])) == 580
+    assert sum(map(len, shard_summary(out)[0])) == 18
     assert dataset.main(["import", wiki, "--val-docs", "2", "--overwrite", "--out", str(out)]) == 0
     assert [os.path.basename(p) for p in list_parquet_files(out)] == ["shard_00000.parquet", "shard_00001.parquet"]
     train, val = shard_summary(out)
-    assert (len(train[0]), len(val)) == (28, 2)
+    assert (len(train[0]), len(val)) == (4, 2)
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no staging dir left behind
+
+
+@pytest.mark.skipif(not SHARED_PRETRAIN.is_dir(), reason=f"checks the full corpora in {SHARED_PRETRAIN}, which is not beside this clone")
+def test_full_corpora_give_the_documented_document_counts():
+    """docs/data.md's import examples on ../shared/data/pretrain: the documents each corpus becomes."""
+    counts = {
+        "wikitext-2/train.txt": 600, "wikitext-2/valid.txt": 60,  # articles
+        "tinystories/tinystories_sample.txt": 2316,  # stories
+        "fineweb/fineweb_subset.json": 300, "c4_demo/c4_demo.jsonl": 300,  # web documents
+        "tinyshakespeare/input.txt": 7222,  # paragraphs
+        "wiki_demo/wiki_demo.txt": 30,  # an article a line
+    }
+    got = {rel: sum(1 for _ in iter_file_documents(SHARED_PRETRAIN / rel, log=lambda *a: None)) for rel in counts}
+    assert got == counts
 
 
 # -----------------------------------------------------------------------------

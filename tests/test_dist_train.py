@@ -5,7 +5,6 @@ resume on 2 ranks is exact; two "nodes" (two torchrun launchers, world 4) == 1 p
 process and give the same logits.
 """
 
-import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import torch
 
 from conftest import REPO, free_port, run_torchrun, subprocess_env
 from nanochat.checkpoint_manager import load_checkpoint
+from nanochat.metrics import read_metrics
 
 pytestmark = pytest.mark.dist
 
@@ -22,8 +22,13 @@ TINY = ["--depth=1", "--max_seq_len=64", "--device_batch_size=4", "--eval_every=
         "--sample_every=-1", "--device_type=cpu"]
 
 
-def losses(text):
-    return [float(m.group(1)) for m in re.finditer(r"step \d+/\d+ .*?\| loss: ([0-9.]+)", text)]
+def records(base_dir, tag):
+    return read_metrics(base_dir / "base_checkpoints" / tag / "metrics.jsonl")
+
+
+def losses(base_dir, tag):
+    """The run's training losses (EMA), step by step, from its metrics.jsonl."""
+    return [r["train/loss"] for r in records(base_dir, tag) if "train/loss" in r]
 
 
 def final_params(base_dir, tag, step):
@@ -39,8 +44,8 @@ def single_process(base_dir, tag, steps, world, extra=()):
     return p.stdout
 
 
-def assert_same_run(base_dir, ref_tag, ref_text, tag, text, steps, atol=1e-4):
-    ref_l, l = losses(ref_text), losses(text)
+def assert_same_run(base_dir, ref_tag, tag, steps, atol=1e-4):
+    ref_l, l = losses(base_dir, ref_tag), losses(base_dir, tag)
     assert len(ref_l) == len(l) == steps
     assert l == pytest.approx(ref_l, abs=atol), (ref_l, l)
     a, _ = final_params(base_dir, ref_tag, steps)
@@ -53,10 +58,10 @@ def assert_same_run(base_dir, ref_tag, ref_text, tag, text, steps, atol=1e-4):
 @pytest.mark.parametrize("use_muon", [1, 0])
 def test_ddp_two_ranks_match_one_process(base_dir, use_muon):
     steps = 5
-    ref = single_process(base_dir, f"ref{use_muon}", steps, 2, [f"--use_muon={use_muon}"])
-    p = run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={steps}",
-                      f"--model_tag=ddp{use_muon}", f"--use_muon={use_muon}"], env=subprocess_env(base_dir))
-    assert_same_run(base_dir, f"ref{use_muon}", ref, f"ddp{use_muon}", p.stdout, steps)
+    single_process(base_dir, f"ref{use_muon}", steps, 2, [f"--use_muon={use_muon}"])
+    run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={steps}",
+                  f"--model_tag=ddp{use_muon}", f"--use_muon={use_muon}"], env=subprocess_env(base_dir))
+    assert_same_run(base_dir, f"ref{use_muon}", f"ddp{use_muon}", steps)
     # one optimizer file per rank: the optimizer state is sharded (ZeRO-2 / DistMuon ownership)
     d = base_dir / "base_checkpoints" / f"ddp{use_muon}"
     assert sorted(f.name for f in d.glob("optim_*")) == [f"optim_{steps:06d}_rank0.pt", f"optim_{steps:06d}_rank1.pt"]
@@ -65,32 +70,32 @@ def test_ddp_two_ranks_match_one_process(base_dir, use_muon):
 @pytest.mark.parametrize("use_muon", [1, 0])
 def test_fsdp_two_ranks_match_one_process(base_dir, use_muon):
     steps = 5
-    ref = single_process(base_dir, f"ref{use_muon}", steps, 2, [f"--use_muon={use_muon}"])
-    p = run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={steps}",
-                      f"--model_tag=fsdp{use_muon}", f"--use_muon={use_muon}", "--use_fsdp=1"], env=subprocess_env(base_dir))
-    assert_same_run(base_dir, f"ref{use_muon}", ref, f"fsdp{use_muon}", p.stdout, steps)
+    single_process(base_dir, f"ref{use_muon}", steps, 2, [f"--use_muon={use_muon}"])
+    run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={steps}",
+                  f"--model_tag=fsdp{use_muon}", f"--use_muon={use_muon}", "--use_fsdp=1"], env=subprocess_env(base_dir))
+    assert_same_run(base_dir, f"ref{use_muon}", f"fsdp{use_muon}", steps)
 
 
 def test_fsdp_deferred_grad_sync_matches_one_process(base_dir):
     """With 2 micro-steps per rank, reduce-scattering once per step gives the same run as syncing every micro-step."""
     steps = 3
-    ref = single_process(base_dir, "refacc", steps, 2, ["--total_batch_size=1024"])
+    single_process(base_dir, "refacc", steps, 2, ["--total_batch_size=1024"])
     p = run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=1024", f"--num_iterations={steps}",
                       "--model_tag=fsdpacc", "--use_fsdp=1", "--fsdp_defer_grad_sync=1"], env=subprocess_env(base_dir))
     assert "2 accumulation" in p.stdout
-    assert_same_run(base_dir, "refacc", ref, "fsdpacc", p.stdout, steps)
+    assert_same_run(base_dir, "refacc", "fsdpacc", steps)
 
 
 def test_resume_on_two_ranks_is_exact(base_dir):
     n = 3
     args = ["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={2 * n}", f"--save_every={n}"]
-    full = run_torchrun(args + ["--model_tag=full"], env=subprocess_env(base_dir))
+    run_torchrun(args + ["--model_tag=full"], env=subprocess_env(base_dir))
     src, dst = base_dir / "base_checkpoints" / "full", base_dir / "base_checkpoints" / "resumed"
     dst.mkdir()
     for f in src.glob(f"*{n:06d}*"):
         shutil.copy(f, dst / f.name)
-    resumed = run_torchrun(args + ["--model_tag=resumed", f"--resume_from_step={n}"], env=subprocess_env(base_dir))
-    assert losses(resumed.stdout) == losses(full.stdout)[n:]
+    run_torchrun(args + ["--model_tag=resumed", f"--resume_from_step={n}"], env=subprocess_env(base_dir))
+    assert losses(base_dir, "resumed") == losses(base_dir, "full")[n:]
     a, _ = final_params(base_dir, "full", 2 * n)
     b, _ = final_params(base_dir, "resumed", 2 * n)
     for k in a:
@@ -109,7 +114,7 @@ def test_resume_with_other_world_size_is_refused(base_dir):
 def test_two_nodes_match_one_process(base_dir):
     """Two torchrun launchers (--nnodes=2, node_rank 0/1) on 127.0.0.1, 2 processes each: world 4."""
     steps = 3
-    ref = single_process(base_dir, "ref4", steps, 4)
+    single_process(base_dir, "ref4", steps, 4)
     port = free_port()
     procs = []
     for node_rank in (0, 1):
@@ -130,7 +135,7 @@ def test_two_nodes_match_one_process(base_dir):
     for rc, out, err in outs:
         assert rc == 0, out[-3000:] + err[-3000:]
     assert "world size: 4" in (outs[0][1] + outs[0][2]).lower()
-    assert_same_run(base_dir, "ref4", ref, "nodes", outs[0][1], steps)
+    assert_same_run(base_dir, "ref4", "nodes", steps)
 
 
 def test_fsdp_checkpoint_loads_in_one_process(base_dir):
@@ -143,7 +148,7 @@ def test_fsdp_checkpoint_loads_in_one_process(base_dir):
     p = run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={steps}",
                       "--model_tag=fsdpl", "--use_fsdp=1", "--eval_every=2", "--eval_tokens=1024", "--sample_every=1"],
                      env=subprocess_env(base_dir))
-    assert p.stdout.count("| val bpb:") == 2  # steps 0 and 2
+    assert [r["step"] for r in records(base_dir, "fsdpl") if "val/bpb" in r] == [0, 2]
     assert p.stdout.count("'The capital of France is' ->") == 2  # steps 1 and 2
     m_fsdp, tok, _ = load_model("base", "cpu", "eval", model_tag="fsdpl")
     m_ref, _, _ = load_model("base", "cpu", "eval", model_tag="refl")

@@ -111,6 +111,7 @@ def test_greedy_cached_generation_matches_recompute(model, tok, text):
         assert mask == [0] * len(tokens) + [1] * (len(seq) - len(tokens))
 
 
+@pytest.mark.slow  # 100 tokens generated twice, by recompute and with the cache
 def test_generation_past_the_initial_cache_size(model, tok):
     # the engine reserves up to sequence_len (64 here) positions for the reply and grows the cache beyond that
     engine = Engine(model, tok)
@@ -305,3 +306,18 @@ def test_chat_cli_one_shot_and_interactive(base_dir):
     replies = [part.split("\n\nUser: ")[0] for part in chat.stdout.split("\nAssistant: ")[1:]]
     assert replies == [reply1, reply2, reply1]
     assert "Conversation cleared." in chat.stdout
+
+
+def test_kv_cache_stays_bf16_under_autocast_with_fp32_rms_norm(model, tok, monkeypatch):
+    """torch >= 2.12 CUDA autocast runs F.rms_norm in fp32; the model keeps k (and so the cache) in bf16 anyway.
+    Stand-in on CPU: rms_norm patched to return fp32, bf16 autocast."""
+    import torch.nn.functional as F
+
+    real = F.rms_norm
+    monkeypatch.setattr(F, "rms_norm", lambda x, shape, *a, **kw: real(x, shape, *a, **kw).float())
+    dtypes = []
+    real_allocate = KVCache._allocate
+    monkeypatch.setattr(KVCache, "_allocate", lambda self, dtype, device: dtypes.append(dtype) or real_allocate(self, dtype, device))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        seqs, _ = Engine(model, tok).generate_batch(prompt_ids(tok), num_samples=2, max_tokens=4, temperature=1.0)
+    assert len(seqs) == 2 and dtypes and all(d == torch.bfloat16 for d in dtypes), dtypes

@@ -1,12 +1,35 @@
-"""The HumanEval sandbox: results, timeouts, the memory cap, the disabled destructive calls, the environment."""
+"""
+The code sandbox: results, timeouts and limits, ordinary programs that must work, and the escapes observed against
+the old Python-level guard (issue 12), each of which must now fail to escape.
+"""
 
 import os
+import socket
+import subprocess
 import sys
 import time
 
 import pytest
 
-from nanochat.execution import execute_code
+from nanochat import execution
+from nanochat.execution import REQUIRED_LAYERS, SandboxUnavailable, execute_code, isolation
+
+
+def layers():
+    return isolation() if sys.platform == "linux" else frozenset()
+
+
+def needs(*names):
+    missing = [n for n in names if n not in layers()]
+    return pytest.mark.skipif(bool(missing), reason=f"this machine's sandbox lacks {missing}: {sorted(layers())}")
+
+
+# every escape test runs with whatever the machine gives; those that need a layer say which
+isolated = needs(*REQUIRED_LAYERS)
+
+
+# -----------------------------------------------------------------------------
+# results
 
 
 def test_success_captures_stdout():
@@ -45,32 +68,11 @@ def test_exit_before_the_checks_is_a_failure(exit_call):
 
 
 def test_exit_in_an_atexit_handler_or_thread_does_not_fake_a_pass():
-    # the wrong answer still fails: the checks run (and fail) before any handler could exit
     r = execute_code("import atexit, os\natexit.register(os._exit, 0)\n" + WRONG_THEN_CHECK.format(exit="pass"))
     assert not r.success and "AssertionError: wrong answer" in r.error, r
-    # a correct program that exits 0 from a thread still passes
+    # a correct program whose helper thread calls sys.exit still passes (that only ends the thread)
     ok = execute_code("import threading, sys\nt = threading.Thread(target=sys.exit)\nt.start(); t.join()\nprint('ok')")
     assert ok.success and ok.stdout == "ok\n", ok
-
-
-def test_passing_program_still_passes_and_the_marker_is_not_in_the_output(monkeypatch):
-    r = execute_code("def f():\n    return 1\nassert f() == 1\nprint('checked', end='')")
-    assert r.success and r.error is None and r.stdout == "checked" and r.stderr == "", r
-    # the token file is gone before the code runs and argv / environment do not hold the token
-    import nanochat.execution
-    token = "f00d" * 8
-    monkeypatch.setattr(nanochat.execution.secrets, "token_hex", lambda n: token)
-    r = execute_code("import os, sys\nprint(sorted(os.listdir('.')))\nprint(sys.argv)\n"
-                     "print(open('/proc/self/cmdline', 'rb').read())\nprint(open('/proc/self/environ', 'rb').read())")
-    assert r.success, r
-    assert ".nanochat_token" not in r.stdout.splitlines()[0] and ".nanochat_done" not in r.stdout.splitlines()[0]
-    assert token not in r.stdout
-
-
-def test_the_program_cannot_write_the_marker_itself():
-    # without the per-run token, writing the marker file by hand and exiting early is still a failure
-    r = execute_code("open('.nanochat_done', 'w').write('0' * 32)\nimport os\nos._exit(0)")
-    assert not r.success and "before it ran to its end" in r.error, r
 
 
 def test_infinite_loop_times_out():
@@ -93,70 +95,10 @@ def test_memory_cap():
     r = execute_code("x = bytearray(1024 * 1024 * 1024)\nprint(len(x))", maximum_memory_bytes=cap)
     assert r.memory_exceeded and not r.success and not r.timeout
     assert r.stdout == ""
-    # the cap is a cap, not a failure of everything: 16 MB under a 128 MB cap is fine
     ok = execute_code("x = bytearray(16 * 1024 * 1024)\nprint(len(x))", maximum_memory_bytes=cap)
     assert ok.success and ok.stdout == f"{16 * 1024 * 1024}\n"
-    # and without the cap the same 1 GB allocation is not refused for memory reasons by us
     free = execute_code("x = bytearray(300 * 1024 * 1024)\nprint(len(x))", maximum_memory_bytes=None)
     assert free.success, free
-
-
-@pytest.mark.parametrize("call", [
-    "os.system('echo hacked')",
-    "os.kill(os.getpid(), 9)",
-    "os.fork()",
-    "subprocess.run(['echo', 'hacked'])",
-    "subprocess.Popen(['echo', 'hacked'])",
-])
-def test_process_calls_are_disabled(call):
-    r = execute_code(f"import os, subprocess\n{call}")
-    assert not r.success
-    assert r.error.startswith("PermissionError") and "disabled in the nanochat execution sandbox" in r.error
-    assert "hacked" not in r.stdout
-
-
-def test_destructive_file_calls_are_disabled(tmp_path):
-    victim_dir = tmp_path / "precious"
-    victim_dir.mkdir()
-    victim = victim_dir / "data.txt"
-    victim.write_text("keep me")
-    for call in [f"os.remove({str(victim)!r})", f"os.unlink({str(victim)!r})", f"shutil.rmtree({str(victim_dir)!r})",
-                 f"os.rename({str(victim)!r}, {str(victim) + '.moved'!r})", f"shutil.move({str(victim)!r}, '/tmp/x')",
-                 f"os.chmod({str(victim)!r}, 0)", f"os.truncate({str(victim)!r}, 0)"]:
-        r = execute_code(f"import os, shutil\n{call}")
-        assert not r.success and "PermissionError" in r.error, (call, r)
-    assert victim.read_text() == "keep me"
-    assert oct(victim.stat().st_mode & 0o777) != oct(0)
-
-
-@pytest.mark.skipif(os.name != "posix", reason="the posix module")
-def test_posix_module_bypass_is_blocked(tmp_path):
-    victim = tmp_path / "data.txt"
-    victim.write_text("keep me")
-    flag = tmp_path / "ran.txt"
-    for call in [f"import posix\nposix.unlink({str(victim)!r})", f"import posix\nposix.remove({str(victim)!r})",
-                 f"import posix\nposix.rename({str(victim)!r}, {str(victim) + '.moved'!r})",
-                 f"import posix\nposix.truncate({str(victim)!r}, 0)",
-                 f"import posix\nposix.system('touch {flag}')",
-                 f"import posix\nposix.posix_spawn('/usr/bin/touch', ['touch', {str(flag)!r}], {{}})",
-                 f"import posix\nposix.execv('/usr/bin/touch', ['touch', {str(flag)!r}])",
-                 "import posix\npid = posix.fork()\nprint('forked', pid)",
-                 "import posix\nposix.kill(posix.getppid(), 0)",
-                 f"import subprocess\nsubprocess._fork_exec(*[None] * 23)",
-                 f"import os\nos.posix_spawnp('touch', ['touch', {str(flag)!r}], {{}})"]:
-        r = execute_code(call)
-        assert not r.success and r.error.startswith("PermissionError"), (call, r)
-        assert "disabled in the nanochat execution sandbox" in r.error, (call, r)
-        assert "forked" not in r.stdout
-    assert victim.read_text() == "keep me"
-    assert not flag.exists(), "a command ran"
-
-
-@pytest.mark.parametrize("module", ["_posixsubprocess", "pty", "ctypes", "multiprocessing"])
-def test_process_spawning_modules_are_unimportable(module):
-    r = execute_code(f"import {module}\nprint('imported')")
-    assert not r.success and r.error.startswith(("ImportError", "ModuleNotFoundError")), r
-    assert "imported" not in r.stdout
 
 
 def test_runs_in_a_fresh_temp_dir_that_is_removed():
@@ -174,7 +116,8 @@ def test_environment_is_scrubbed(monkeypatch):
     assert r.success
     names, secret = r.stdout.splitlines()
     assert secret == "None"
-    assert set(eval(names)) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "LC_CTYPE"}
+    assert set(eval(names)) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "LC_CTYPE", "OMP_NUM_THREADS",
+                                "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}
 
 
 def test_no_stdin():
@@ -184,11 +127,319 @@ def test_no_stdin():
     assert time.time() - t0 < 4.0
 
 
-def test_output_is_capped():
-    r = execute_code("import sys\nfor _ in range(200):\n    sys.stdout.write('y' * 100_000)", max_output_bytes=10_000)
-    assert len(r.stdout) < 10_100 and r.stdout.endswith("[output truncated]")
-
-
 def test_bad_timeout_is_rejected():
     with pytest.raises(ValueError, match="timeout"):
         execute_code("pass", timeout=0)
+
+
+# -----------------------------------------------------------------------------
+# ordinary programs work
+
+
+ORDINARY_PROGRAMS = {
+    # tempfile files and dirs are created in the work dir and removed (the old guard's stubbed unlink broke this)
+    "tempfile": ("import os, tempfile\n"
+                 "with tempfile.NamedTemporaryFile('w+') as f:\n    f.write('x'); f.flush(); name = f.name\n"
+                 "assert not os.path.exists(name)\n"
+                 "with tempfile.TemporaryDirectory() as d:\n    open(os.path.join(d, 'a'), 'w').write('a')\n"
+                 "assert not os.path.exists(d)\n"
+                 "fd, path = tempfile.mkstemp(); os.close(fd); os.unlink(path)\n"
+                 "print(tempfile.gettempdir() == os.getcwd(), os.listdir('.'))\n", "True []\n"),
+    "shutil": ("import os, shutil\nos.makedirs('a/b'); open('a/b/f.txt', 'w').write('hi')\n"
+               "shutil.copytree('a', 'c'); shutil.move('c', 'd'); os.rename('d/b/f.txt', 'd/g.txt')\n"
+               "print(open('d/g.txt').read()); shutil.rmtree('a'); shutil.rmtree('d'); print(os.listdir('.'))\n",
+               "hi\n[]\n"),
+    "threads": ("from concurrent.futures import ThreadPoolExecutor\nimport threading\n"
+                "with ThreadPoolExecutor(4) as ex:\n    print(sum(ex.map(lambda x: x * x, range(100))))\n"
+                "lock = threading.Lock(); n = [0]\n"
+                "def work():\n    for _ in range(1000):\n        with lock: n[0] += 1\n"
+                "ts = [threading.Thread(target=work) for _ in range(4)]\n[t.start() for t in ts]; [t.join() for t in ts]\n"
+                "print(n[0])\n", "328350\n4000\n"),
+    "stdlib": ("import math, re, heapq, bisect, collections, itertools, functools, string, hashlib, json, random, "
+               "decimal, fractions, statistics, datetime, numbers, operator, typing\n"
+               "print(math.gcd(12, 18), hashlib.sha256(b'x').hexdigest()[:8], decimal.Decimal('1.1') + 1)\n",
+               "6 2d711642 2.1\n"),
+    "truncate": ("open('a', 'w').write('hello')\nimport os\nos.truncate('a', 2)\nprint(open('a').read())\n", "he\n"),
+}
+
+
+@pytest.mark.parametrize("name", ORDINARY_PROGRAMS)
+def test_ordinary_programs_work(name):
+    code, expected = ORDINARY_PROGRAMS[name]
+    r = execute_code(code)
+    assert r.success and r.stdout == expected, r
+
+
+def test_large_prints_work_and_are_capped():
+    r = execute_code("import sys\nfor _ in range(200):\n    sys.stdout.write('y' * 100_000)\nprint('end')",
+                     max_output_bytes=10_000)
+    assert r.success, r  # 20 MB printed: the program is not punished, we keep the first 10 kB
+    assert r.stdout == "y" * 10_000 + "\n[output truncated]"
+
+
+# -----------------------------------------------------------------------------
+# the escapes of issue 12 fail
+
+
+@pytest.fixture
+def victim(tmp_path):
+    """A file outside the work dir that the test user can change: the program must not."""
+    path = tmp_path / "precious.txt"
+    path.write_text("keep me")
+    return path
+
+
+FRESH_POSIX = ("bi = [c for c in ().__class__.__bases__[0].__subclasses__() if c.__name__ == 'BuiltinImporter'][0]\n"
+               "import importlib.util\n"
+               "p = bi.create_module(importlib.util.spec_from_loader('posix', bi)); bi.exec_module(p)\n")
+
+
+@isolated
+@pytest.mark.parametrize("how", [
+    "import os\nos.unlink({v!r})",
+    "import shutil\nshutil.rmtree({d!r})",
+    "import os\nos.rename({v!r}, {v!r} + '.moved')",
+    "import os\nos.truncate({v!r}, 0)",
+    "open({v!r}, 'w').write('pwned')",
+    "import os\nfd = os.open({d!r}, os.O_RDONLY)\nos.unlink('precious.txt', dir_fd=fd)",
+    "import os\n[f for f in os.supports_dir_fd if f.__name__ == 'unlink'][0]({v!r})",
+    "import gc, os\n[o for o in gc.get_objects() if getattr(o, '__name__', '') == 'unlink'][0]({v!r})",
+    FRESH_POSIX + "p.unlink({v!r})",
+    "import ctypes\nctypes.CDLL(None).unlink({v!r}.encode())",
+])
+def test_files_outside_the_work_dir_cannot_be_changed(victim, how):
+    r = execute_code(how.format(v=str(victim), d=str(victim.parent)))
+    assert victim.read_text() == "keep me", r
+    assert sorted(p.name for p in victim.parent.iterdir()) == ["precious.txt"], r
+
+
+@isolated
+@pytest.mark.parametrize("how", [
+    "import os\nos.system('touch {flag}')",
+    "import subprocess\nsubprocess.run(['touch', {flag!r}])",
+    "import os\nos.posix_spawn('/usr/bin/touch', ['touch', {flag!r}], {{}})",
+    "import os\nos.execv('/usr/bin/touch', ['touch', {flag!r}])",
+    "import os\nif os.fork() == 0:\n    open({flag!r}, 'w')",
+    FRESH_POSIX + "p.system('touch {flag}')",
+    "import ctypes\nctypes.CDLL(None).system(b'touch {flag}')",
+    "import multiprocessing\nmultiprocessing.Process(target=open, args=({flag!r}, 'w')).start()",
+    "import pty\npty.spawn(['touch', {flag!r}])",
+])
+def test_no_command_runs(tmp_path, how):
+    flag = tmp_path / "ran"
+    r = execute_code(how.format(flag=str(flag)))
+    assert not flag.exists(), r  # (a failed os.system() returns a status rather than raising: no success check)
+
+
+@pytest.fixture
+def bystander():
+    """A process of the test user outside the sandbox: the program must not be able to signal it."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+@isolated
+@pytest.mark.parametrize("how", [
+    "import os\nos.kill({pid}, 9)",
+    "import os\nos.kill(os.getppid(), 9)",
+    "import os\nos.killpg(0, 9)",
+    "import signal\nsignal.pidfd_send_signal(__import__('os').pidfd_open({pid}), 9)",
+    FRESH_POSIX + "p.kill({pid}, 9)",
+    "import ctypes\nlibc = ctypes.CDLL(None)\nlibc.kill({pid}, 9); libc.kill(libc.getppid(), 9); libc.kill(-1, 9)",
+])
+def test_no_process_outside_can_be_killed(bystander, how):
+    r = execute_code(how.format(pid=bystander.pid))
+    time.sleep(0.1)
+    assert bystander.poll() is None, r
+    # the runner too is still there to say how the program ended
+    assert r.error is None or "sandbox runner failed" not in r.error, r
+
+
+def _processes_mentioning(text):
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(pid))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+@isolated
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+@pytest.mark.parametrize("how", [
+    "if os.fork() == 0:\n    os.setsid(); time.sleep(30)",
+    "import subprocess\nsubprocess.Popen(['sleep', '30'], start_new_session=True)",
+    "import threading\nthreading.Thread(target=time.sleep, args=(30,), daemon=True).start()",
+])
+def test_nothing_outlives_the_timeout(how):
+    # the program tries to leave something running (a refused fork is fine), then runs past its timeout
+    code = "import os, time\nprint(os.getcwd(), flush=True)\ntry:\n" + "".join(
+        "    " + line + "\n" for line in how.splitlines()) + "except OSError as e:\n    print(e)\ntime.sleep(30)"
+    r = execute_code(code, timeout=1.0)
+    assert r.timeout and not r.success, r
+    workdir = r.stdout.split()[0]  # in the runner's command line: anything it or the program left shows it
+    deadline = time.time() + 3
+    while _processes_mentioning(workdir) and time.time() < deadline:
+        time.sleep(0.1)
+    assert _processes_mentioning(workdir) == []
+
+
+@needs("tmpfs")
+def test_the_disk_cap_is_a_total():
+    # 10 files of 4 MB: each under the file-size limit, together over the 16 MB cap
+    code = "for i in range(10):\n    open(f'f{i}', 'wb').write(b'x' * (4 << 20))\nprint('wrote it all')"
+    r = execute_code(code, disk_bytes=16 << 20)
+    assert not r.success and "No space left on device" in r.error, r
+    assert "wrote it all" not in r.stdout
+    assert execute_code(code, disk_bytes=64 << 20).success
+
+
+@isolated
+def test_files_outside_cannot_be_filled(tmp_path):
+    target = tmp_path / "big"
+    r = execute_code(f"open({str(target)!r}, 'wb').write(b'x' * (4 << 20))")
+    assert not r.success and not target.exists(), r
+
+
+@isolated
+def test_the_users_files_are_unreadable(tmp_path):
+    secret = tmp_path / "token"
+    secret.write_text("hf_s3cret")
+    home = os.path.expanduser("~")
+    r = execute_code(f"import os\nprint(os.listdir({home!r}))")
+    assert not r.success and "PermissionError" in r.error, r
+    r = execute_code(f"print(open({str(secret)!r}).read())")
+    assert not r.success and "PermissionError" in r.error and "hf_s3cret" not in r.stdout, r
+
+
+def test_numpy_and_pickle_of_the_programs_own_classes_work():
+    pytest.importorskip("numpy")
+    code = ("import numpy as np, pickle, sys\nclass P:\n    x = 1\n"
+            "assert pickle.loads(pickle.dumps(P())).x == 1\nprint(int(np.arange(4).sum()), sys.argv)\n")
+    r = execute_code(code)
+    assert r.success and r.stdout == "6 ['<generated>']\n", r
+
+
+@isolated
+def test_no_connection_to_a_local_listener():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    try:
+        for how in ["import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).send(b'hi')",
+                    "import socket\ns = socket.socket(socket.AF_INET6)\ns.connect(('::1', {port}))",
+                    "import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect('/run/docker.sock')"]:
+            r = execute_code(how.format(port=port))
+            assert not r.success and ("PermissionError" in r.error or "OSError" in r.error), r
+        with pytest.raises(socket.timeout):
+            server.accept()
+    finally:
+        server.close()
+
+
+@isolated
+def test_the_parents_environment_and_processes_are_out_of_reach(monkeypatch):
+    monkeypatch.setenv("NANOCHAT_TEST_SECRET", "s3cret-value")
+    code = ("import os\nfound = []\n"
+            "for path in ['/proc/{ppid}/environ', '/proc/%d/environ' % os.getppid(), '/proc/self/environ',\n"
+            "             '/proc/1/environ', '/proc/{ppid}/cmdline']:\n"
+            "    try:\n        found.append(open(path, 'rb').read())\n    except OSError as e:\n"
+            "        print('no', path, type(e).__name__)\n"
+            "print(found)\nprint(sorted(os.listdir('/proc')) if os.path.isdir('/proc') else 'no /proc')\n")
+    r = execute_code(code.format(ppid=os.getpid()))
+    assert "s3cret-value" not in r.stdout + r.stderr, r
+    assert str(os.getpid()) not in r.stdout.splitlines()[-1], r  # the host's processes are not listed
+
+
+@isolated
+@pytest.mark.parametrize("how", [
+    # the token of the old runner lived in its frame: there is none to find now, and an exit before the end fails
+    "import sys, os\nf = sys._getframe()\nwhile f is not None:\n"
+    "    for v in f.f_locals.values():\n        if isinstance(v, (str, bytes)) and len(v) == 32:\n"
+    "            open('.nanochat_done', 'w').write(str(v))\n    f = f.f_back\nos._exit(0)",
+    # write "ok" wherever a descriptor is open, then leave
+    "import os\nfor fd in range(3, 300):\n    try:\n        os.write(fd, b'ok\\n')\n    except OSError:\n        pass\n"
+    "os._exit(0)",
+    # close everything (the runner waits on a pipe) and stop the thread early
+    "import os, _thread\nfor fd in range(3, 300):\n    try:\n        os.close(fd)\n    except OSError:\n        pass\n"
+    "_thread.exit()",
+])
+def test_success_cannot_be_forged(how):
+    r = execute_code(how + "\nassert False, 'the checks were not passed'")
+    assert not r.success, r
+
+
+# -----------------------------------------------------------------------------
+# the isolation level
+
+
+def test_isolation_is_detected_once_and_described():
+    found = isolation()
+    assert isolation() is found  # cached: detected once per process
+    text = execution.describe(found)
+    held = text.split(";")[0]
+    for name in REQUIRED_LAYERS:
+        assert (name in found) == (name in held.split(" (missing")[0]), text
+    if sys.platform == "linux" and tuple(map(int, os.uname().release.split(".")[:2])) >= (5, 13):
+        assert set(REQUIRED_LAYERS) <= found, f"this Linux should give every required layer: {text}"
+
+
+def test_refuses_without_the_required_layers(monkeypatch):
+    monkeypatch.setattr(execution, "_ISOLATION", frozenset({"rlimits"}))
+    with pytest.raises(SandboxUnavailable, match="--unsafe_sandbox"):
+        execute_code("print(1)")
+    # with the explicit opt-in it runs with what there is
+    assert execute_code("print(1)", unsafe=True).stdout == "1\n"
+
+
+def test_humaneval_evaluation_refuses_without_the_layers_unless_unsafe(monkeypatch, tmp_path):
+    from scripts import chat_eval
+    from tasks.humaneval import HumanEval
+
+    monkeypatch.setattr(execution, "_ISOLATION", frozenset({"rlimits", "seccomp", "process", "network"}))
+    with pytest.raises(SandboxUnavailable, match="filesystem"):
+        HumanEval(data_dir=str(tmp_path))
+    # chat_eval stops before loading a model, naming the flag
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    with pytest.raises(SystemExit, match="--unsafe_sandbox"):
+        chat_eval.main(["-i", "sft", "-a", "HumanEval", "--device_type", "cpu"])
+    # with the flag it gets past the check (and then fails for want of a checkpoint, which is another error)
+    with pytest.raises(FileNotFoundError, match="checkpoints"):
+        chat_eval.main(["-i", "sft", "-a", "HumanEval", "--device_type", "cpu", "--unsafe-sandbox"])
+
+
+def _header_numbers(path):
+    """{name: number} from a kernel unistd header, following aliases (__NR_truncate -> __NR3264_truncate -> 45)."""
+    import re
+
+    with open(path) as f:
+        macros = dict(re.findall(r"#define (__NR\w+)\s+(\w+)", f.read()))
+    numbers = {}
+    for macro in macros:
+        value, hops = macros[macro], 0
+        while value in macros and hops < 5:
+            value, hops = macros[value], hops + 1
+        if macro.startswith("__NR_") and value.isdigit():
+            numbers[macro[len("__NR_"):]] = int(value)
+    return numbers
+
+
+@pytest.mark.parametrize("arch, header", [("x86_64", "/usr/include/x86_64-linux-gnu/asm/unistd_64.h"),
+                                          ("aarch64", "/usr/include/asm-generic/unistd.h")])
+def test_seccomp_syscall_numbers_match_the_kernel_headers(arch, header):
+    if not os.path.exists(header):
+        pytest.skip(f"{header} is not installed (linux-libc-dev)")
+    numbers = _header_numbers(header)
+    table = execution.SYSCALLS[arch]
+    known = {name: number for name, number in table.items() if name in numbers}
+    assert known == {name: numbers[name] for name in known}
+    # every name is checked, except the newest calls an old header may not list yet
+    assert set(table) - set(known) <= {"close_range", "clone3", "pidfd_getfd", "mount_setattr", "open_tree",
+                                       "move_mount", "fsopen", "fsconfig", "fsmount", "kexec_file_load"}

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from nanochat.gpt import GPT, GPTConfig, config_for_depth
 
-DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DATA_DIR = Path(__file__).resolve().parent / "assets" / "data"  # excerpts of ../shared/data (tests/assets/README.md)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -479,6 +479,7 @@ def test_generate():
 # Learning
 
 
+@pytest.mark.slow  # a 120-step training run
 def test_learns_wikitext2_bytes():
     # 120 AdamW steps of a d4-like model (4 layers, 128 wide) on 8 x 64-byte windows: a few seconds on an idle CPU
     path = DATA_DIR / "pretrain" / "wikitext-2"
@@ -551,3 +552,52 @@ def test_train_bench_runs(capsys):
     assert r["depth"] == 1 and r["attn"] == "sdpa" and r["mfu_pct"] is None and r["tok_per_s"] > 0
     # d1: 64 wide, 1 head; 6 x (matrices + lm_head) + attention term
     assert r["flops_per_token"] == 6 * (12 * 64 * 64 + 256 * 64) + 12 * 1 * 1 * 64 * 32
+
+
+# -----------------------------------------------------------------------------
+# Dtype policy (see the top of gpt.py)
+
+
+def upcasting_rms_norm(monkeypatch):
+    """Stand-in for torch >= 2.12's CUDA autocast rule for F.rms_norm: the output comes back in fp32."""
+    real = F.rms_norm
+    monkeypatch.setattr(F, "rms_norm", lambda x, shape, *a, **kw: real(x, shape, *a, **kw).float())
+
+
+def test_dtype_policy_under_bf16_autocast(monkeypatch):
+    from nanochat.engine import KVCache
+
+    upcasting_rms_norm(monkeypatch)
+    seen = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *a, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return real_sdpa(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = make_model(n_kv_head=2)
+    residual = []
+    for block in model.transformer.h:
+        block.register_forward_hook(lambda mod, args, out: residual.append((args[0].dtype, out.dtype)))
+    idx = torch.randint(0, 97, (2, 12))
+    cache = KVCache(batch_size=2, num_heads=2, seq_len=16, head_dim=8, num_layers=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(idx, idx)
+        logits = model(idx[:, :8], kv_cache=cache)
+        model(idx[:, 8:9], kv_cache=cache)
+    assert len(seen) == 6 and all(d == (torch.bfloat16,) * 3 for d in seen), seen
+    assert residual and all(d == (torch.bfloat16, torch.bfloat16) for d in residual), residual
+    assert cache.kv_cache.dtype == torch.bfloat16
+    assert loss.dtype == torch.float32 and logits.dtype == torch.float32  # softcap and loss in fp32
+    assert model.transformer.wte.weight.dtype == torch.float32  # fp32 master weights stay fp32
+
+
+def test_fp32_forward_untouched_by_the_dtype_policy():
+    # no autocast: everything fp32, and the logits are those of the independent reference
+    model = make_model()
+    idx = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        got = model(idx)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), reference_logits(model, idx), atol=2e-4, rtol=1e-4)

@@ -1,11 +1,12 @@
 """
 Multi-node launch: pretrain.sh builds the torchrun commands from the Volcengine / Slurm / plain-torchrun environment
-and the depth presets; volc/volc_submit.sh writes the `volc ml_task` job file.
+and the depth presets (nanochat/presets.py, the one table every launcher reads); volc/volc_submit.sh writes the
+`volc ml_task` job file.
 
 The environments are synthetic (dicts of the variables those platforms set); pretrain.sh runs for real with
 --dry_run, and once without it against stand-in `python`/`torchrun` executables that log their arguments, to check
-the node-0 preparation and the other nodes' wait on the marker file. The expected values come from the issue's
-preset table and from the platforms' variable conventions, not from the scripts.
+the node-0 preparation and the other nodes' wait on the marker file. Preset values are read from nanochat.presets;
+the batch arithmetic they go through is checked with numbers worked out here, from the platforms' conventions.
 """
 
 import os
@@ -19,22 +20,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from nanochat import presets
+
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "pretrain.sh"
 VOLC_SUBMIT = REPO / "volc" / "volc_submit.sh"
 
-# d: (num_shards, device_batch_size, fsdp) — the issue's table; FSDP on from d40
-PRESETS = {
-    20: (240, 16, False),
-    22: (300, 16, False),
-    26: (500, 8, False),
-    32: (800, 4, False),
-    40: (1500, 1, True),
-    44: (2000, 1, True),
-    48: (2500, 1, True),
-    56: (3500, 1, True),
-    64: (5000, 1, True),
-}
+PRESETS = presets.PRESETS
+D20 = PRESETS[20].device_batch_size  # 32 (nanochat's speedrun value)
 
 
 def make_exe(path: Path, body: str):
@@ -43,9 +36,12 @@ def make_exe(path: Path, body: str):
 
 
 def base_env(tmp_path, **extra):
-    """A clean environment: no inherited SLURM_*/MLP_*/CUDA variables, fixed interpreter and launcher names."""
+    """A clean environment: no inherited SLURM_*/MLP_*/CUDA variables, fixed interpreter and launcher names.
+    `python` is this test's interpreter (pretrain.sh asks it for the presets); the commands print as `python`."""
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir(exist_ok=True)
+    if not (fake_bin / "python").exists():
+        make_exe(fake_bin / "python", f'exec {shlex.quote(sys.executable)} "$@"\n')
     env = {
         "PATH": f"{fake_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}",
         "HOME": str(tmp_path / "home"),
@@ -113,19 +109,22 @@ def test_single_node_cpu_runs_one_standalone_process(tmp_path):
     calls = torchrun_calls(commands)
     assert calls["scripts.base_train"] == (
         ["--standalone", "--nproc_per_node=1"],
-        ["--depth=20", "--device_batch_size=16", "--run=dummy"],
+        ["--depth=20", f"--device_batch_size={D20}", "--run=dummy"],
     )
-    assert calls["scripts.base_loss"][1] == ["--device_batch_size=16"]
+    assert calls["scripts.base_loss"][1] == [f"--device_batch_size={D20}"]
     assert calls["scripts.base_eval"][1] == []
     # a dry run leaves the disk alone
     assert not (tmp_path / "base").exists()
 
 
 def test_single_node_counts_visible_gpus(tmp_path):
-    # 3 GPUs: 524288 tokens are no whole number of 16 x 2048 x 3 micro-batches, so give a total that is
+    # 3 GPUs: 524288 tokens are no whole number of 32 x 2048 x 3 micro-batches, so give a total that is
     p = run_pretrain(tmp_path, "--total_batch_size=589824", env=base_env(tmp_path, CUDA_VISIBLE_DEVICES="0,1,3"))
     calls = torchrun_calls(parse(p.stdout)[1])
     assert calls["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=3"]
+    # visible GPUs: every stage runs on CUDA (never the CPU by accident), after torch is checked to see them
+    assert all(args[0] == "--device_type=cuda" for _, args in calls.values())
+    assert "CHECK: python -m nanochat.setup_check gpu" in p.stdout
     # no CUDA_VISIBLE_DEVICES: nvidia-smi -L decides
     env = base_env(tmp_path)
     del env["CUDA_VISIBLE_DEVICES"]
@@ -170,7 +169,9 @@ def test_volcengine_multi_node(tmp_path, rank):
         "--master_port=23456",
     ]
     calls = torchrun_calls(commands)
-    assert calls["scripts.base_train"] == (launcher, ["--depth=32", "--device_batch_size=4", "--run=dummy"])
+    # d32's 8 rows x 2048 x 32 processes = 524288 tokens: one micro-step per optimizer step
+    assert calls["scripts.base_train"] == (launcher, ["--depth=32", "--device_batch_size=8", "--run=dummy"])
+    assert settings["grad_accum"] == "1"
     assert calls["scripts.base_loss"][0] == launcher and calls["scripts.base_eval"][0] == launcher
     marker = str(tmp_path / "base" / ".nanochat_ready" / "prep-t-20250101-abc")
     downloads = [c for c in commands if c[:3] == ["python", "-m", "nanochat.dataset"]]
@@ -187,20 +188,23 @@ def test_volcengine_multi_node(tmp_path, rank):
 
 
 def test_preset_batch_is_halved_when_one_step_exceeds_the_total_batch(tmp_path):
-    # d20 on 4 x 8 GPUs: 16 rows x 2048 tokens x 32 = 1048576 tokens > base_train's 524288 -> 8 rows
+    # d20 on 4 x 8 GPUs: 32 rows x 2048 tokens x 32 = 2097152 tokens > base_train's 524288 -> 16 -> 8 rows
+    assert D20 == 32
     env = volc_env(tmp_path, 0)
     p = run_pretrain(tmp_path, env=env)
     calls = torchrun_calls(parse(p.stdout)[1])
     assert calls["scripts.base_train"][1][:2] == ["--depth=20", "--device_batch_size=8"]
-    assert "--total_batch_size=1048576 to keep 16" in p.stdout
+    assert "--total_batch_size=2097152 to keep 32" in p.stdout
     # a larger total batch, or an explicit device batch, is left alone
-    for extra in (["--total_batch_size=1048576"], ["--device_batch_size=16", "--total_batch_size=1048576"]):
-        calls = torchrun_calls(parse(run_pretrain(tmp_path, *extra, env=env).stdout)[1])
-        assert calls["scripts.base_train"][1][1] == "--device_batch_size=16"
+    calls = torchrun_calls(parse(run_pretrain(tmp_path, "--total_batch_size=2097152", env=env).stdout)[1])
+    assert calls["scripts.base_train"][1][1] == "--device_batch_size=32"
+    calls = torchrun_calls(parse(run_pretrain(tmp_path, "--device_batch_size=16", "--total_batch_size=1048576",
+                                              env=env).stdout)[1])
+    assert calls["scripts.base_train"][1][1] == "--device_batch_size=16"
     # an explicit device batch that cannot make the total batch is refused before anything runs
     p = run_pretrain(tmp_path, "--device_batch_size=16", env=env, check=False)
     assert p.returncode != 0 and "--total_batch_size=1048576" in p.stderr
-    # a shorter sequence fits twice the rows
+    # a shorter sequence fits twice the rows: 16 x 1024 x 32 = 524288
     calls = torchrun_calls(parse(run_pretrain(tmp_path, "--max_seq_len=1024", env=env).stdout)[1])
     assert calls["scripts.base_train"][1][1] == "--device_batch_size=16"
 
@@ -242,7 +246,7 @@ def test_slurm_multi_node(tmp_path, nodeid):
     settings, commands, _ = parse(p.stdout)
     assert settings["launcher"] == "slurm"
     assert settings["hosts"] == "gpu01 gpu02 gpu03 gpu07"
-    # port: 20000 + job id % 10000, the same on every node of the job
+    # port: 20000 + job id % 10000, the same on every node of the job; d26's 16 rows x 2048 x 32 halve to 8
     launcher = ["--nnodes=4", f"--node_rank={nodeid}", "--nproc_per_node=8", "--master_addr=gpu01", "--master_port=24242"]
     assert torchrun_calls(commands)["scripts.base_train"] == (
         launcher,
@@ -344,7 +348,7 @@ def test_launcher_override(tmp_path):
 
 @pytest.mark.parametrize("depth", sorted(PRESETS))
 def test_depth_presets(tmp_path, depth):
-    shards, dbs, fsdp = PRESETS[depth]
+    shards, dbs, fsdp = PRESETS[depth].num_shards, PRESETS[depth].device_batch_size, PRESETS[depth].use_fsdp
     p = run_pretrain(tmp_path, f"--depth={depth}")
     settings, commands, _ = parse(p.stdout)
     # FineWeb-Edu-100B has 1823 shards: bigger presets download all of them (and say so)
@@ -420,7 +424,7 @@ def test_posttrain_and_fullrun(tmp_path):
     mods = [c[c.index("-m") + 1] for c in commands if c[0] == "torchrun"]
     assert mods == ["scripts.base_train", "scripts.base_loss", "scripts.base_eval",
                     "scripts.mid_train", "scripts.chat_eval", "scripts.chat_sft", "scripts.chat_eval"]
-    # d20's 16 rows are chat_sft's business: its own default stays
+    # d20's 32 rows are not chat_sft's business: its own default stays
     assert torchrun_calls(commands)["scripts.chat_sft"][1] == ["--run=dummy"]
 
 
@@ -471,6 +475,8 @@ def install_fakes(tmp_path):
     # tok_train writes the two tokenizer files where the real one does
     make_exe(
         bin_dir / "python",
+        # the launcher's own questions (presets, GPU check) go to the real interpreter, unlogged
+        f'case "$*" in "-m nanochat.presets "* | "-m nanochat.setup_check "*) exec {shlex.quote(sys.executable)} "$@" ;; esac\n'
         'echo "python $*" >> "$CALL_LOG"\n'
         # a node-level RANK from the platform would make the single-process steps think they are distributed
         '[ -z "${RANK:-}${WORLD_SIZE:-}${LOCAL_RANK:-}" ] || { echo "RANK leaked" >&2; exit 9; }\n'
@@ -680,8 +686,112 @@ def test_indivisible_total_batch_is_refused_before_any_work(tmp_path):
     env = slurm_env(tmp_path, 0, nodelist="gpu[01-03]", nnodes=3)
     p = run_pretrain(tmp_path, "--depth=20", env=env, check=False)
     assert p.returncode != 0
-    assert "not divisible" in p.stderr and "--total_batch_size=786432" in p.stderr
+    # 32 rows halve to 8 (8 x 2048 x 24 = 393216 <= 524288), which does not divide 524288: both neighbours suggested
+    assert "not divisible" in p.stderr and "--total_batch_size=393216 or 786432" in p.stderr
     assert "RUN:" not in p.stdout  # nothing was launched or prepared
     # the suggested total works
     p = run_pretrain(tmp_path, "--depth=20", "--total_batch_size=786432", env=env)
     assert "--total_batch_size=786432" in " ".join(torchrun_calls(parse(p.stdout)[1])["scripts.base_train"][1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the one preset table (nanochat/presets.py) and what reads it
+
+
+@pytest.mark.slow  # imports torch in subprocesses
+def test_gpu_node_stops_when_torch_cannot_use_the_gpus(tmp_path):
+    """nvidia-smi lists GPUs, torch here has no CUDA device: pretrain.sh stops before any download or torchrun."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a usable GPU")
+    install_fakes(tmp_path)
+    log = tmp_path / "calls.log"
+    env = base_env(tmp_path, CALL_LOG=log)
+    del env["CUDA_VISIBLE_DEVICES"]
+    env["PATH"] = f"{tmp_path / 'bin'}:/usr/bin:/bin"
+    make_exe(tmp_path / "bin" / "nvidia-smi", '[ "$1" = "-L" ] && echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n'
+                                              '[ "$1" = "-L" ] || echo 535.104.05\n')
+    p = run_pretrain(tmp_path, env=env, check=False, dry=False)
+    assert p.returncode == 1
+    assert torch.__version__ in p.stderr and (torch.version.cuda or "CPU-only wheel") in p.stderr
+    assert "download.pytorch.org/whl" in p.stderr
+    assert not log.exists()  # nothing downloaded, nothing launched
+
+
+def test_presets_agree_with_the_training_scripts_defaults():
+    from scripts import base_train, chat_sft
+
+    assert base_train.DEFAULTS["total_batch_size"] == presets.TOTAL_BATCH_SIZE
+    assert base_train.DEFAULTS["max_seq_len"] == presets.MAX_SEQ_LEN
+    assert chat_sft.DEFAULTS["device_batch_size"] == presets.SFT_DEVICE_BATCH_SIZE
+    assert chat_sft.DEFAULTS["target_examples_per_step"] == presets.SFT_TARGET_EXAMPLES
+    # chat_sft checks its batch with the function the launchers fit it with
+    assert chat_sft.sft_batch_arithmetic is presets.sft_batch_arithmetic
+    assert presets.sft_batch_arithmetic(32, 4, 4) == 2
+    with pytest.raises(ValueError, match=r"--target_examples_per_step=32 is not divisible by .* = 3 \* 4 = 12"):
+        presets.sft_batch_arithmetic(32, 3, 4)
+    # the parameter count behind the table is the model's
+    from nanochat.gpt import GPT, config_for_depth
+
+    import torch
+
+    with torch.device("meta"):
+        model = GPT(config_for_depth(4, presets.VOCAB_SIZE, 256))
+    assert sum(p.numel() for p in model.parameters()) == presets.model_shape(4)[2]
+
+
+def test_preset_device_batches_follow_the_stated_rule():
+    """DDP depths: the largest power of two whose estimate is at most that of nanochat's measured d20 x 32."""
+    budget = presets.estimate_gb(20, 32)
+    for depth, p in PRESETS.items():
+        if p.use_fsdp:
+            assert p.device_batch_size == 1 and depth >= presets.FSDP_FROM_DEPTH
+            continue
+        rows = p.device_batch_size
+        assert rows & (rows - 1) == 0
+        assert presets.estimate_gb(depth, rows) <= budget < presets.estimate_gb(depth, 2 * rows), depth
+    assert (PRESETS[20].device_batch_size, PRESETS[32].device_batch_size) == (32, 8)  # nanochat's measured values
+
+
+def test_docs_show_the_preset_table():
+    assert presets.markdown_table() in (REPO / "docs" / "multinode.md").read_text()
+    p = subprocess.run([sys.executable, "-m", "nanochat.presets", "--format", "markdown"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == presets.markdown_table()
+
+
+def test_presets_command_uses_the_training_batch_arithmetic():
+    from nanochat import training
+
+    # the launchers' arithmetic is the training's own function, not a copy
+    assert training.batch_arithmetic is presets.batch_arithmetic
+    launch = presets.resolve(20, world_size=8, mode="fullrun")
+    assert (launch.device_batch_size, launch.grad_accum, launch.sft_args) == (32, 1, [])
+    with pytest.raises(ValueError, match="--total_batch_size=393216 or 786432"):
+        presets.resolve(20, world_size=24)
+    # the shell format is what the launchers eval
+    p = subprocess.run(["bash", "-c", 'eval "$(python3 -m nanochat.presets --format shell --depth 32 --world_size 64 '
+                        '--mode fullrun -- --max_seq_len=1024)"; echo "$DEVICE_BATCH_SIZE|$GRAD_ACCUM|${SFT_ARGS[*]}"'],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    # 8 rows x 1024 x 64 = 524288: no halving; chat_sft: 1 conversation x 64 processes = 64 per step
+    assert p.stdout.strip() == "8|1|--device_batch_size=1 --target_examples_per_step=64", p.stderr
+
+
+@pytest.mark.slow  # the installed-check imports torch in a subprocess per script
+@pytest.mark.parametrize("script,depth,shards,rows", [("speedrun.sh", 20, 240, 32), ("run1000.sh", 32, 800, 8)])
+def test_speedrun_and_run1000_read_the_presets(tmp_path, script, depth, shards, rows):
+    assert (PRESETS[depth].num_shards, PRESETS[depth].device_batch_size) == (shards, rows)
+    venv = Path(sys.executable).parents[1]
+    env = {**base_env(tmp_path), "NANOCHAT_VENV": str(venv), "NANOCHAT_DRY_RUN": "1"}
+    p = subprocess.run(["bash", str(REPO / script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    commands = [shlex.split(l[len("RUN: "):]) for l in p.stdout.splitlines() if l.startswith("RUN: ")]
+    assert [str(venv / "bin" / "python"), "-m", "nanochat.dataset", "-n", "8"] in commands
+    assert f"-m nanochat.dataset -n {shards}" in p.stdout
+    base = next(c for c in commands if "scripts.base_train" in c)
+    assert base[base.index("--") + 1:] == ["--device_type=cuda", f"--depth={depth}", f"--device_batch_size={rows}",
+                                           "--run=dummy"]
+    # every torchrun stage runs on CUDA, after the GPU check
+    assert all(c[c.index("--") + 1] == "--device_type=cuda" for c in commands if "torchrun" in c[0])
+    assert f"CHECK: {venv}/bin/python -m nanochat.setup_check gpu" in p.stdout

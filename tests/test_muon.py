@@ -126,3 +126,28 @@ def test_muon_state_dict_round_trip():
         return p.detach()
 
     assert torch.equal(run(5), run(5, resume_at=2))
+
+
+def test_compiled_newton_schulz_matches_eager_and_switches_back():
+    from nanochat import muon
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    G = randn(3, 24, 40, seed=5)
+    eager = zeropower_via_newtonschulz5(G)
+    torch._dynamo.reset()
+    muon.set_compile(True, backend=counting)
+    try:
+        compiled = zeropower_via_newtonschulz5(G)
+        zeropower_via_newtonschulz5(randn(3, 24, 40, seed=6))  # same shape: the graph is reused
+    finally:
+        muon.set_compile(False)
+    assert len(graphs) == 1
+    torch.testing.assert_close(compiled, eager)
+    zeropower_via_newtonschulz5(G)  # eager again: no new graph
+    assert len(graphs) == 1
+    torch._dynamo.reset()

@@ -12,7 +12,7 @@ import torch
 from nanochat.checkpoint_manager import load_model, save_checkpoint
 from tests.chat_fixtures import tiny_tokenizer
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED_DATA = Path(__file__).resolve().parent / "assets" / "data"  # excerpts of ../shared/data (tests/assets/README.md)
 
 
 def require_chat_data():
@@ -29,7 +29,7 @@ def chat_env(tmp_path, monkeypatch):
     at once instead of being downloaded.
     """
     require_chat_data()
-    from nanochat import training as T
+    from nanochat.training import build_model
     from nanochat.gpt import config_for_depth
     from nanochat.tokenizer import compute_token_bytes, save_token_bytes
 
@@ -46,7 +46,7 @@ def chat_env(tmp_path, monkeypatch):
     save_token_bytes(compute_token_bytes(tok), str(tok_dir))
     torch.manual_seed(0)
     config = config_for_depth(1, tok.get_vocab_size(), 128)
-    model = T.build_model(config, "cpu")
+    model = build_model(config, "cpu")
     save_checkpoint(str(base / "base_checkpoints" / "d1"), 0, model.state_dict(), None,
                     {"model_config": vars(config), "step": 0})
     return base
@@ -74,12 +74,12 @@ def test_advantages_are_reward_minus_mean():
 
 def test_policy_gradient_loss_on_a_uniform_model():
     """lm_head starts at zero, so every token has log p = -ln V: the loss is hand-computable."""
-    from nanochat import training as T
+    from nanochat.training import build_model
     from nanochat.gpt import config_for_depth
     from scripts.chat_rl import policy_gradient_loss
 
     V = 300
-    model = T.build_model(config_for_depth(1, V, 32), "cpu")
+    model = build_model(config_for_depth(1, V, 32), "cpu")
     inputs = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
     targets = torch.tensor([[6, 7, 8, -1, -1], [-1, -1, -1, 14, -1]])  # 3 trained tokens in row 0, 1 in row 1
     advantages = torch.tensor([0.5, -0.5])
@@ -89,12 +89,12 @@ def test_policy_gradient_loss_on_a_uniform_model():
 
 
 def test_policy_gradient_step_moves_probability_towards_rewarded_samples():
-    from nanochat import training as T
+    from nanochat.training import build_model, train_step
     from nanochat.gpt import config_for_depth
     from scripts.chat_rl import micro_batches, policy_gradient_loss
 
     torch.manual_seed(0)
-    model = T.build_model(config_for_depth(1, 64, 32), "cpu")
+    model = build_model(config_for_depth(1, 64, 32), "cpu")
     optimizers = model.setup_optimizers(unembedding_lr=0.02, embedding_lr=0.02, matrix_lr=0.002)
     prompt = [1, 2, 3]
     good, bad = prompt + [10, 11, 12], prompt + [20, 21, 22]
@@ -109,7 +109,7 @@ def test_policy_gradient_step_moves_probability_towards_rewarded_samples():
     (batch,) = micro_batches([good, bad], masks, torch.tensor([0.5, -0.5]), 2, pad_id=0, device="cpu")
     assert batch[1].tolist() == [[-1, -1, 10, 11, 12], [-1, -1, 20, 21, 22]]  # the prompt is not trained
     it = iter([batch])
-    T.train_step(model, optimizers, lambda: next(it), 1, grad_clip=0.0,
+    train_step(model, optimizers, lambda: next(it), 1, grad_clip=0.0,
                  loss_fn=lambda m, b: policy_gradient_loss(m, b[0], b[1], b[2]))
     after = logp(good), logp(bad)
     assert after[0] > before[0] and after[1] < before[1]
@@ -190,6 +190,15 @@ def test_mid_sft_rl_chain(chat_env, capsys):
     _, _, rl_meta = load_model("rl", "cpu", "eval")
     assert rl_meta["step"] == 2 and rl_meta["source"]["phase"] == "sft"
 
+    # one metrics path: every stage's metrics.jsonl has the same namespaced keys for the same things
+    from nanochat.metrics import read_metrics
+
+    keys = {stage: set().union(*read_metrics(chat_env / f"{stage}_checkpoints" / "d1" / "metrics.jsonl"))
+            for stage in ("mid", "chatsft", "chatrl")}
+    assert {"step", "train/loss", "train/lrm", "val/bpb"} <= keys["mid"]
+    assert {"step", "train/loss", "train/lrm", "val/loss", "eval/MMLU_acc", "eval/ARC-Easy_acc"} <= keys["chatsft"]
+    assert {"step", "train/loss", "train/lrm", "rl/reward", "eval/pass@1", "eval/pass@2"} <= keys["chatrl"]
+
     report_dir = chat_env / "report"
     for name in ("midtraining.md", "chat-sft.md", "chat-rl.md", "curve-midtraining-loss.json",
                  "curve-chat-sft-loss.json", "curve-chat-rl-mean-reward.json"):
@@ -231,11 +240,11 @@ def test_mid_one_epoch_mode_stops_after_one_pass(chat_env, monkeypatch, capsys):
 def test_sft_and_rl_two_ranks_match_one_process(chat_env, capsys):
     """Examples are split over ranks: 2 ranks x 1 conversation == 1 process x 2 accumulated, step for step (SFT);
     2 ranks x 1 question == 1 process x 2 questions, same samples (RL)."""
-    import re
     import shutil
 
     from conftest import run_torchrun, subprocess_env
     from nanochat.checkpoint_manager import load_checkpoint
+    from nanochat.metrics import read_metrics
     from scripts import chat_rl, chat_sft
 
     def sft_args(tag, eval_steps):
@@ -246,17 +255,23 @@ def test_sft_and_rl_two_ranks_match_one_process(chat_env, capsys):
     for tag in ("one", "two"):  # --model_tag names the input checkpoint and the output one (as nanochat)
         shutil.copytree(chat_env / "base_checkpoints" / "d1", chat_env / "base_checkpoints" / tag)
     # validation: the single process reads 2 batches of 1 row, each of the 2 ranks 1 batch: the same rows
-    single = chat_sft.main(sft_args("one", 2))
-    single_text = capsys.readouterr().out
-    p = run_torchrun(["-m", "scripts.chat_sft", *sft_args("two", 1)], env=subprocess_env(chat_env))
-    losses = lambda text: [float(x) for x in re.findall(r"\| loss: ([0-9.]+)", text)]  # noqa: E731
-    assert single["step"] == 3 and len(losses(single_text)) == 3
-    assert losses(p.stdout) == pytest.approx(losses(single_text), abs=1e-5)
-    val = lambda text: re.findall(r"validation loss: ([0-9.]+)", text)  # noqa: E731
-    acc = lambda text: re.findall(r"MMLU acc: ([0-9.]+) \| ARC-Easy acc: ([0-9.]+)", text)  # noqa: E731
-    assert len(val(single_text)) == 2 and val(p.stdout) == val(single_text)
-    assert len(acc(single_text)) == 2 and acc(p.stdout) == acc(single_text)
+    def series(path, key):
+        return [(r["step"], r[key]) for r in read_metrics(path) if key in r]
+
+    def assert_same_series(a, b, abs):
+        assert [s for s, _ in a] == [s for s, _ in b]
+        assert [v for _, v in a] == pytest.approx([v for _, v in b], abs=abs)
+
     root = chat_env / "chatsft_checkpoints"
+    single = chat_sft.main(sft_args("one", 2))
+    run_torchrun(["-m", "scripts.chat_sft", *sft_args("two", 1)], env=subprocess_env(chat_env))
+    one, two = root / "one" / "metrics.jsonl", root / "two" / "metrics.jsonl"
+    assert single["step"] == 3 and [s for s, _ in series(one, "train/loss")] == [1, 2, 3]
+    assert_same_series(series(two, "train/loss"), series(one, "train/loss"), abs=1e-5)
+    assert [s for s, _ in series(one, "val/loss")] == [0, 3]
+    assert_same_series(series(two, "val/loss"), series(one, "val/loss"), abs=1e-6)
+    for key in ("eval/MMLU_acc", "eval/ARC-Easy_acc"):
+        assert len(series(one, key)) == 2 and series(two, key) == series(one, key)
     a, _, _ = load_checkpoint(str(root / "one"), 3, "cpu")
     b, _, _ = load_checkpoint(str(root / "two"), 3, "cpu")
     for k in a:
@@ -265,10 +280,10 @@ def test_sft_and_rl_two_ranks_match_one_process(chat_env, capsys):
     rl_args = ["--device_type=cpu", "--model_tag=one", "--num_samples=2", "--device_batch_size=2",
                "--examples_per_step=2", "--max_new_tokens=12", "--num_iterations=2", "--eval_every=2",
                "--eval_examples=2", "--save_every=-1"]
+    rl_metrics = chat_env / "chatrl_checkpoints" / "one" / "metrics.jsonl"  # both runs write here: read it in between
     chat_rl.main(rl_args)
-    single_text = capsys.readouterr().out
-    p = run_torchrun(["-m", "scripts.chat_rl", *rl_args], env=subprocess_env(chat_env))
-    stats = lambda text: re.findall(r"mean reward: ([0-9.]+) \| mean sequence length: ([0-9.]+)", text)  # noqa: E731
-    passk = lambda text: re.findall(r"pass@1: [0-9.]+ \| pass@2: [0-9.]+", text)  # noqa: E731
-    assert len(stats(single_text)) == 2 and stats(p.stdout) == stats(single_text)
-    assert len(passk(single_text)) == 2 and passk(p.stdout) == passk(single_text)
+    single = {k: series(rl_metrics, k) for k in ("rl/reward", "rl/sequence_length", "eval/pass@1", "eval/pass@2")}
+    run_torchrun(["-m", "scripts.chat_rl", *rl_args], env=subprocess_env(chat_env))
+    assert [s for s, _ in single["rl/reward"]] == [1, 2] and [s for s, _ in single["eval/pass@1"]] == [0, 2]
+    for key, values in single.items():
+        assert_same_series(series(rl_metrics, key), values, abs=1e-9)

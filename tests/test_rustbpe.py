@@ -18,7 +18,7 @@ rustbpe = pytest.importorskip("rustbpe", reason="the rustbpe extension is not bu
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference_bpe  # noqa: E402
 
-WIKITEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pretrain" / "wikitext-2"
+WIKITEXT = Path(__file__).resolve().parent / "assets" / "data" / "pretrain" / "wikitext-2"  # excerpt (tests/assets)
 needs_wikitext = pytest.mark.skipif(not WIKITEXT.is_dir(), reason=f"WikiText-2 not found at {WIKITEXT}")
 
 UNICODE_TEXTS = [
@@ -133,6 +133,7 @@ def test_random_texts_match_reference(seed):
     assert tok.get_merges() == ref
 
 
+@pytest.mark.slow  # the pure-Python reference BPE
 @needs_wikitext
 def test_merges_match_reference_on_wikitext():
     text = (WIKITEXT / "train.txt").read_text(encoding="utf-8")[:60_000]

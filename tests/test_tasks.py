@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 
 from tasks.common import Task, TaskMixture, TaskSequence, render_mc
-from tasks.data import TaskDataNotFound
+from nanochat.data_sources import TaskDataNotFound
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# excerpts of the real data sets in ../shared/data, same layout (tests/assets/README.md): every clone has them
+SHARED = Path(__file__).resolve().parent / "assets" / "data"
 
 
 def shared(*parts):
     path = SHARED.joinpath(*parts)
-    if not path.exists():
-        pytest.skip(f"real test data not found at {path} (expected ../shared/data beside the repo)")
+    assert path.exists(), f"{path} is missing from tests/assets (rebuild it: python tests/assets/make_assets.py)"
     return path
 
 
@@ -141,7 +141,7 @@ def test_arc_from_local_dir(monkeypatch):
     with open(path) as f:
         raw = [json.loads(line) for line in f]
     task = ARC("ARC-Challenge", "test")
-    assert len(task) == len(raw) == 1172
+    assert len(task) == len(raw) == 25
     ex = task[0]
     assert ex["messages"][1]["content"] == raw[0]["answerKey"] == "C"
     assert ex["messages"][0]["content"] == render_mc(raw[0]["question"], raw[0]["choices"]["label"], raw[0]["choices"]["text"])
@@ -182,7 +182,7 @@ def test_mmlu_local_csv(monkeypatch):
     monkeypatch.setenv("NANOCHAT_DATA_DIR", str(SHARED))
     dev = MMLU("all", "dev")
     test = MMLU("all", "test")
-    assert len(dev) == 285 and len(test) == 14042
+    assert len(dev) == len(test) == 57 * 2  # two questions of each of the 57 subjects
     # first row of abstract_algebra_dev.csv: answer index 1
     with open(SHARED / "mmlu" / "dev" / "abstract_algebra_dev.csv", newline="") as f:
         rows = list(csv.reader(f))
@@ -234,7 +234,7 @@ def test_gsm8k_tool_parts_and_reward(monkeypatch):
     shared("gsm8k", "train.jsonl")
     monkeypatch.setenv("NANOCHAT_DATA_DIR", str(SHARED))
     task = GSM8K("main", "train")
-    assert len(task) == 7473 and len(GSM8K("main", "test")) == 1319
+    assert len(task) == 24 and len(GSM8K("main", "test")) == 24
     ex = task[0]
     assert ex["messages"][0]["content"].startswith("Natalia sold clips to 48 of her friends in April")
     assert ex["messages"][1]["content"] == [
@@ -263,7 +263,7 @@ def test_humaneval_canonical_passes_and_wrong_fails(monkeypatch):
     shared("humaneval", "HumanEval.jsonl.gz")
     monkeypatch.setenv("NANOCHAT_DATA_DIR", str(SHARED))
     task = HumanEval()
-    assert len(task) == 164
+    assert len(task) == 40
     for i in (0, 2, 35):
         ex = task[i]
         reference = ex["messages"][1]["content"]
@@ -340,7 +340,7 @@ def test_customjson_identity_conversations(tmp_path):
     with open(path) as f:
         n = sum(1 for line in f if line.strip())
     task = CustomJSON(str(path))
-    assert len(task) == n == 996
+    assert len(task) == n == 8
     assert task[0]["messages"][0] == {"role": "user", "content": "Hey, who are you?"}
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]) + "\n{oops\n")
@@ -489,3 +489,30 @@ def test_hub_branch_uses_nanochat_dataset_names(http_dir, tmp_path, monkeypatch)
     assert calls == [("allenai/ai2_arc", "ARC-Easy", "test"), ("cais/mmlu", "auxiliary_train", "train"),
                      ("openai/gsm8k", "main", "train"), ("openai/openai_humaneval", None, "test"),
                      ("HuggingFaceTB/smol-smoltalk", None, "train")]
+
+
+# -----------------------------------------------------------------------------
+# The full data sets in ../shared/data (the tests above read the excerpts in tests/assets)
+
+def test_shared_data_sets_are_whole():
+    """../shared/data holds the full public data sets, with their official sizes (docs/data.md's layout)."""
+    from conftest import SHARED_DATA, require_shared
+    from tasks.arc import ARC
+    from tasks.customjson import CustomJSON
+    from tasks.gsm8k import GSM8K
+    from tasks.humaneval import HumanEval
+    from tasks.mmlu import MMLU
+
+    d = str(require_shared(SHARED_DATA))
+    sizes = {
+        "ARC-Challenge test": len(ARC("ARC-Challenge", "test", data_dir=d)),
+        "ARC-Easy test": len(ARC("ARC-Easy", "test", data_dir=d)),
+        "MMLU dev": len(MMLU("all", "dev", data_dir=d)),
+        "MMLU test": len(MMLU("all", "test", data_dir=d)),
+        "GSM8K train": len(GSM8K("main", "train", data_dir=d)),
+        "GSM8K test": len(GSM8K("main", "test", data_dir=d)),
+        "HumanEval": len(HumanEval(data_dir=d)),
+        "identity conversations": len(CustomJSON(f"{d}/sft/identity_conversations.jsonl")),
+    }
+    assert sizes == {"ARC-Challenge test": 1172, "ARC-Easy test": 2376, "MMLU dev": 285, "MMLU test": 14042,
+                     "GSM8K train": 7473, "GSM8K test": 1319, "HumanEval": 164, "identity conversations": 996}

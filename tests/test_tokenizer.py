@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference_bpe  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-WIKITEXT = REPO.parent / "shared" / "data" / "pretrain" / "wikitext-2"
+WIKITEXT = REPO / "tests" / "assets" / "data" / "pretrain" / "wikitext-2"  # excerpt of ../shared (tests/assets)
 needs_wikitext = pytest.mark.skipif(not WIKITEXT.is_dir(), reason=f"WikiText-2 not found at {WIKITEXT}")
 
 VOCAB = 1024
@@ -262,14 +262,15 @@ def _run(args, base_dir, timeout=120):
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # two scripts in subprocesses
 @needs_wikitext
 def test_tok_train_and_eval_end_to_end(tmp_path, monkeypatch):
-    docs = wikitext_docs(600_000)
-    train_a, train_b, val = docs[:1500], docs[1500:3000], docs[3000:3300]
+    docs = wikitext_docs(600_000)  # the ~200 lines of the WikiText-2 excerpt in tests/assets
+    train_a, train_b, val = docs[:90], docs[90:180], docs[180:]
     train_a[5] = "X" * 5000  # a long doc, capped by --doc_cap
     base = tmp_path / "base"
     _write_shards(base / "base_data", [train_a, train_b, val])
-    max_chars, doc_cap, vocab = 150_000, 300, 700
+    max_chars, doc_cap, vocab = 12_000, 300, 700
 
     p = _run(["scripts.tok_train", f"--max_chars={max_chars}", "--doc-cap", str(doc_cap), f"--vocab_size={vocab}"], base)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -301,12 +302,14 @@ def test_tok_train_and_eval_end_to_end(tmp_path, monkeypatch):
         assert f"{name} (" in p.stdout and ("not compared" in p.stdout or f"{name} tokens" in p.stdout)
 
 
+@pytest.mark.slow  # a script in a subprocess
 def test_tok_train_without_shards_says_how_to_get_data(tmp_path):
     p = _run(["scripts.tok_train", "--vocab_size=300"], tmp_path / "empty")
     assert p.returncode != 0
     assert "python -m nanochat.dataset -n 8" in p.stderr and "python -m nanochat.dataset import" in p.stderr
 
 
+@pytest.mark.slow  # a script in a subprocess
 def test_tok_train_rejects_unknown_flag(tmp_path):
     p = _run(["scripts.tok_train", "--vocab=300"], tmp_path)
     assert p.returncode == 2 and "unknown flag --vocab" in p.stderr

@@ -27,13 +27,8 @@
 #   --dry-run            [DRY_RUN=1]   write and print the YAML, do not submit; missing values become placeholders
 set -euo pipefail
 
-log() { echo "[volc_submit.sh] $*"; }
-die() {
-    echo "[volc_submit.sh] error: $*" >&2
-    exit 2
-}
-usage() { sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'; }
-is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
+LIB_TAG=volc_submit.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts/lib.sh" # log, die, usage, is_uint, quote_cmd
 
 # YAML single-quoted scalar: only ' needs escaping ('' ), backslashes stay literal, so shell quoting survives as is.
 yq() {
@@ -41,12 +36,6 @@ yq() {
         *$'\n'* | *$'\r'*) die "value with a line break cannot go into the job file: $1" ;;
     esac
     printf "'%s'" "${1//\'/\'\'}"
-}
-
-quote_cmd() {
-    local out="" w
-    for w in "$@"; do out+=" $(printf '%q' "$w")"; done
-    echo "${out# }"
 }
 
 REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -74,7 +63,7 @@ read -r -a ENV_SPECS <<<"${ENVS:-}"
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --) shift; break ;;
-        -h | --help) usage; exit 0 ;;
+        -h | --help) usage "${BASH_SOURCE[0]}"; exit 0 ;;
         --*) ;;
         *) break ;; # the command starts here
     esac

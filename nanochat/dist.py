@@ -1,0 +1,184 @@
+"""
+torch.distributed in one place: process-group setup and the few collectives the training and evaluation loops use.
+
+- `get_dist_info`, `compute_init`, `compute_cleanup`, `barrier`: who am I under torchrun, the device, the process
+  group (nccl on CUDA, gloo on CPU) with a timeout long enough for rank 0 to write a large checkpoint.
+- `dist_world_size`, `collective_device`: the initialised world (1 without a process group) and where a small tensor for a
+  collective must live.
+- `all_reduce_mean`, `all_reduce_sum`, `any_rank`, `gather_objects`: python values across ranks.
+- `raise_on_every_rank`: an error one rank hits before a collective becomes an error on every rank (not a hang).
+
+Every function works in a single process (without torch.distributed initialised) and then does what the plain code
+would: a mean of one value is the value, and so on. nanochat's names (`get_dist_info`, `compute_init`, ...) are also
+importable from `nanochat.common`, as in nanochat.
+"""
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# NCCL's watchdog kills a collective that waits longer than the process group's timeout (10 minutes by default). At
+# every checkpoint rank 0 writes the model file while the other ranks wait in the next collective: for d64 that is
+# ~50 GB, which takes longer than 10 minutes on ordinary disks. One hour covers that with room; a real hang is then
+# reported after an hour instead of ten minutes. Override with NANOCHAT_DIST_TIMEOUT_MIN.
+DEFAULT_DIST_TIMEOUT_MIN = 60
+
+
+def get_dist_info():
+    """(is_distributed, rank, local_rank, world_size) from torchrun's environment variables."""
+    if all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+        return True, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    return False, 0, 0, 1
+
+
+def is_ddp_initialized():
+    return dist.is_available() and dist.is_initialized()
+
+
+def dist_world_size():
+    """Ranks in the initialised process group; 1 without one."""
+    return dist.get_world_size() if is_ddp_initialized() else 1
+
+
+def collective_device():
+    """Where a small tensor for a collective lives: the current CUDA device under nccl, else the CPU (gloo)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def autodetect_device_type():
+    """cuda > mps > cpu."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def dist_timeout():
+    """The process group's collective timeout: $NANOCHAT_DIST_TIMEOUT_MIN minutes, default DEFAULT_DIST_TIMEOUT_MIN."""
+    raw = os.environ.get("NANOCHAT_DIST_TIMEOUT_MIN", "")
+    try:
+        minutes = float(raw) if raw.strip() else DEFAULT_DIST_TIMEOUT_MIN
+    except ValueError:
+        minutes = -1
+    if not minutes > 0:
+        raise ValueError(f"NANOCHAT_DIST_TIMEOUT_MIN must be a positive number of minutes, got {raw!r}")
+    return datetime.timedelta(minutes=minutes)
+
+
+def compute_init(device_type=None, seed=42):
+    """
+    Seed, pick the device and, under torchrun, init the process group (nccl on CUDA, gloo on CPU) with dist_timeout().
+    Returns (ddp, rank, local_rank, world_size, device).
+    """
+    device_type = device_type or autodetect_device_type()
+    if device_type not in ("cuda", "mps", "cpu"):
+        raise ValueError(f"device_type must be one of cuda|mps|cpu, got {device_type!r}")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device_type=cuda was asked for but torch sees no CUDA device; use --device_type=cpu")
+    if device_type == "mps" and not torch.backends.mps.is_available():
+        raise RuntimeError("--device_type=mps was asked for but MPS is not available; use --device_type=cpu")
+
+    torch.manual_seed(seed)
+    if device_type == "cuda":
+        torch.cuda.manual_seed(seed)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")
+
+    ddp, rank, local_rank, world = get_dist_info()
+    if ddp and device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl", device_id=device, timeout=dist_timeout())
+        dist.barrier()
+    elif ddp:
+        if device_type == "mps":
+            raise RuntimeError("distributed training on MPS is not supported; use --device_type=cpu under torchrun")
+        device = torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group(backend="gloo", timeout=dist_timeout())
+        dist.barrier()
+    else:
+        device = torch.device(device_type)
+    if rank == 0:
+        logger.info(f"Distributed world size: {world}" if ddp else f"Single process on {device}")
+    return ddp, rank, local_rank, world, device
+
+
+def compute_cleanup():
+    if is_ddp_initialized():
+        dist.destroy_process_group()
+
+
+def barrier():
+    if is_ddp_initialized():
+        dist.barrier()
+
+
+# -----------------------------------------------------------------------------
+# python values across ranks
+
+
+def all_reduce_mean(value, device):
+    """Mean of a python float across ranks (identity in a single process)."""
+    t = torch.tensor(float(value), dtype=torch.float64, device=device)
+    if dist_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t /= dist.get_world_size()
+    return t.item()
+
+
+def all_reduce_sum(values, device):
+    """Element-wise sum of a list of python numbers across ranks, as floats (float64, exact for counts)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def any_rank(flag, device):
+    """True on every rank if `flag` is true on any (e.g. ranks pass an epoch end at slightly different steps)."""
+    if dist_world_size() == 1:
+        return bool(flag)
+    t = torch.tensor(int(flag), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def gather_objects(obj):
+    """List of `obj` from every rank (rank order); [obj] in a single process."""
+    if dist_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def raise_on_every_rank(error, what):
+    """
+    Every rank calls this with the exception it hit (or None) before the next collective. If any rank hit one,
+    every rank raises: its own exception where it has one, else a RuntimeError naming the ranks that failed and why.
+    In one process (or without torch.distributed initialised) it only re-raises `error` if there is one.
+    """
+    if dist_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    flag = torch.tensor([int(error is not None)], dtype=torch.long, device=collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return
+    messages = gather_objects(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = {r: m for r, m in enumerate(messages) if m is not None}
+    raise RuntimeError(f"{what} failed on " + "; ".join(f"rank {r}: {m}" for r, m in failed.items()))

@@ -1,0 +1,273 @@
+"""
+The depth presets: one table for every launcher (pretrain.sh, speedrun.sh, run1000.sh), docs/multinode.md and the
+tests, and the resolution of a launch's batch settings with the arithmetic the training scripts themselves use
+(nanochat.batching). Standard library only: the launchers ask it before anything is installed.
+
+    python -m nanochat.presets --depth 20 --world_size 8 --format shell   KEY=VALUE lines a launcher `eval`s
+    python -m nanochat.presets --depth 32 --world_size 32                 the same, for people
+    python -m nanochat.presets --format markdown                          the table in docs/multinode.md
+
+Flags after `--` are base_train's (as pretrain.sh passes them through): --total_batch_size and --max_seq_len there
+change the arithmetic. Errors exit with status 2 and a message naming the flag to change.
+"""
+
+import argparse
+import math
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+
+from nanochat.batching import batch_arithmetic, sft_batch_arithmetic
+
+
+@dataclass(frozen=True)
+class Preset:
+    num_shards: int  # FineWeb-Edu shards to download: ~20 tokens per parameter (Chinchilla) with room to spare
+    device_batch_size: int  # rows of max_seq_len tokens per GPU per micro-step (base_train and mid_train)
+    use_fsdp: bool  # FSDP2 instead of DDP: the params + grads + optimizer state no longer fit one 80 GB GPU
+
+
+# Device batch sizes: ESTIMATES for an 80 GB H100 at max_seq_len 2048, not yet measured on this code base (issue 9
+# asks for the measurement; until then, on an out-of-memory error halve --device_batch_size: gradient accumulation
+# keeps the total batch and the result). How they were chosen, with estimate_gb() below:
+#   activations ~ (34 * n_embd * n_layer + 6 * vocab) bytes per token (bf16, flash attention, no dropout: the
+#   per-layer term of Korthikanti et al. 2022 without dropout masks, plus the bf16 logits and fp32 loss input), and
+#   16 bytes per parameter for fp32 weights, grads and optimizer state.
+# That is an upper bound (torch.compile fuses the elementwise ops and keeps fewer intermediates). nanochat has
+# *measured* d20 at 32 rows (its speedrun) and d32 at 8 rows (its run1000) on 80 GB H100s with the same shapes; this
+# formula puts d20 x 32 at ~92 "estimated GB". So each DDP depth gets the largest power of two whose estimate is at
+# most that of the measured d20 x 32 (tests/test_launch.py checks the table against this rule):
+#   d20: 32 (= nanochat's speedrun; pretrain.sh said 16 before), d22: 16, d26: 16 (was 8), d32: 8 (= nanochat's
+#   run1000; pretrain.sh said 4 before).
+# FSDP depths (d40 up) stay at 1 row until measured: their estimate with the state sharded over 8 GPUs would allow
+# more, but the parameters FSDP gathers per block are not in the formula.
+PRESETS = {
+    20: Preset(240, 32, False),
+    22: Preset(300, 16, False),
+    26: Preset(500, 16, False),
+    32: Preset(800, 8, False),
+    40: Preset(1500, 1, True),
+    44: Preset(2000, 1, True),
+    48: Preset(2500, 1, True),
+    56: Preset(3500, 1, True),
+    64: Preset(5000, 1, True),
+}
+FSDP_FROM_DEPTH = 40  # the FSDP default for a depth without a preset too
+FINEWEB_SHARDS = 1823  # FineWeb-Edu-100B, nanochat's pretraining set; larger requests are capped (NANOCHAT_MAX_SHARDS)
+VOCAB_SIZE = 65536  # the speedrun tokenizer's
+# scripts.base_train's and scripts.chat_sft's defaults (tests/test_launch.py checks they still agree)
+TOTAL_BATCH_SIZE = 524288
+MAX_SEQ_LEN = 2048
+SFT_DEVICE_BATCH_SIZE = 4
+SFT_TARGET_EXAMPLES = 32
+
+
+# -----------------------------------------------------------------------------
+# model size and memory estimate
+
+
+def model_shape(depth):
+    """(n_embd, n_head, parameters) of nanochat's depth rule (nanochat.gpt.config_for_depth) at VOCAB_SIZE."""
+    n_embd = 64 * depth
+    n_head = max(1, math.ceil(n_embd / 128))
+    params = 2 * VOCAB_SIZE * n_embd + depth * 12 * n_embd * n_embd  # wte + lm_head + (4 attn + 8 mlp) d^2 per layer
+    return n_embd, n_head, params
+
+
+def estimate_gb(depth, rows, max_seq_len=MAX_SEQ_LEN, state_shards=1):
+    """Upper-bound GPU memory (GB) of one training rank; see the comment above PRESETS."""
+    n_embd, _, params = model_shape(depth)
+    activations = rows * max_seq_len * (34 * n_embd * depth + 6 * VOCAB_SIZE)
+    return (activations + 16 * params / state_shards) / 1e9
+
+
+# -----------------------------------------------------------------------------
+# resolving a launch
+
+
+@dataclass
+class Launch:
+    depth: int
+    num_shards: int
+    device_batch_size: int
+    use_fsdp: bool
+    world_size: int
+    grad_accum: int  # base_train's accumulation steps (1 when posttraining only)
+    sft_args: list  # flags for chat_sft beyond its defaults, so that its batch splits over the world
+    notes: list = field(default_factory=list)
+
+
+def resolve(depth, num_shards=None, device_batch_size=None, use_fsdp=None, world_size=1, total_batch_size=TOTAL_BATCH_SIZE,
+            max_seq_len=MAX_SEQ_LEN, mode="pretrain", max_shards=FINEWEB_SHARDS):
+    """The settings of one launch; ValueError naming the flag to change when there are none that work."""
+    if mode not in ("pretrain", "posttrain", "fullrun"):
+        raise ValueError(f"mode must be pretrain, posttrain or fullrun, got {mode!r}")
+    notes = []
+    preset = PRESETS.get(depth)
+    if preset is None and (num_shards is None or device_batch_size is None):
+        raise ValueError(f"no preset for --depth={depth}. Presets: {' '.join(f'd{d}' for d in PRESETS)}\n"
+                         f"  (or give both --num_shards=N and --device_batch_size=N to run another depth)")
+    num_shards = preset.num_shards if num_shards is None else num_shards
+    if num_shards < 2:
+        raise ValueError(f"--num_shards expects a whole number >= 2 (the last shard is validation), got {num_shards}")
+    if num_shards > max_shards:
+        # the d44+ presets ask for more than FineWeb-Edu-100B has: download it all, the loader repeats data
+        notes.append(f"{num_shards} shards asked for but the dataset has {max_shards} (NANOCHAT_MAX_SHARDS): "
+                     f"downloading {max_shards}, training repeats data")
+        num_shards = max_shards
+    dbs_given = device_batch_size is not None
+    dbs = device_batch_size if dbs_given else preset.device_batch_size
+    if dbs < 1:
+        raise ValueError(f"--device_batch_size expects a whole number >= 1, got {dbs}")
+    if use_fsdp is None:
+        use_fsdp = preset.use_fsdp if preset else depth >= FSDP_FROM_DEPTH
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+
+    # The preset batch is what fits one GPU; on many GPUs one micro-step of it can exceed the whole total batch
+    # (d20: 32 rows x 2048 tokens x 16 GPUs = 1M tokens > 524288). Then halve it, loudly, unless it was given.
+    if not dbs_given and total_batch_size > 0:
+        before = dbs
+        while dbs > 1 and dbs * max_seq_len * world_size > total_batch_size:
+            dbs //= 2
+        if dbs != before:
+            notes.append(f"preset device_batch_size {before} x {max_seq_len} tokens x {world_size} processes exceeds "
+                         f"total_batch_size {total_batch_size}: using {dbs} (pass --device_batch_size={before} "
+                         f"--total_batch_size={before * max_seq_len * world_size} to keep {before})")
+    grad_accum = 1
+    if mode != "posttrain":  # base_train would refuse it after the download and tokenizer: say so now
+        grad_accum, _ = batch_arithmetic(total_batch_size, dbs, max_seq_len, world_size)
+
+    # chat_sft counts whole conversations: its 32 per step must be device_batch_size x world x accumulation. Lower its
+    # device batch (its default 4, or ours when smaller) until 32 splits; past that, one conversation per process.
+    sft_args = []
+    if mode != "pretrain":
+        sft_dbs, target = min(dbs, SFT_DEVICE_BATCH_SIZE), SFT_TARGET_EXAMPLES
+        while sft_dbs > 1 and not _sft_fits(target, sft_dbs, world_size):
+            sft_dbs //= 2
+        if sft_dbs != SFT_DEVICE_BATCH_SIZE:
+            sft_args.append(f"--device_batch_size={sft_dbs}")
+        if not _sft_fits(target, sft_dbs, world_size):
+            target = -(-target // world_size) * world_size
+            sft_args.append(f"--target_examples_per_step={target}")
+            notes.append(f"chat_sft's {SFT_TARGET_EXAMPLES} conversations per step do not split over {world_size} "
+                         f"processes: using {target}")
+        sft_batch_arithmetic(target, sft_dbs, world_size)  # holds by construction; chat_sft runs the same check
+    return Launch(depth, num_shards, dbs, use_fsdp, world_size, grad_accum, sft_args, notes)
+
+
+def _sft_fits(target, device_batch_size, world_size):
+    try:
+        sft_batch_arithmetic(target, device_batch_size, world_size)
+        return True
+    except ValueError:
+        return False
+
+
+# -----------------------------------------------------------------------------
+# output
+
+
+def shell_lines(launch):
+    """Assignments for bash's eval: scalars, and arrays for the chat_sft flags and the notes."""
+    array = lambda xs: "(" + " ".join(shlex.quote(x) for x in xs) + ")"
+    return [
+        f"DEPTH={launch.depth}",
+        f"NUM_SHARDS={launch.num_shards}",
+        f"DEVICE_BATCH_SIZE={launch.device_batch_size}",
+        f"USE_FSDP={int(launch.use_fsdp)}",
+        f"LAUNCH_WORLD_SIZE={launch.world_size}",
+        f"GRAD_ACCUM={launch.grad_accum}",
+        f"SFT_ARGS={array(launch.sft_args)}",
+        f"NOTES={array(launch.notes)}",
+    ]
+
+
+def markdown_table(world_size=8):
+    """The preset table of docs/multinode.md (estimates for FSDP depths shard the state over world_size GPUs)."""
+    rows = ["| depth | n_embd / heads | params (vocab 65536) | 20 tokens/param | shards | device batch | FSDP | est. GB |",
+            "|---|---|---|---|---|---|---|---|"]
+    for depth, p in PRESETS.items():
+        n_embd, n_head, params = model_shape(depth)
+        shards = f"{p.num_shards} ({FINEWEB_SHARDS} exist)" if p.num_shards > FINEWEB_SHARDS else str(p.num_shards)
+        est = estimate_gb(depth, p.device_batch_size, state_shards=world_size if p.use_fsdp else 1)
+        rows.append(f"| d{depth} | {n_embd} / {n_head} | {params / 1e9:.2f} B | {20 * params / 1e9:.0f} B | {shards} "
+                    f"| {p.device_batch_size} | {'yes' if p.use_fsdp else 'no'} | {est:.0f} |")
+    return "\n".join(rows)
+
+
+def _whole(name, minimum=None):
+    flag = name if name.isupper() else f"--{name}"  # an environment variable, or a flag
+
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} expects a whole number, got {text!r}") from None
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError(f"{flag} expects a whole number >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _bool01(text):
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"--use_fsdp expects 0 or 1, got {text!r}")
+
+
+def _train_flag(train_args, name, default):
+    """The value of --name=V among base_train's flags (pretrain.sh passes them on as --name=value)."""
+    value = default
+    for a in train_args:
+        if a.startswith(f"--{name}="):
+            value = _whole(name)(a.split("=", 1)[1])
+    return value
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    train_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(prog="python -m nanochat.presets", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--depth", type=_whole("depth", 1), help="model depth (a preset, or any with both overrides)")
+    parser.add_argument("--num_shards", "--num-shards", type=_whole("num_shards"), help="override the preset's shards")
+    parser.add_argument("--device_batch_size", "--device-batch-size", type=_whole("device_batch_size"),
+                        help="override the preset's rows per GPU (then it is never halved)")
+    parser.add_argument("--use_fsdp", "--use-fsdp", type=_bool01, help="override the FSDP default (on from d40)")
+    parser.add_argument("--world_size", "--world-size", type=_whole("world_size", 1), default=1,
+                        help="processes over all nodes")
+    parser.add_argument("--mode", default="pretrain", choices=["pretrain", "posttrain", "fullrun"])
+    parser.add_argument("--max_shards", type=_whole("max_shards", 2),
+                        help=f"shards the dataset has (default $NANOCHAT_MAX_SHARDS or {FINEWEB_SHARDS})")
+    parser.add_argument("--format", default="text", choices=["text", "shell", "markdown"])
+    args = parser.parse_args(argv)
+    if args.format == "markdown":
+        print(markdown_table())
+        return 0
+    if args.depth is None:
+        parser.error("--depth is required (except with --format markdown)")
+    try:
+        if args.max_shards is None:
+            args.max_shards = _whole("NANOCHAT_MAX_SHARDS", 2)(os.environ.get("NANOCHAT_MAX_SHARDS", str(FINEWEB_SHARDS)))
+        launch = resolve(args.depth, args.num_shards, args.device_batch_size, args.use_fsdp, args.world_size,
+                         _train_flag(train_args, "total_batch_size", TOTAL_BATCH_SIZE),
+                         _train_flag(train_args, "max_seq_len", MAX_SEQ_LEN), args.mode, args.max_shards)
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.format == "shell":
+        print("\n".join(shell_lines(launch)))
+    else:
+        for k, v in vars(launch).items():
+            print(f"{k}={v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

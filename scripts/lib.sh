@@ -1,0 +1,117 @@
+# scripts/lib.sh: the shell helpers the launch scripts share (sourced, never run on its own).
+#   runcpu.sh, speedrun.sh (and run1000.sh through it), pretrain.sh, tests/run.sh, volc/volc_submit.sh
+# Callers set LIB_TAG (the log prefix) and DRY_RUN (1: print commands instead of running them) before using these.
+# Logic that can be tested in Python lives in Python (nanochat/setup_check.py, nanochat/presets.py); this file only
+# holds what has to be shell: logging, quoting, running commands, and bootstrapping a fresh machine.
+
+log() { echo "[${LIB_TAG:-nanochat}] $*"; }
+banner() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
+die() {
+    echo "[${LIB_TAG:-nanochat}] error: $*" >&2
+    exit 2
+}
+# --help: the script's header comment, from line 2 down to `set -euo pipefail`
+usage() { sed -n '2,/^set -euo pipefail/p' "$1" | sed -e '$d' -e 's/^# \{0,1\}//'; }
+is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
+
+to_bool01() { # $1 = flag name, $2 = value
+    case "$(echo "$2" | tr '[:upper:]' '[:lower:]')" in
+        1 | true | yes | on) echo 1 ;;
+        0 | false | no | off) echo 0 ;;
+        *) die "--$1 expects 0 or 1, got '$2'" ;;
+    esac
+}
+
+quote_cmd() {
+    local out="" w
+    for w in "$@"; do out+=" $(printf '%q' "$w")"; done
+    echo "${out# }"
+}
+
+# Print every command before running it; in a dry run, only print.
+run_cmd() {
+    echo "RUN: $(quote_cmd "$@")"
+    if ((${DRY_RUN:-0})); then return 0; fi
+    "$@"
+}
+
+# The same for a shell pipeline, printed as written.
+run_sh() {
+    echo "RUN: $1"
+    if ((${DRY_RUN:-0})); then return 0; fi
+    bash -c "$1"
+}
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A fresh machine: venv, Rust, the nanochat install. Each step checks first and says what it does; in a dry run the
+# checks still run (they change nothing) and the actions are only printed.
+
+# ensure_venv DIR: a virtual environment with pip. Ubuntu ships python3 without the venv module (package
+# python3.X-venv): then fall back to uv (https://docs.astral.sh/uv/), installed from PyPI with pip if needed.
+ensure_venv() {
+    local venv="$1" uv=""
+    if [[ -x "$venv/bin/python" ]]; then return 0; fi
+    log "creating the virtual environment $venv"
+    if ((${DRY_RUN:-0})) && python3 -c "import ensurepip, venv" 2>/dev/null; then
+        run_cmd python3 -m venv "$venv"
+        return 0
+    fi
+    if ((!${DRY_RUN:-0})) && python3 -m venv "$venv" 2>/dev/null; then return 0; fi
+    ((${DRY_RUN:-0})) || rm -rf "$venv" # a failed `python3 -m venv` leaves a venv without pip behind
+    local pkg
+    pkg="$(python3 -c 'import sys; print(f"python3.{sys.version_info.minor}-venv")' 2>/dev/null || echo python3-venv)"
+    log "python3 -m venv does not work here (Debian/Ubuntu: the $pkg package is missing); trying uv instead"
+    if ((${DRY_RUN:-0})); then
+        command -v uv >/dev/null 2>&1 || run_cmd python3 -m pip install --user --quiet uv
+        run_cmd uv venv --seed --python "$(command -v python3)" "$venv"
+        return 0
+    fi
+    uv="$(command -v uv || true)"
+    if [[ -z "$uv" && -x "$HOME/.local/bin/uv" ]]; then uv="$HOME/.local/bin/uv"; fi
+    if [[ -z "$uv" ]] && python3 -m pip --version >/dev/null 2>&1; then
+        run_cmd python3 -m pip install --user --quiet uv ||
+            run_cmd python3 -m pip install --user --quiet --break-system-packages uv || true
+        if [[ -x "$HOME/.local/bin/uv" ]]; then uv="$HOME/.local/bin/uv"; fi
+    fi
+    [[ -n "$uv" ]] || die "cannot create a virtual environment: install $pkg (sudo apt-get install $pkg) or uv (https://docs.astral.sh/uv/), then run again"
+    # --seed puts pip into the venv: the rest of the setup runs `python -m pip`
+    run_cmd "$uv" venv --seed --python "$(command -v python3)" "$venv"
+}
+
+# have_cargo: cargo on PATH or in ~/.cargo/bin (then put on PATH); no install.
+have_cargo() {
+    command -v cargo >/dev/null 2>&1 && return 0
+    [[ -x "$HOME/.cargo/bin/cargo" ]] || return 1
+    export PATH="$HOME/.cargo/bin:$PATH"
+}
+
+# ensure_rust: cargo on PATH, installing Rust with rustup (as nanochat's speedrun does) when there is none.
+# maturin needs it to build the rustbpe extension.
+ensure_rust() {
+    have_cargo && return 0
+    log "cargo not found: installing Rust with rustup into $HOME/.cargo (needed to build the rustbpe tokenizer)"
+    run_sh "curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y"
+    export PATH="$HOME/.cargo/bin:$PATH"
+}
+
+# ensure_installed PYTHON: nanochat installed into that interpreter, decided from the installed distribution
+# (python -m nanochat.setup_check), never from what imports from the repository root.
+ensure_installed() {
+    local py="$1"
+    if [[ -x "$py" ]] && "$py" -m nanochat.setup_check installed; then return 0; fi
+    ensure_rust
+    log "installing nanochat into $(dirname "$(dirname "$py")") (pip install -e .; builds the rustbpe extension)"
+    run_cmd "$py" -m pip install -q --upgrade pip
+    run_cmd "$py" -m pip install -q -e .
+    if ((${DRY_RUN:-0})); then return 0; fi
+    "$py" -m nanochat.setup_check installed >/dev/null || die "the install finished but nanochat is still not usable (see above)"
+}
+
+# check_gpus PYTHON...: stop unless torch can use the GPUs (never train on the CPU by accident).
+check_gpus() {
+    if ((${DRY_RUN:-0})); then
+        echo "CHECK: $(quote_cmd "$@" -m nanochat.setup_check gpu)"
+        return 0
+    fi
+    "$@" -m nanochat.setup_check gpu || exit 1
+}

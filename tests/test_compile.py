@@ -1,0 +1,224 @@
+"""
+torch.compile (nanochat/compile.py): the --compile decision, what gets compiled on each path (counted with a custom
+backend that records every graph dynamo hands it), graph-break reporting, and one real inductor-compiled training
+step on CPU against eager.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanochat import compile as C
+from nanochat import gpt, muon
+from nanochat.gpt import GPT, GPTConfig
+
+
+class CountingBackend:
+    """A torch.compile backend that runs graphs eagerly and keeps them, to count and inspect them."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def calls(self, graph):
+        return [getattr(n.target, "__name__", str(n.target)) for n in graph.graph.nodes if n.op == "call_function"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    muon.set_compile(False)  # back to the eager default for other tests
+    torch._dynamo.reset()
+
+
+def tiny_model(n_layer=3, seed=0):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=n_layer, n_head=2, n_kv_head=1, n_embd=32), attn="sdpa")
+    model.init_weights("nanochat")
+    return model
+
+
+def test_compile_flag_spellings():
+    for v in ("auto", "AUTO"):
+        assert C.parse_compile_flag(v) == "auto"
+    for v in ("1", "True", "true", "yes", True):
+        assert C.parse_compile_flag(v) is True
+    for v in ("0", "False", "false", "no", False):
+        assert C.parse_compile_flag(v) is False
+    with pytest.raises(ValueError, match="--compile must be auto, 1 or 0"):
+        C.parse_compile_flag("maybe")
+
+
+def test_env_replaces_only_the_auto_default(monkeypatch):
+    monkeypatch.setenv("NANOCHAT_COMPILE", "0")
+    assert C.resolve_compile("auto", "cpu") is False
+    monkeypatch.setenv("NANOCHAT_COMPILE", "1")
+    assert C.resolve_compile("0", "cpu") is False  # an explicit flag wins
+    monkeypatch.delenv("NANOCHAT_COMPILE")
+    notes = []
+    assert C.resolve_compile("auto", "mps", log=notes.append) is False and "runs eager" in notes[0]
+
+
+def test_missing_cxx_compiler_falls_back_to_eager_with_a_note(monkeypatch, tmp_path):
+    if C.compiler_unavailable_reason("cpu") is not None:
+        pytest.skip("this machine has no C++ compiler to take away")
+    monkeypatch.delenv("NANOCHAT_COMPILE", raising=False)
+    assert C.resolve_compile("auto", "cpu") is True
+    # fake its absence: nothing on PATH, no CXX
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    with inductor_config.patch({"cpp.cxx": (None, "g++")}):
+        assert "no C++ compiler" in C.compiler_unavailable_reason("cpu")
+        notes = []
+        assert C.resolve_compile("auto", "cpu", log=notes.append) is False
+        assert len(notes) == 1 and "no C++ compiler" in notes[0] and "eager" in notes[0]
+        with pytest.raises(RuntimeError, match="--compile=1 but torch.compile cannot run here.*--compile=0"):
+            C.resolve_compile("1", "cpu")
+
+
+def test_maybe_compile_is_what_the_scripts_call(monkeypatch):
+    monkeypatch.delenv("NANOCHAT_COMPILE", raising=False)
+    model = tiny_model()
+    assert C.maybe_compile(model, "0", "cpu", 2, 16) is model
+    backend, logs = CountingBackend(), []
+    compiled = C.maybe_compile(model, "True", "cpu", 2, 16, backend=backend, log=logs.append)
+    assert compiled is not model and compiled._orig_mod is model
+    assert len(backend.graphs) == 1 and len(logs) == 1 and "cold compile" in logs[0]  # compiled by the warm-up
+
+
+def test_ddp_path_is_one_graph_without_breaks():
+    backend = CountingBackend()
+    model = tiny_model()
+    compiled = C.compile_model(model, per_block=False, backend=backend)
+    _, breaks = C.warm_up(compiled, 2, 16, 64, "cpu", log=lambda line: None)
+    assert not breaks
+    for _ in range(2):
+        x, y = torch.randint(0, 64, (2, 2, 16)).unbind(0)
+        (_, breaks) = C.graph_breaks_during(lambda: compiled(x, y).backward())
+        assert not breaks
+    assert len(backend.graphs) == 1  # forward+loss in one graph, compiled by the warm-up and reused by the steps
+    calls = backend.calls(backend.graphs[0])
+    assert "cross_entropy" in calls and calls.count("scaled_dot_product_attention") == 3
+    # Muon's Newton-Schulz compiles with it
+    opt = muon.Muon([p for p in model.transformer.h.parameters()], lr=0.02)
+    opt.step()
+    assert any("matmul" in backend.calls(g) or "bmm" in backend.calls(g) for g in backend.graphs[1:])
+
+
+def test_fsdp_path_compiles_blocks_and_the_head(tmp_path):
+    import torch.distributed as dist
+
+    from nanochat.fsdp import apply_fsdp
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        backend = CountingBackend()
+        model = apply_fsdp(tiny_model(n_layer=10))
+        model = C.compile_model(model, per_block=True, backend=backend)
+        x = torch.randint(0, 64, (2, 16))
+        for _ in range(3):
+            (_, breaks) = C.graph_breaks_during(lambda: model(x, x).backward())
+            assert not breaks
+        # one graph shared by the 10 blocks (FSDP's hooks run between them), one for the head; no recompiles
+        assert len(backend.graphs) == 2, [backend.calls(g) for g in backend.graphs]
+        head_graphs = [g for g in backend.graphs if "cross_entropy" in backend.calls(g)]
+        assert len(head_graphs) == 1 and "tanh" in backend.calls(head_graphs[0]) and "linear" in backend.calls(head_graphs[0])
+        assert not any(k.startswith("_orig_mod") or "._orig_mod" in k for k in model.state_dict())  # names unchanged
+        with torch.no_grad():  # evaluation/sampling with other shapes runs eager: no recompiles
+            model(x[:1, :5])
+            model(x[:, :7], x[:, :7])
+        assert len(backend.graphs) == 2
+    finally:
+        dist.destroy_process_group()
+
+
+def test_graph_breaking_attention_kernel_is_reported(monkeypatch):
+    """A stand-in for an FA3 build whose extension call dynamo cannot trace: the warm-up warns and names the cause."""
+
+    def breaking_fa3(q, k, v, causal):
+        torch._dynamo.graph_break()  # what an untraceable extension call does to the graph
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, enable_gqa=True)
+        return y.transpose(1, 2)
+
+    monkeypatch.setattr(gpt, "_FA3_FUNC", breaking_fa3)
+    model = tiny_model()
+    model.attn_backend = "fa3"
+    compiled = C.compile_model(model, per_block=False, backend=CountingBackend())
+    logs = []
+    with pytest.warns(UserWarning, match=r"graph break.*graph_break"):
+        _, breaks = C.warm_up(compiled, 2, 16, 64, "cpu", log=logs.append)
+    assert sum(breaks.values()) >= 3  # one per layer
+    assert any("cold compile" in line for line in logs)
+    assert all(p.grad is None for p in model.parameters())  # the warm-up leaves no gradients behind
+
+
+def test_fa3_loader_tries_kernels_first_and_caches_a_failure(monkeypatch):
+    import sys
+    import types
+
+    calls = []
+    fake_kernels = types.ModuleType("kernels")
+
+    def get_kernel(name):
+        calls.append(name)
+        raise TimeoutError("Hub unreachable")
+
+    fake_kernels.get_kernel = get_kernel
+    monkeypatch.setitem(sys.modules, "kernels", fake_kernels)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # not installed
+    monkeypatch.setattr(gpt, "_FA3_FUNC", None)
+    monkeypatch.setattr(gpt, "_FA3_ERROR", None)
+    monkeypatch.delenv("NANOCHAT_FA3", raising=False)
+    assert gpt._load_fa3() is None and gpt._load_fa3() is None
+    assert calls == ["kernels-community/flash-attn3"]  # one Hub attempt per process, not one per call
+    assert "kernels: TimeoutError" in gpt._FA3_ERROR and "flash_attn_interface" in gpt._FA3_ERROR
+
+    # both available: the kernels build wins
+    def from_kernels(*a, **kw):
+        pass
+
+    fake_kernels.get_kernel = lambda name: types.SimpleNamespace(flash_attn_func=from_kernels)
+    fake_interface = types.ModuleType("flash_attn_interface")
+    fake_interface.flash_attn_func = lambda *a, **kw: None
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_interface)
+    monkeypatch.setattr(gpt, "_FA3_ERROR", None)
+    assert gpt._load_fa3() is from_kernels
+
+    # NANOCHAT_FA3=0: no attempt at all
+    monkeypatch.setattr(gpt, "_FA3_FUNC", None)
+    monkeypatch.setattr(gpt, "_FA3_ERROR", None)
+    monkeypatch.setenv("NANOCHAT_FA3", "0")
+    fake_kernels.get_kernel = get_kernel
+    calls.clear()
+    assert gpt._load_fa3() is None and calls == [] and "NANOCHAT_FA3=0" in gpt._FA3_ERROR
+
+
+def test_compiled_training_step_matches_eager():
+    """A real inductor compile on CPU: two training steps (model and Newton-Schulz compiled) match eager."""
+    from nanochat import training as T
+
+    if C.compiler_unavailable_reason("cpu") is not None:
+        pytest.skip(C.compiler_unavailable_reason("cpu"))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 64, (2, 16), generator=g),) * 2 for _ in range(4)]
+
+    def run(compile_it):
+        model = tiny_model(n_layer=2)
+        opts = model.setup_optimizers()
+        train_model = C.compile_model(model) if compile_it else model
+        it = iter(batches)
+        losses = [T.train_step(train_model, opts, lambda: next(it), grad_accum_steps=2)[0] for _ in range(2)]
+        muon.set_compile(False)
+        return losses, model.state_dict()
+
+    eager_losses, eager_sd = run(False)
+    compiled_losses, compiled_sd = run(True)
+    torch.testing.assert_close(compiled_losses, eager_losses, atol=1e-4, rtol=1e-4)
+    for k in eager_sd:
+        torch.testing.assert_close(compiled_sd[k], eager_sd[k], atol=1e-4, rtol=1e-3)

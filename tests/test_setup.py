@@ -26,8 +26,10 @@ def make_exe(path, body):
 
 
 def clean_env(tmp_path, **extra):
-    """No PYTHONPATH (the question is what the venv itself has) and a HOME without ~/.cargo."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "CUDA_VISIBLE_DEVICES")}
+    """No PYTHONPATH (the question is what the venv itself has), a HOME without ~/.cargo, and none of the caller's
+    NANOCHAT_* settings (CI exports NANOCHAT_INSTALL_CHROMIUM=1 and NANOCHAT_VENV; each test states its own)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "CUDA_VISIBLE_DEVICES") and not k.startswith("NANOCHAT_")}
     env["HOME"] = str(tmp_path / "home")
     env.update({k: str(v) for k, v in extra.items()})
     return env

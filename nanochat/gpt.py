@@ -378,7 +378,8 @@ class GPT(nn.Module):
 
             adamw = DistAdamW(adam_groups, **adamw_kwargs)
         else:
-            fused = self.get_device().type == "cuda"
+            # torch's fused kernel (one pass over each tensor) exists on CUDA and CPU; nanochat uses it everywhere
+            fused = self.get_device().type in ("cuda", "cpu")
             adamw = torch.optim.AdamW(adam_groups, fused=fused, **adamw_kwargs)
         optimizers = [adamw]
         if use_muon:

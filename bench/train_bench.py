@@ -25,6 +25,7 @@ if str(REPO) not in sys.path:
 
 from nanochat.training import autocast_ctx, build_model, resolve_dtype, train_step  # noqa: E402
 from nanochat.common import autodetect_device_type, peak_flops_for  # noqa: E402
+from nanochat.compile import maybe_compile  # noqa: E402
 from nanochat.configurator import parse_flags_or_exit  # noqa: E402
 from nanochat.gpt import config_for_depth  # noqa: E402
 
@@ -35,7 +36,7 @@ DEFAULTS = dict(
     vocab_size=65536,  # nanochat's tokenizer size (2**16)
     steps=10,  # timed steps
     warmup=3,  # untimed steps first (compilation, allocator, optimizer state)
-    compile=True,  # torch.compile (CUDA only, as base_train; ignored elsewhere)
+    compile="auto",  # auto | 1 | 0, as base_train (nanochat/compile.py): compiled wherever torch.compile works
     attn="auto",  # auto | sdpa | fa3, or a comma list such as sdpa,fa3
     dtype="auto",  # auto (bf16 autocast on CUDA, fp32 elsewhere) | bfloat16 | float32
     device_type="",  # cuda | cpu | mps; empty = autodetect
@@ -61,11 +62,10 @@ def bench_one(cfg, attn, device):
     model_config = config_for_depth(cfg["depth"], cfg["vocab_size"], cfg["max_seq_len"])
     model = build_model(model_config, device, cfg["init"], attn)
     orig_model = model
-    compiled = bool(cfg["compile"]) and device_type == "cuda"
-    if compiled:
-        model = torch.compile(model, dynamic=False)
     optimizers = orig_model.setup_optimizers(use_muon=cfg["use_muon"])  # one process: the DDP path's optimizers
     autocast = lambda: autocast_ctx(device_type, dtype)  # noqa: E731
+    model = maybe_compile(model, cfg["compile"], device, cfg["device_batch_size"], cfg["max_seq_len"], autocast=autocast)
+    compiled = model is not orig_model
 
     B, L = cfg["device_batch_size"], cfg["max_seq_len"]
     g = torch.Generator().manual_seed(cfg["seed"])

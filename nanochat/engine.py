@@ -129,19 +129,20 @@ def sample_next_token(logits, rng, temperature=1.0, top_k=None, top_p=None):
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if temperature == 0.0:
         return torch.argmax(logits, dim=-1, keepdim=True)
-    logits = logits.float() / temperature  # a new tensor: the caller's logits are never modified
+    # Sample among the candidates only: top_k's k logits (topk returns them sorted), or all of them sorted for top_p.
+    # Softmax and the draw then run over k values instead of the whole vocab, with nothing masked in place.
+    idx = None
     if top_k is not None and 0 < top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits, idx = torch.topk(logits, top_k, dim=-1)
+    elif top_p is not None and top_p < 1.0:
+        logits, idx = torch.sort(logits, dim=-1, descending=True)
+    logits = logits.float() / temperature  # a new tensor: the caller's logits are never modified
     if top_p is not None and top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # drop a token when the tokens before it already reach top_p (so the most likely token always stays)
-        drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=rng)
+        probs = logits.softmax(dim=-1)
+        # drop a token when the (more likely) tokens before it already reach top_p: the most likely one always stays
+        logits = logits.masked_fill((probs.cumsum(dim=-1) - probs) >= top_p, float("-inf"))
+    choice = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=rng)
+    return choice if idx is None else idx.gather(-1, choice)
 
 
 # -----------------------------------------------------------------------------

@@ -85,11 +85,18 @@ def compute_dtype(x):
 
 def apply_rotary_emb(x, cos, sin):
     # x: (B, T, H, D); cos/sin: (1, T, 1, D/2). The head dim is split in halves (not interleaved pairs).
-    d = x.shape[3] // 2
-    x1, x2 = x[..., :d], x[..., d:]
-    y1 = x1 * cos + x2 * sin
-    y2 = x1 * (-sin) + x2 * cos
-    return torch.cat([y1, y2], dim=3).to(x.dtype)
+    return rotate(x, *full_rotary_tables(cos, sin))
+
+
+def full_rotary_tables(cos, sin):
+    """(cos, cos) and (sin, -sin) along the head dim: the tables `rotate` takes, built once per forward."""
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, -sin], dim=-1)
+
+
+def rotate(x, cos2, sin2):
+    # With x = (x1, x2) the rotation is (x1*cos + x2*sin, x1*(-sin) + x2*cos) = x*(cos, cos) + (x2, x1)*(sin, -sin):
+    # the same products and sums (so the same bits) in 4 ops instead of 9, which matters in per-token decoding.
+    return (x * cos2 + x.roll(x.size(-1) // 2, dims=-1) * sin2).to(x.dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -202,8 +209,7 @@ class CausalSelfAttention(nn.Module):
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
-        cos, sin = cos_sin
-        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        q, k = rotate(q, *cos_sin), rotate(k, *cos_sin)  # cos_sin: full_rotary_tables of this forward's positions
         q, k = norm(q), norm(k)  # QK norm, after rotary as nanochat
 
         if backend == "fa3" and kv_cache is None:
@@ -378,7 +384,8 @@ class GPT(nn.Module):
 
             adamw = DistAdamW(adam_groups, **adamw_kwargs)
         else:
-            fused = self.get_device().type == "cuda"
+            # torch's fused kernel (one pass over each tensor) exists on CUDA and CPU; nanochat uses it everywhere
+            fused = self.get_device().type in ("cuda", "cpu")
             adamw = torch.optim.AdamW(adam_groups, fused=fused, **adamw_kwargs)
         optimizers = [adamw]
         if use_muon:
@@ -402,7 +409,7 @@ class GPT(nn.Module):
         if self.cos.device != idx.device:
             raise RuntimeError(f"rotary tables are on {self.cos.device} but the input is on {idx.device}; call init_weights() after moving the model")
         backend = self.attn_backend  # 'fa3' only where resolve_attn_backend found a Hopper GPU and FA3
-        cos_sin = self.cos[:, pos : pos + T], self.sin[:, pos : pos + T]
+        cos_sin = full_rotary_tables(self.cos[:, pos : pos + T], self.sin[:, pos : pos + T])
 
         x = self.transformer.wte(idx)
         x = norm(x.to(compute_dtype(x)))  # the residual stream runs in the compute dtype (see the top)

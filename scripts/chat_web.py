@@ -143,6 +143,12 @@ class RequestError(Exception):
         self.message, self.param, self.status, self.code = message, param, status, code
 
 
+def shown(name):
+    """A client-supplied string as it can go into an error message: lone surrogates (valid in JSON's \\ud800 escapes,
+    not encodable as UTF-8) become backslash escapes, so building the error response cannot fail."""
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -210,6 +216,8 @@ def validate_messages(messages, allow_system):
         text = _message_text(m["content"], i)
         if not text.strip():
             raise RequestError(f"messages[{i}].content must not be empty", "messages")
+        if shown(text) != text:  # the tokenizer takes UTF-8; a lone surrogate (e.g. "\\ud800") has no encoding
+            raise RequestError(f"messages[{i}].content holds a lone UTF-16 surrogate; send valid Unicode text", "messages")
         if len(text) > MAX_MESSAGE_CHARS:
             raise RequestError(f"messages[{i}].content is {len(text)} characters; the limit is {MAX_MESSAGE_CHARS}", "messages")
         total += len(text)
@@ -225,7 +233,7 @@ def validate_ui_request(body, defaults):
         raise RequestError("the request body must be a JSON object")
     unknown = set(body) - {"messages", "temperature", "top_k", "max_tokens"}
     if unknown:
-        raise RequestError(f"unknown field(s): {', '.join(sorted(unknown))}; allowed: messages, temperature, top_k, max_tokens")
+        raise RequestError(f"unknown field(s): {', '.join(shown(k) for k in sorted(unknown))}; allowed: messages, temperature, top_k, max_tokens")
     if "messages" not in body:
         raise RequestError("messages is required", "messages")
     return {
@@ -560,6 +568,7 @@ def create_app(
     )
 
     def error_response(err, openai_style):
+        err.message = shown(err.message)  # a last guard: the response must encode whatever went into the message
         if openai_style:
             kind = "invalid_request_error" if err.status < 500 else "server_error"
             body = {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}

@@ -588,3 +588,96 @@ def test_cli_serves_a_checkpoint(base_dir):
     assert p.returncode != 0 and "chatrl_checkpoints" in (p.stdout + p.stderr)
     p = subprocess.run([sys.executable, "-m", "scripts.chat_web", "-n", "2", "--device_type", "cpu"], env=subprocess_env(base_dir), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "needs CUDA" in p.stderr
+
+
+# -----------------------------------------------------------------------------
+# Hostile bodies: never a 5xx
+
+
+def test_lone_surrogates_in_names_and_content_are_a_400(server):
+    """JSON may spell a lone surrogate ("\\ud800"); it cannot be encoded as UTF-8, so it must not reach a message or the tokenizer."""
+    cases = [
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}', "unknown field(s): \\ud800"),
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udc00b"}]}', "lone UTF-16 surrogate"),
+        ("/v1/chat/completions", b'{"model": "nanochat", "messages": [{"role": "user", "content": "\\ud800"}]}', "lone UTF-16 surrogate"),
+        ("/v1/chat/completions", b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}', '"\\ud800" does not exist'),
+    ]
+    with httpx.Client(base_url=server.base_url, headers={**AUTH, "Content-Type": "application/json"}) as client:
+        for path, raw, message in cases:  # one keep-alive connection: it must survive every case
+            r = client.post(path, content=raw)
+            assert r.status_code in (400, 404), r.text
+            body = r.json()
+            assert message in (body["error"]["message"] if path.startswith("/v1/") else body["detail"])
+
+
+@pytest.fixture(scope="module")
+def quick_server(tok):
+    """A server whose model answers <|assistant_end|> at once: any valid fuzzed request finishes in one step."""
+    quick = ScriptedModel(tok.get_vocab_size(), script=[tok.encode_special("<|assistant_end|>")], filler=0)
+    app = create_app([Worker(Engine(quick, tok))], api_key=API_KEY, max_tokens=4)
+    with ServerThread(app) as s:
+        yield s
+
+
+def _strings(max_size):
+    """Any text, lone surrogates included (st.text leaves them out; JSON can carry them as \\udXXX escapes)."""
+    from hypothesis import strategies as st
+
+    odd = st.characters(exclude_categories=[]) | st.sampled_from(["\ud800", "\udfff", "\x00"])
+    return st.text(max_size=max_size) | st.lists(odd, max_size=max_size).map("".join)
+
+
+def _json_values():
+    from hypothesis import strategies as st
+
+    scalars = st.none() | st.booleans() | st.integers() | st.floats() | _strings(20)
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_strings(10), inner, max_size=4), max_leaves=12)
+
+
+def _chat_requests():
+    """(path, body): arbitrary JSON, and objects that look like chat requests with any values (and any extra fields) in them."""
+    from hypothesis import strategies as st
+
+    values = _json_values()
+    names = st.sampled_from(["role", "content", "type", "text"]) | _strings(8)
+    roles = st.sampled_from(["user", "assistant", "system", "developer"])
+    message = st.fixed_dictionaries({"role": roles, "content": _strings(30)}) | st.dictionaries(names, roles | values, max_size=3)
+    plausible = st.sampled_from([None, 0, 1, 2, 0.5, True, False]) | values  # often valid, sometimes not
+    knobs = ["model", "temperature", "top_k", "top_p", "max_tokens", "max_completion_tokens", "n", "seed", "stream", "stream_options", "stop", "tools", "logit_bias"]
+    request = st.fixed_dictionaries(
+        {"messages": st.lists(message, min_size=1, max_size=3) | values},
+        optional={k: plausible for k in knobs} | {"model": st.just("nanochat") | values, "max_tokens": st.integers(-2, 6)},
+    )
+    extra = st.dictionaries(_strings(6), values, max_size=1)
+    # a valid body for an endpoint with one field changed: reaches every check (and generation) one at a time
+    def one_change(path, base):
+        change = st.builds(lambda k, v: {**base, k: v}, st.sampled_from(knobs + ["messages"]) | _strings(6), plausible | st.lists(message, min_size=1, max_size=2))
+        return st.tuples(st.just(path), change)
+
+    hi = [{"role": "user", "content": "hi"}]
+    paths = st.sampled_from(["/chat/completions", "/v1/chat/completions"])
+    anything = st.tuples(paths, values | st.builds(lambda r, e: {**e, **r}, request, extra))
+    return anything | one_change("/chat/completions", {"messages": hi}) | one_change("/v1/chat/completions", {"model": "nanochat", "messages": hi})
+
+
+def test_fuzzed_bodies_never_get_a_5xx(quick_server):
+    hypothesis = pytest.importorskip("hypothesis")
+
+    client = httpx.Client(base_url=quick_server.base_url, headers={**AUTH, "Content-Type": "application/json"}, timeout=60)
+    statuses = {}
+
+    @hypothesis.settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(case=_chat_requests())
+    def check(case):
+        path, body = case
+        raw = json.dumps(body)  # ensure_ascii: lone surrogates travel as \\udXXX escapes, as a client would send them
+        r = client.post(path, content=raw)
+        assert r.status_code < 500, (path, raw, r.status_code, r.text)
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        if r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"):
+            assert '"error"' not in r.text, (path, raw, r.text)
+
+    with client:
+        check()
+    assert httpx.get(quick_server.base_url + "/health").json()["available_workers"] == 1
+    assert statuses.get(200, 0) >= 10 and statuses.get(400, 0) >= 50, statuses  # both valid and invalid bodies were tried

@@ -19,10 +19,8 @@ import torch
 
 from chat_fixtures import ScriptedModel, ServerThread, free_port, greedy_by_recompute, tiny_model, tiny_tokenizer
 from nanochat.engine import Engine
+from nanochat.chat_schema import MAX_MESSAGE_CHARS, MAX_MESSAGES, MAX_TOTAL_CHARS
 from scripts.chat_web import (
-    MAX_MESSAGE_CHARS,
-    MAX_MESSAGES,
-    MAX_TOTAL_CHARS,
     RowText,
     Worker,
     create_app,

@@ -20,9 +20,9 @@ MAX_BODY_BYTES = 1_000_000
 
 
 class RequestError(Exception):
-    def __init__(self, message, param=None, status=400, code=None):
+    def __init__(self, message, param=None, status=400, code=None, headers=None):
         super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
+        self.message, self.param, self.status, self.code, self.headers = message, param, status, code, headers
 
 
 def shown(name):

@@ -15,7 +15,7 @@ Endpoints
     GET  /health                {"status", "ready", "num_gpus", "available_workers", ...}
     GET  /stats                 per-worker busy/idle and counters
 
-Requests wait in a queue for a free worker. Generation runs in a thread (the event loop only moves text); the text
+Requests wait in a queue for a free worker; at most --max_queue wait, the next gets 429 with Retry-After. Generation runs in a thread (the event loop only moves text); the text
 of each row is sent only at UTF-8 character boundaries. When a client goes away its generation stops and the worker
 is free again after at most one more forward pass.
 """
@@ -57,6 +57,7 @@ setup_default_logging()
 logger = logging.getLogger("nanochat.chat_web")
 
 DISCONNECT_POLL_S = 0.1  # how often a waiting request checks whether its client is still there
+RETRY_AFTER_S = 2  # the Retry-After of a 429 when the queue is full: about one short reply's time
 
 UI_PATH = Path(__file__).resolve().parents[1] / "nanochat" / "ui.html"
 
@@ -98,18 +99,46 @@ class Worker:
 
 
 class WorkerPool:
-    """Free workers wait in an asyncio.Queue; requests take one (first come, first served) and give it back."""
+    """
+    Free workers wait in an asyncio.Queue; requests take one (first come, first served) and give it back.
+    At most len(workers) + max_queue requests are admitted at once (running or waiting); the next one is refused
+    with 429 rather than left to wait without end (and hold a connection and its memory) behind a long queue.
+    """
 
-    def __init__(self, workers):
+    def __init__(self, workers, max_queue=None):
         if not workers:
             raise ValueError("the worker pool needs at least one worker")
         self.workers = list(workers)
+        self.max_queue = max_queue  # None: no bound
+        self.admitted = 0
         self.free = asyncio.Queue()
         for w in self.workers:
             self.free.put_nowait(w)
 
     def available(self):
         return self.free.qsize()
+
+    def queued(self):
+        """Admitted requests not (yet) on a worker."""
+        return max(0, self.admitted - sum(1 for w in self.workers if w.busy))
+
+    def admit(self):
+        """A place for one request, or RequestError(429); call the returned function (once) when the request ends."""
+        if self.max_queue is not None and self.admitted >= len(self.workers) + self.max_queue:
+            raise RequestError(
+                f"the server is busy: all {len(self.workers)} worker(s) are generating and {self.max_queue} request(s) are waiting; retry shortly",
+                status=429, code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self.admitted += 1
+        released = False
+
+        def release():
+            nonlocal released
+            if not released:
+                released = True
+                self.admitted -= 1
+
+        return release
 
     async def acquire(self, request):
         """A free worker, or None if the client disconnected while waiting (its place in the queue is kept)."""
@@ -316,6 +345,21 @@ def sse(obj):
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class AdmittedStream(StreamingResponse):
+    """A streaming response that gives its pool place back when it ends, however it ends (done, error, client gone,
+    or never started because the client left before the headers went out)."""
+
+    def __init__(self, content, release, **kwargs):
+        super().__init__(content, **kwargs)
+        self.release = release
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
+
+
 # -----------------------------------------------------------------------------
 # The app
 
@@ -326,6 +370,7 @@ def create_app(
     model_name="nanochat",
     api_key=None,
     cors_origins=("*",),
+    max_queue=64,
     temperature=0.8,
     top_k=50,
     max_tokens=512,
@@ -343,7 +388,7 @@ def create_app(
         workers = workers_or_factory
         if callable(workers):
             workers = await asyncio.to_thread(workers)
-        state["pool"] = WorkerPool(workers)
+        state["pool"] = WorkerPool(workers, max_queue=max_queue)
         logger.info(f"serving {model_name!r} with {len(workers)} worker(s): {', '.join(str(w.device) for w in workers)}")
         yield
         state["pool"] = None
@@ -365,7 +410,7 @@ def create_app(
             body = {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
         else:
             body = {"detail": err.message}
-        return JSONResponse(body, status_code=err.status)
+        return JSONResponse(body, status_code=err.status, headers=err.headers)
 
     @app.exception_handler(RequestError)
     async def on_request_error(request, err):
@@ -405,6 +450,7 @@ def create_app(
         pool = pool_or_503()
         params = validate_ui_request(await read_json_body(request), defaults)
         prompt = checked_prompt(pool, params["messages"])
+        release = pool.admit()
 
         async def stream():
             gpu = None
@@ -423,7 +469,7 @@ def create_app(
                 logger.exception("chat stream failed")
                 yield sse({"error": f"{type(e).__name__}: {e}"})
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return AdmittedStream(stream(), release, media_type="text/event-stream", headers=SSE_HEADERS)
 
     # --- OpenAI-compatible API
 
@@ -456,14 +502,18 @@ def create_app(
             completion_tokens = sum(r.num_tokens for r in rows)
             return {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens, "total_tokens": len(prompt) + completion_tokens}
 
+        release = pool.admit()
         if not params["stream"]:
             rows = None
-            async with aclosing(generation_events(pool, request, prompt, params)) as events:
-                async for event in events:
-                    if event[0] == "error":
-                        raise RequestError(event[1], status=500, code="generation_failed")
-                    if event[0] == "done":
-                        rows = event[1]
+            try:
+                async with aclosing(generation_events(pool, request, prompt, params)) as events:
+                    async for event in events:
+                        if event[0] == "error":
+                            raise RequestError(event[1], status=500, code="generation_failed")
+                        if event[0] == "done":
+                            rows = event[1]
+            finally:
+                release()
             if rows is None:  # the client left before we finished; nobody reads this
                 return JSONResponse({"error": {"message": "client disconnected", "type": "server_error", "param": None, "code": None}}, status_code=499)
             choices = [
@@ -496,7 +546,7 @@ def create_app(
                 logger.exception("OpenAI stream failed")
                 yield sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "param": None, "code": None}})
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return AdmittedStream(stream(), release, media_type="text/event-stream", headers=SSE_HEADERS)
 
     # --- Monitoring
 
@@ -521,6 +571,7 @@ def create_app(
             "total_workers": len(workers),
             "available_workers": pool.available() if pool else 0,
             "busy_workers": busy,
+            "queued_requests": pool.queued() if pool else 0,
             "workers": [w.stats() for w in workers],
         }
 
@@ -547,6 +598,7 @@ def build_arg_parser():
     p.add_argument("--dtype", type=str, default="bfloat16", choices=["bfloat16", "float32"], help="autocast dtype on CUDA")
     p.add_argument("--device_type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
     p.add_argument("--cors_origins", type=str, default="*", help="comma-separated allowed browser origins, * for any")
+    p.add_argument("--max_queue", type=int, default=64, help="requests that may wait while every worker is busy; more get 429 + Retry-After")
     p.add_argument("--api_key", type=str, default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: $NANOCHAT_API_KEY)")
     p.add_argument("--model_name", type=str, default="nanochat", help="the model id served on /v1 (clients send it as `model`)")
     return add_dashed_aliases(p)
@@ -561,6 +613,8 @@ def check_args(args):
         errors.append(f"--top_k must be in [{MIN_TOP_K}, {MAX_TOP_K}]")
     if not MIN_MAX_TOKENS <= args.max_tokens <= MAX_MAX_TOKENS:
         errors.append(f"--max_tokens must be in [{MIN_MAX_TOKENS}, {MAX_MAX_TOKENS}]")
+    if args.max_queue < 0:
+        errors.append("--max_queue must be >= 0 (0: refuse every request that finds all workers busy)")
     if args.num_gpus < 1:
         errors.append("--num_gpus must be >= 1")
     if not 0 < args.port < 65536:
@@ -618,6 +672,7 @@ def main(argv=None):
         model_name=args.model_name,
         api_key=api_key,
         cors_origins=origins,
+        max_queue=args.max_queue,
         temperature=args.temperature,
         top_k=args.top_k,
         max_tokens=args.max_tokens,

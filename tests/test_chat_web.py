@@ -477,6 +477,7 @@ def test_dropped_client_frees_the_worker(tok):
         assert wait_for(lambda: stats()["available_workers"] == 1 and stats()["busy_workers"] == 0, timeout=3.0)
         time.sleep(0.3)
         assert stats()["available_workers"] == 1  # exactly one: no duplicate put back
+        assert stats()["queued_requests"] == 0  # and every queue place came back (none leaked by a client that left)
         events = sse_events(post_chat(s.base_url, {"messages": msgs("x"), "max_tokens": 3}).text)
         assert events[-1] == '{"done": true}'
 
@@ -679,3 +680,47 @@ def test_fuzzed_bodies_never_get_a_5xx(quick_server):
         check()
     assert httpx.get(quick_server.base_url + "/health").json()["available_workers"] == 1
     assert statuses.get(200, 0) >= 10 and statuses.get(400, 0) >= 50, statuses  # both valid and invalid bodies were tried
+
+
+# -----------------------------------------------------------------------------
+# The bounded queue
+
+
+def test_a_full_queue_is_a_429_with_retry_after_and_frees_up(tok):
+    """One worker, --max_queue=2: three requests are admitted (one runs, two wait); the fourth gets 429 at once."""
+    slow = ScriptedModel(tok.get_vocab_size(), script=[], filler=tok.encode("a")[0], delay=0.1)
+    app = create_app([Worker(Engine(slow, tok))], max_queue=2, max_tokens=8)
+    body = {"messages": msgs("hi"), "temperature": 0}
+    with ServerThread(app) as s:
+        results = []
+
+        def stream(i):
+            with httpx.stream("POST", s.base_url + "/chat/completions", json=body, timeout=60) as r:
+                results.append((r.status_code, sse_events(r.read().decode())[-1]))
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: httpx.get(s.base_url + "/stats").json()["queued_requests"] == 2), httpx.get(s.base_url + "/stats").json()
+        t0 = time.monotonic()
+        full = post_chat(s.base_url, body)
+        assert full.status_code == 429 and full.headers["retry-after"] == "2" and time.monotonic() - t0 < 1.0
+        assert "the server is busy" in full.json()["detail"] and "2 request(s) are waiting" in full.json()["detail"]
+        v1 = post_chat(s.base_url, {"model": "nanochat", **body}, "/v1/chat/completions")  # OpenAI style, non-streaming path
+        assert v1.status_code == 429 and v1.headers["retry-after"] == "2" and v1.json()["error"]["code"] == "rate_limit_exceeded"
+        for t in threads:
+            t.join(timeout=60)
+        assert results == [(200, '{"done": true}')] * 3
+        # every place was given back: the queue takes three again, and a request now runs at once
+        stats = httpx.get(s.base_url + "/stats").json()
+        assert stats["queued_requests"] == 0 and stats["available_workers"] == 1
+        assert post_chat(s.base_url, {"model": "nanochat", **body}, "/v1/chat/completions").status_code == 200
+        assert httpx.get(s.base_url + "/stats").json()["workers"][0]["requests_served"] == 4
+
+
+def test_max_queue_flag():
+    from scripts.chat_web import build_arg_parser, check_args
+
+    assert build_arg_parser().parse_args([]).max_queue == 64
+    assert build_arg_parser().parse_args(["--max-queue", "0"]).max_queue == 0
+    assert any("--max_queue" in e for e in check_args(build_arg_parser().parse_args(["--max_queue=-1"])))

@@ -15,7 +15,7 @@ Endpoints
     GET  /health                {"status", "ready", "num_gpus", "available_workers", ...}
     GET  /stats                 per-worker busy/idle and counters
 
-Requests wait in a queue for a free worker. Generation runs in a thread (the event loop only moves text); the text
+Requests wait in a queue for a free worker; at most --max_queue wait, the next gets 429 with Retry-After. Generation runs in a thread (the event loop only moves text); the text
 of each row is sent only at UTF-8 character boundaries. When a client goes away its generation stops and the worker
 is free again after at most one more forward pass.
 """
@@ -37,23 +37,27 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
+from nanochat.chat_schema import (
+    MAX_MAX_TOKENS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MIN_MAX_TOKENS,
+    MIN_TEMPERATURE,
+    MIN_TOP_K,
+    RequestError,
+    read_json_body,
+    shown,
+    validate_openai_request,
+    validate_ui_request,
+)
 from nanochat.common import setup_default_logging
 from nanochat.engine import Engine, TextStreamer
 
 setup_default_logging()
 logger = logging.getLogger("nanochat.chat_web")
 
-# Request limits: generous for chat, small enough that one request cannot hog a worker or the host's memory.
-MAX_MESSAGES = 500
-MAX_MESSAGE_CHARS = 8000
-MAX_TOTAL_CHARS = 32000
-MIN_TEMPERATURE, MAX_TEMPERATURE = 0.0, 2.0
-MIN_TOP_K, MAX_TOP_K = 0, 200  # 0 = no top-k
-MIN_MAX_TOKENS, MAX_MAX_TOKENS = 1, 4096
-MAX_N = 8  # completions per /v1 request (rows sampled together on one worker)
-MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts (signed or unsigned 64-bit)
-MAX_BODY_BYTES = 1_000_000
 DISCONNECT_POLL_S = 0.1  # how often a waiting request checks whether its client is still there
+RETRY_AFTER_S = 2  # the Retry-After of a 429 when the queue is full: about one short reply's time
 
 UI_PATH = Path(__file__).resolve().parents[1] / "nanochat" / "ui.html"
 
@@ -95,18 +99,46 @@ class Worker:
 
 
 class WorkerPool:
-    """Free workers wait in an asyncio.Queue; requests take one (first come, first served) and give it back."""
+    """
+    Free workers wait in an asyncio.Queue; requests take one (first come, first served) and give it back.
+    At most len(workers) + max_queue requests are admitted at once (running or waiting); the next one is refused
+    with 429 rather than left to wait without end (and hold a connection and its memory) behind a long queue.
+    """
 
-    def __init__(self, workers):
+    def __init__(self, workers, max_queue=None):
         if not workers:
             raise ValueError("the worker pool needs at least one worker")
         self.workers = list(workers)
+        self.max_queue = max_queue  # None: no bound
+        self.admitted = 0
         self.free = asyncio.Queue()
         for w in self.workers:
             self.free.put_nowait(w)
 
     def available(self):
         return self.free.qsize()
+
+    def queued(self):
+        """Admitted requests not (yet) on a worker."""
+        return max(0, self.admitted - sum(1 for w in self.workers if w.busy))
+
+    def admit(self):
+        """A place for one request, or RequestError(429); call the returned function (once) when the request ends."""
+        if self.max_queue is not None and self.admitted >= len(self.workers) + self.max_queue:
+            raise RequestError(
+                f"the server is busy: all {len(self.workers)} worker(s) are generating and {self.max_queue} request(s) are waiting; retry shortly",
+                status=429, code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self.admitted += 1
+        released = False
+
+        def release():
+            nonlocal released
+            if not released:
+                released = True
+                self.admitted -= 1
+
+        return release
 
     async def acquire(self, request):
         """A free worker, or None if the client disconnected while waiting (its place in the queue is kept)."""
@@ -131,210 +163,6 @@ class WorkerPool:
     def release(self, worker):
         worker.busy = False
         self.free.put_nowait(worker)
-
-
-# -----------------------------------------------------------------------------
-# Request validation: every problem becomes a 400 with a message saying what to change.
-
-
-class RequestError(Exception):
-    def __init__(self, message, param=None, status=400, code=None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
-
-
-def _is_int(x):
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x):
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _number(body, key, lo, hi, default):
-    value = body.get(key)
-    if value is None:
-        return default
-    if not _is_number(value):
-        raise RequestError(f"{key} must be a number between {lo} and {hi}, got {json.dumps(value)}", key)
-    if not lo <= value <= hi:
-        raise RequestError(f"{key} must be between {lo} and {hi}, got {value}", key)
-    return float(value)
-
-
-def _integer(body, key, lo, hi, default):
-    value = body.get(key)
-    if value is None:
-        return default
-    if not _is_int(value):
-        raise RequestError(f"{key} must be an integer between {lo} and {hi}, got {json.dumps(value)}", key)
-    if not lo <= value <= hi:
-        raise RequestError(f"{key} must be between {lo} and {hi}, got {value}", key)
-    return value
-
-
-def _message_text(content, i):
-    """Message content as a string; the OpenAI list-of-parts form is accepted when every part is text."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestError(f"messages[{i}].content: only text parts are supported, got a {kind!r} part", "messages")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise RequestError(f"messages[{i}].content must be a string, got {type(content).__name__}", "messages")
-
-
-def validate_messages(messages, allow_system):
-    """Checks the message list and returns it as [{"role", "content": str}]."""
-    if not isinstance(messages, list):
-        raise RequestError("messages must be a list of {role, content} objects", "messages")
-    if not 1 <= len(messages) <= MAX_MESSAGES:
-        raise RequestError(f"messages must hold between 1 and {MAX_MESSAGES} messages, got {len(messages)}", "messages")
-    roles = ("system", "developer", "user", "assistant") if allow_system else ("user", "assistant")
-    out, total = [], 0
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise RequestError(f"messages[{i}] must be an object with role and content", "messages")
-        role = m.get("role")
-        if role not in roles:
-            raise RequestError(f"messages[{i}].role must be one of {', '.join(roles)}, got {json.dumps(role)}", "messages")
-        role = "system" if role == "developer" else role  # OpenAI's newer name for the system role
-        if role == "system" and i != 0:
-            raise RequestError(f"messages[{i}]: a system message is only supported as the first message", "messages")
-        if "content" not in m or m["content"] is None:
-            raise RequestError(f"messages[{i}] has no content", "messages")
-        text = _message_text(m["content"], i)
-        if not text.strip():
-            raise RequestError(f"messages[{i}].content must not be empty", "messages")
-        if len(text) > MAX_MESSAGE_CHARS:
-            raise RequestError(f"messages[{i}].content is {len(text)} characters; the limit is {MAX_MESSAGE_CHARS}", "messages")
-        total += len(text)
-        if total > MAX_TOTAL_CHARS:
-            raise RequestError(f"the conversation is over {MAX_TOTAL_CHARS} characters in total; start a new one", "messages")
-        out.append({"role": role, "content": text})
-    return out
-
-
-def validate_ui_request(body, defaults):
-    """Body of POST /chat/completions."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    unknown = set(body) - {"messages", "temperature", "top_k", "max_tokens"}
-    if unknown:
-        raise RequestError(f"unknown field(s): {', '.join(sorted(unknown))}; allowed: messages, temperature, top_k, max_tokens")
-    if "messages" not in body:
-        raise RequestError("messages is required", "messages")
-    return {
-        "messages": validate_messages(body["messages"], allow_system=False),
-        "temperature": _number(body, "temperature", MIN_TEMPERATURE, MAX_TEMPERATURE, defaults["temperature"]),
-        "top_k": _integer(body, "top_k", MIN_TOP_K, MAX_TOP_K, defaults["top_k"]),
-        "max_tokens": _integer(body, "max_tokens", MIN_MAX_TOKENS, MAX_MAX_TOKENS, defaults["max_tokens"]),
-        "top_p": None,
-        "n": 1,
-        "seed": None,
-    }
-
-
-# OpenAI parameters we do not implement: refused when they would change the result, accepted at their no-op value.
-_UNSUPPORTED_OPENAI = {
-    "stop": lambda v: v is None or v == [] or v == "",
-    "tools": lambda v: v is None or v == [],
-    "tool_choice": lambda v: v is None or v == "none",
-    "functions": lambda v: v is None or v == [],
-    "function_call": lambda v: v is None or v == "none",
-    "logprobs": lambda v: v is None or v is False,
-    "top_logprobs": lambda v: v is None or v == 0,
-    "presence_penalty": lambda v: v is None or v == 0,
-    "frequency_penalty": lambda v: v is None or v == 0,
-    "logit_bias": lambda v: v is None or v == {},
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "audio": lambda v: v is None,
-    "modalities": lambda v: v is None or v == ["text"],
-    "prediction": lambda v: v is None,
-}
-
-
-def validate_openai_request(body, defaults, model_name):
-    """Body of POST /v1/chat/completions. Unknown fields are ignored, as OpenAI-compatible servers commonly do."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    for key, is_noop in _UNSUPPORTED_OPENAI.items():
-        if key in body and not is_noop(body[key]):
-            raise RequestError(f"{key} is not supported by this server", key, code="unsupported_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise RequestError(f"model is required (a string); this server serves {json.dumps(model_name)}", "model")
-    if model != model_name:
-        raise RequestError(
-            f"The model {json.dumps(model)} does not exist; this server serves {json.dumps(model_name)} (see GET /v1/models)",
-            "model", status=404, code="model_not_found",
-        )
-    if "messages" not in body:
-        raise RequestError("messages is required", "messages")
-    messages = validate_messages(body["messages"], allow_system=True)
-    max_tokens = _integer(body, "max_tokens", MIN_MAX_TOKENS, MAX_MAX_TOKENS, None)
-    max_completion = _integer(body, "max_completion_tokens", MIN_MAX_TOKENS, MAX_MAX_TOKENS, None)
-    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
-        raise RequestError("max_tokens and max_completion_tokens disagree; send one of them", "max_tokens")
-    max_tokens = max_completion if max_completion is not None else max_tokens
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise RequestError(f"stream must be true or false, got {json.dumps(stream)}", "stream")
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise RequestError("stream_options must be an object", "stream_options")
-    include_usage = stream_options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise RequestError("stream_options.include_usage must be true or false", "stream_options")
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise RequestError(f"seed must be an integer, got {json.dumps(seed)}", "seed")
-    if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
-        # torch.Generator.manual_seed takes any signed or unsigned 64-bit integer and raises outside that range
-        raise RequestError(f"seed must be between {MIN_SEED} and {MAX_SEED}, got {seed}", "seed")
-    top_p = _number(body, "top_p", 0.0, 1.0, None)
-    if top_p is not None and top_p == 0.0:
-        raise RequestError("top_p must be greater than 0 (use temperature 0 for greedy decoding)", "top_p")
-    return {
-        "messages": messages,
-        "temperature": _number(body, "temperature", MIN_TEMPERATURE, MAX_TEMPERATURE, defaults["temperature"]),
-        # top_k is not an OpenAI parameter; accepted as an extension (as vLLM does)
-        "top_k": _integer(body, "top_k", MIN_TOP_K, MAX_TOP_K, defaults["top_k"]),
-        "top_p": top_p,
-        "max_tokens": max_tokens if max_tokens is not None else defaults["max_tokens"],
-        "n": _integer(body, "n", 1, MAX_N, 1),
-        "seed": seed,
-        "stream": stream,
-        "include_usage": include_usage,
-    }
-
-
-async def read_json_body(request):
-    """The body as JSON, refusing oversized or non-JSON bodies with a clear 4xx (never a crash)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise RequestError(f"request body is larger than {MAX_BODY_BYTES} bytes", status=413)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise RequestError(f"request body is larger than {MAX_BODY_BYTES} bytes", status=413)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise RequestError("the request body is empty; send a JSON object")
-    try:
-        return json.loads(raw)
-    except RecursionError:  # e.g. '[' * 50000: nested deeper than the parser can follow
-        raise RequestError("the request body is nested too deeply to parse; send a flatter JSON object") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer with too many digits, ...
-        raise RequestError(f"the request body is not valid JSON: {e}") from None
 
 
 # -----------------------------------------------------------------------------
@@ -517,6 +345,21 @@ def sse(obj):
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class AdmittedStream(StreamingResponse):
+    """A streaming response that gives its pool place back when it ends, however it ends (done, error, client gone,
+    or never started because the client left before the headers went out)."""
+
+    def __init__(self, content, release, **kwargs):
+        super().__init__(content, **kwargs)
+        self.release = release
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
+
+
 # -----------------------------------------------------------------------------
 # The app
 
@@ -527,6 +370,7 @@ def create_app(
     model_name="nanochat",
     api_key=None,
     cors_origins=("*",),
+    max_queue=64,
     temperature=0.8,
     top_k=50,
     max_tokens=512,
@@ -544,7 +388,7 @@ def create_app(
         workers = workers_or_factory
         if callable(workers):
             workers = await asyncio.to_thread(workers)
-        state["pool"] = WorkerPool(workers)
+        state["pool"] = WorkerPool(workers, max_queue=max_queue)
         logger.info(f"serving {model_name!r} with {len(workers)} worker(s): {', '.join(str(w.device) for w in workers)}")
         yield
         state["pool"] = None
@@ -560,12 +404,13 @@ def create_app(
     )
 
     def error_response(err, openai_style):
+        err.message = shown(err.message)  # a last guard: the response must encode whatever went into the message
         if openai_style:
             kind = "invalid_request_error" if err.status < 500 else "server_error"
             body = {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
         else:
             body = {"detail": err.message}
-        return JSONResponse(body, status_code=err.status)
+        return JSONResponse(body, status_code=err.status, headers=err.headers)
 
     @app.exception_handler(RequestError)
     async def on_request_error(request, err):
@@ -605,6 +450,7 @@ def create_app(
         pool = pool_or_503()
         params = validate_ui_request(await read_json_body(request), defaults)
         prompt = checked_prompt(pool, params["messages"])
+        release = pool.admit()
 
         async def stream():
             gpu = None
@@ -623,7 +469,7 @@ def create_app(
                 logger.exception("chat stream failed")
                 yield sse({"error": f"{type(e).__name__}: {e}"})
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return AdmittedStream(stream(), release, media_type="text/event-stream", headers=SSE_HEADERS)
 
     # --- OpenAI-compatible API
 
@@ -656,14 +502,18 @@ def create_app(
             completion_tokens = sum(r.num_tokens for r in rows)
             return {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens, "total_tokens": len(prompt) + completion_tokens}
 
+        release = pool.admit()
         if not params["stream"]:
             rows = None
-            async with aclosing(generation_events(pool, request, prompt, params)) as events:
-                async for event in events:
-                    if event[0] == "error":
-                        raise RequestError(event[1], status=500, code="generation_failed")
-                    if event[0] == "done":
-                        rows = event[1]
+            try:
+                async with aclosing(generation_events(pool, request, prompt, params)) as events:
+                    async for event in events:
+                        if event[0] == "error":
+                            raise RequestError(event[1], status=500, code="generation_failed")
+                        if event[0] == "done":
+                            rows = event[1]
+            finally:
+                release()
             if rows is None:  # the client left before we finished; nobody reads this
                 return JSONResponse({"error": {"message": "client disconnected", "type": "server_error", "param": None, "code": None}}, status_code=499)
             choices = [
@@ -696,7 +546,7 @@ def create_app(
                 logger.exception("OpenAI stream failed")
                 yield sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "param": None, "code": None}})
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return AdmittedStream(stream(), release, media_type="text/event-stream", headers=SSE_HEADERS)
 
     # --- Monitoring
 
@@ -721,6 +571,7 @@ def create_app(
             "total_workers": len(workers),
             "available_workers": pool.available() if pool else 0,
             "busy_workers": busy,
+            "queued_requests": pool.queued() if pool else 0,
             "workers": [w.stats() for w in workers],
         }
 
@@ -747,6 +598,7 @@ def build_arg_parser():
     p.add_argument("--dtype", type=str, default="bfloat16", choices=["bfloat16", "float32"], help="autocast dtype on CUDA")
     p.add_argument("--device_type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
     p.add_argument("--cors_origins", type=str, default="*", help="comma-separated allowed browser origins, * for any")
+    p.add_argument("--max_queue", type=int, default=64, help="requests that may wait while every worker is busy; more get 429 + Retry-After")
     p.add_argument("--api_key", type=str, default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: $NANOCHAT_API_KEY)")
     p.add_argument("--model_name", type=str, default="nanochat", help="the model id served on /v1 (clients send it as `model`)")
     return add_dashed_aliases(p)
@@ -761,6 +613,8 @@ def check_args(args):
         errors.append(f"--top_k must be in [{MIN_TOP_K}, {MAX_TOP_K}]")
     if not MIN_MAX_TOKENS <= args.max_tokens <= MAX_MAX_TOKENS:
         errors.append(f"--max_tokens must be in [{MIN_MAX_TOKENS}, {MAX_MAX_TOKENS}]")
+    if args.max_queue < 0:
+        errors.append("--max_queue must be >= 0 (0: refuse every request that finds all workers busy)")
     if args.num_gpus < 1:
         errors.append("--num_gpus must be >= 1")
     if not 0 < args.port < 65536:
@@ -818,6 +672,7 @@ def main(argv=None):
         model_name=args.model_name,
         api_key=api_key,
         cors_origins=origins,
+        max_queue=args.max_queue,
         temperature=args.temperature,
         top_k=args.top_k,
         max_tokens=args.max_tokens,

@@ -19,10 +19,8 @@ import torch
 
 from chat_fixtures import ScriptedModel, ServerThread, free_port, greedy_by_recompute, tiny_model, tiny_tokenizer
 from nanochat.engine import Engine
+from nanochat.chat_schema import MAX_MESSAGE_CHARS, MAX_MESSAGES, MAX_TOTAL_CHARS
 from scripts.chat_web import (
-    MAX_MESSAGE_CHARS,
-    MAX_MESSAGES,
-    MAX_TOTAL_CHARS,
     RowText,
     Worker,
     create_app,
@@ -479,6 +477,7 @@ def test_dropped_client_frees_the_worker(tok):
         assert wait_for(lambda: stats()["available_workers"] == 1 and stats()["busy_workers"] == 0, timeout=3.0)
         time.sleep(0.3)
         assert stats()["available_workers"] == 1  # exactly one: no duplicate put back
+        assert stats()["queued_requests"] == 0  # and every queue place came back (none leaked by a client that left)
         events = sse_events(post_chat(s.base_url, {"messages": msgs("x"), "max_tokens": 3}).text)
         assert events[-1] == '{"done": true}'
 
@@ -588,3 +587,140 @@ def test_cli_serves_a_checkpoint(base_dir):
     assert p.returncode != 0 and "chatrl_checkpoints" in (p.stdout + p.stderr)
     p = subprocess.run([sys.executable, "-m", "scripts.chat_web", "-n", "2", "--device_type", "cpu"], env=subprocess_env(base_dir), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "needs CUDA" in p.stderr
+
+
+# -----------------------------------------------------------------------------
+# Hostile bodies: never a 5xx
+
+
+def test_lone_surrogates_in_names_and_content_are_a_400(server):
+    """JSON may spell a lone surrogate ("\\ud800"); it cannot be encoded as UTF-8, so it must not reach a message or the tokenizer."""
+    cases = [
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}', "unknown field(s): \\ud800"),
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udc00b"}]}', "lone UTF-16 surrogate"),
+        ("/v1/chat/completions", b'{"model": "nanochat", "messages": [{"role": "user", "content": "\\ud800"}]}', "lone UTF-16 surrogate"),
+        ("/v1/chat/completions", b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}', '"\\ud800" does not exist'),
+    ]
+    with httpx.Client(base_url=server.base_url, headers={**AUTH, "Content-Type": "application/json"}) as client:
+        for path, raw, message in cases:  # one keep-alive connection: it must survive every case
+            r = client.post(path, content=raw)
+            assert r.status_code in (400, 404), r.text
+            body = r.json()
+            assert message in (body["error"]["message"] if path.startswith("/v1/") else body["detail"])
+
+
+@pytest.fixture(scope="module")
+def quick_server(tok):
+    """A server whose model answers <|assistant_end|> at once: any valid fuzzed request finishes in one step."""
+    quick = ScriptedModel(tok.get_vocab_size(), script=[tok.encode_special("<|assistant_end|>")], filler=0)
+    app = create_app([Worker(Engine(quick, tok))], api_key=API_KEY, max_tokens=4)
+    with ServerThread(app) as s:
+        yield s
+
+
+def _strings(max_size):
+    """Any text, lone surrogates included (st.text leaves them out; JSON can carry them as \\udXXX escapes)."""
+    from hypothesis import strategies as st
+
+    odd = st.characters(exclude_categories=[]) | st.sampled_from(["\ud800", "\udfff", "\x00"])
+    return st.text(max_size=max_size) | st.lists(odd, max_size=max_size).map("".join)
+
+
+def _json_values():
+    from hypothesis import strategies as st
+
+    scalars = st.none() | st.booleans() | st.integers() | st.floats() | _strings(20)
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_strings(10), inner, max_size=4), max_leaves=12)
+
+
+def _chat_requests():
+    """(path, body): arbitrary JSON, and objects that look like chat requests with any values (and any extra fields) in them."""
+    from hypothesis import strategies as st
+
+    values = _json_values()
+    names = st.sampled_from(["role", "content", "type", "text"]) | _strings(8)
+    roles = st.sampled_from(["user", "assistant", "system", "developer"])
+    message = st.fixed_dictionaries({"role": roles, "content": _strings(30)}) | st.dictionaries(names, roles | values, max_size=3)
+    plausible = st.sampled_from([None, 0, 1, 2, 0.5, True, False]) | values  # often valid, sometimes not
+    knobs = ["model", "temperature", "top_k", "top_p", "max_tokens", "max_completion_tokens", "n", "seed", "stream", "stream_options", "stop", "tools", "logit_bias"]
+    request = st.fixed_dictionaries(
+        {"messages": st.lists(message, min_size=1, max_size=3) | values},
+        optional={k: plausible for k in knobs} | {"model": st.just("nanochat") | values, "max_tokens": st.integers(-2, 6)},
+    )
+    extra = st.dictionaries(_strings(6), values, max_size=1)
+    # a valid body for an endpoint with one field changed: reaches every check (and generation) one at a time
+    def one_change(path, base):
+        change = st.builds(lambda k, v: {**base, k: v}, st.sampled_from(knobs + ["messages"]) | _strings(6), plausible | st.lists(message, min_size=1, max_size=2))
+        return st.tuples(st.just(path), change)
+
+    hi = [{"role": "user", "content": "hi"}]
+    paths = st.sampled_from(["/chat/completions", "/v1/chat/completions"])
+    anything = st.tuples(paths, values | st.builds(lambda r, e: {**e, **r}, request, extra))
+    return anything | one_change("/chat/completions", {"messages": hi}) | one_change("/v1/chat/completions", {"model": "nanochat", "messages": hi})
+
+
+def test_fuzzed_bodies_never_get_a_5xx(quick_server):
+    hypothesis = pytest.importorskip("hypothesis")
+
+    client = httpx.Client(base_url=quick_server.base_url, headers={**AUTH, "Content-Type": "application/json"}, timeout=60)
+    statuses = {}
+
+    @hypothesis.settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(case=_chat_requests())
+    def check(case):
+        path, body = case
+        raw = json.dumps(body)  # ensure_ascii: lone surrogates travel as \\udXXX escapes, as a client would send them
+        r = client.post(path, content=raw)
+        assert r.status_code < 500, (path, raw, r.status_code, r.text)
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        if r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"):
+            assert '"error"' not in r.text, (path, raw, r.text)
+
+    with client:
+        check()
+    assert httpx.get(quick_server.base_url + "/health").json()["available_workers"] == 1
+    assert statuses.get(200, 0) >= 10 and statuses.get(400, 0) >= 50, statuses  # both valid and invalid bodies were tried
+
+
+# -----------------------------------------------------------------------------
+# The bounded queue
+
+
+def test_a_full_queue_is_a_429_with_retry_after_and_frees_up(tok):
+    """One worker, --max_queue=2: three requests are admitted (one runs, two wait); the fourth gets 429 at once."""
+    slow = ScriptedModel(tok.get_vocab_size(), script=[], filler=tok.encode("a")[0], delay=0.1)
+    app = create_app([Worker(Engine(slow, tok))], max_queue=2, max_tokens=8)
+    body = {"messages": msgs("hi"), "temperature": 0}
+    with ServerThread(app) as s:
+        results = []
+
+        def stream(i):
+            with httpx.stream("POST", s.base_url + "/chat/completions", json=body, timeout=60) as r:
+                results.append((r.status_code, sse_events(r.read().decode())[-1]))
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: httpx.get(s.base_url + "/stats").json()["queued_requests"] == 2), httpx.get(s.base_url + "/stats").json()
+        t0 = time.monotonic()
+        full = post_chat(s.base_url, body)
+        assert full.status_code == 429 and full.headers["retry-after"] == "2" and time.monotonic() - t0 < 1.0
+        assert "the server is busy" in full.json()["detail"] and "2 request(s) are waiting" in full.json()["detail"]
+        v1 = post_chat(s.base_url, {"model": "nanochat", **body}, "/v1/chat/completions")  # OpenAI style, non-streaming path
+        assert v1.status_code == 429 and v1.headers["retry-after"] == "2" and v1.json()["error"]["code"] == "rate_limit_exceeded"
+        for t in threads:
+            t.join(timeout=60)
+        assert results == [(200, '{"done": true}')] * 3
+        # every place was given back: the queue takes three again, and a request now runs at once
+        stats = httpx.get(s.base_url + "/stats").json()
+        assert stats["queued_requests"] == 0 and stats["available_workers"] == 1
+        assert post_chat(s.base_url, {"model": "nanochat", **body}, "/v1/chat/completions").status_code == 200
+        assert httpx.get(s.base_url + "/stats").json()["workers"][0]["requests_served"] == 4
+
+
+def test_max_queue_flag():
+    from scripts.chat_web import build_arg_parser, check_args
+
+    assert build_arg_parser().parse_args([]).max_queue == 64
+    assert build_arg_parser().parse_args(["--max-queue", "0"]).max_queue == 0
+    assert any("--max_queue" in e for e in check_args(build_arg_parser().parse_args(["--max_queue=-1"])))

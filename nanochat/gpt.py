@@ -9,6 +9,7 @@ Notable features:
 - grouped-query attention (n_kv_head <= n_head)
 - logit softcap 15*tanh(logits/15), computed in fp32
 - attention through PyTorch SDPA or FlashAttention-3 (Hopper), KV-cache aware for inference
+- optional activation checkpointing of all or every k-th block (GPT.set_activation_checkpointing)
 
 Dtype policy (explicit, because autocast alone does not give it):
 - Parameters are fp32 for training (master weights for the optimizers; FSDP gathers them in bf16 on CUDA). A model
@@ -32,6 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+AC_MODES = ("none", "full", "selective")  # --activation_checkpointing (GPT.set_activation_checkpointing)
 
 
 @dataclass
@@ -258,8 +263,17 @@ class Block(nn.Module):
         super().__init__()
         self.attn = CausalSelfAttention(config, layer_idx)
         self.mlp = MLP(config)
+        self.checkpointed = False  # activation checkpointing, set by GPT.set_activation_checkpointing
 
     def forward(self, x, cos_sin, kv_cache, backend):
+        # Checkpointed: keep only the block's input, recompute its activations in the backward. The checkpoint sits
+        # inside forward (not around the module call) so FSDP's hooks stay outside it and the per-block compile of
+        # nanochat.compile traces it; only when gradients are on (evaluation and sampling have nothing to save).
+        if self.checkpointed and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos_sin, kv_cache, backend, use_reentrant=False)
+        return self._forward(x, cos_sin, kv_cache, backend)
+
+    def _forward(self, x, cos_sin, kv_cache, backend):
         x = x + self.attn(norm(x), cos_sin, kv_cache, backend)
         x = x + self.mlp(norm(x))
         return x
@@ -347,6 +361,27 @@ class GPT(nn.Module):
 
     def get_device(self):
         return self.transformer.wte.weight.device
+
+    def set_activation_checkpointing(self, mode="none", every=2):
+        """
+        --activation_checkpointing: 'none' keeps every block's activations for the backward; 'full' keeps only each
+        block's input and recomputes the rest in the backward (about one more forward: ~+33% compute for the least
+        activation memory); 'selective' does that for every `every`-th block (blocks 0, every, 2*every, ...), so
+        about 1/every of the activation memory is traded for 1/every of the recompute. Works the same on every
+        parallelism path and under torch.compile (the checkpoint is inside Block.forward). Returns the indices of
+        the checkpointed blocks.
+        """
+        if mode not in AC_MODES:
+            raise ValueError(f"--activation_checkpointing must be one of {'|'.join(AC_MODES)}, got {mode!r}")
+        if mode == "selective" and (not isinstance(every, int) or every < 1):
+            raise ValueError(f"--ac_every must be a whole number >= 1 for --activation_checkpointing=selective, got {every!r}")
+        step = {"none": None, "full": 1, "selective": every}[mode]
+        chosen = []
+        for i, block in enumerate(self.transformer.h):
+            block.checkpointed = step is not None and i % step == 0
+            if block.checkpointed:
+                chosen.append(i)
+        return chosen
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())

@@ -3,7 +3,8 @@ The pieces of a training run that base, mid and SFT training share (RL reuses th
 
 - `setup_run` -> `RunContext`: device, ranks and compute dtype of this process (its `autocast()` for forward).
 - `resolve_dtype` / `autocast_ctx`: bf16 autocast on CUDA, plain fp32 elsewhere.
-- `build_model`: GPT from a config (meta device -> real device -> init). Sharding, optimizers and the state dict
+- `build_model`: GPT from a config (meta device -> real device -> init); `check_model_options` / `apply_model_options`:
+  activation checkpointing and FP8 from the flags. Sharding, optimizers and the state dict
   format of each parallelism strategy are in nanochat/parallel.py; collectives in nanochat/dist.py.
 - `lr_multiplier`, `muon_momentum`, `apply_schedule`: the LR and momentum schedules.
 - `train_step`: gradient accumulation over micro-batches, grad clipping, optimizer step; returns the mean loss
@@ -89,6 +90,35 @@ def build_model(config, device, init="normal", attn="auto"):
         model = GPT(config, attn=attn)
     model.to_empty(device=device)
     model.init_weights(init)
+    return model
+
+
+def check_model_options(config, device):
+    """Early (before the tokenizer and the model): refuse --fp8=1 where it cannot run, a bad --activation_checkpointing."""
+    from nanochat.gpt import AC_MODES
+
+    if config.get("activation_checkpointing", "none") not in AC_MODES:
+        raise ValueError(f"--activation_checkpointing must be one of {'|'.join(AC_MODES)}, got {config['activation_checkpointing']!r}")
+    if config.get("fp8"):
+        from nanochat.fp8 import check_fp8_supported
+
+        check_fp8_supported(device, config.get("fp8_recipe", "tensorwise"))
+
+
+def apply_model_options(model, config, device, parallel=None):
+    """
+    --activation_checkpointing/--ac_every (nanochat/gpt.py) and --fp8/--fp8_recipe (nanochat/fp8.py) on a built or
+    loaded GPT: after its weights are in place, before `parallel.wrap` and torch.compile (both act on what this sets).
+    """
+    chosen = model.set_activation_checkpointing(config.get("activation_checkpointing", "none"), config.get("ac_every", 2))
+    if chosen:
+        print0(f"Activation checkpointing ({config['activation_checkpointing']}): {len(chosen)} of "
+               f"{len(model.transformer.h)} blocks recompute their activations in the backward")
+    if config.get("fp8"):
+        from nanochat.fp8 import apply_fp8
+
+        fsdp = parallel is not None and parallel.name == "fsdp"
+        apply_fp8(model, config.get("fp8_recipe", "tensorwise"), device, fsdp=fsdp, log=print0)
     return model
 
 

@@ -27,7 +27,7 @@ from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.training import (
     MicroBatches, ProgressMeter, apply_schedule, assert_finite, batch_arithmetic, build_model, eval_steps_for,
-    every, format_duration, load_train_state, lr_multiplier, muon_momentum, save_train_state, setup_run, train_step
+    every, format_duration, apply_model_options, check_model_options, load_train_state, lr_multiplier, muon_momentum, save_train_state, setup_run, train_step
 )
 
 DEFAULTS = dict(
@@ -67,6 +67,10 @@ DEFAULTS = dict(
     # systems
     compile="auto",  # auto | 1 | 0: torch.compile wherever it works (nanochat/compile.py)
     dtype="auto",  # auto | bfloat16 | float32
+    activation_checkpointing="none",  # none | full | selective: recompute block activations in the backward (less memory)
+    ac_every=2,  # selective: checkpoint every ac_every-th block (0, k, 2k, ...)
+    fp8=False,  # FP8 matmuls in the blocks via torchao (CUDA, compute capability >= 8.9; nanochat/fp8.py)
+    fp8_recipe="tensorwise",  # tensorwise | rowwise
     use_fsdp=False,
     fsdp_reduce_dtype="float32",
     fsdp_defer_grad_sync=False,  # FSDP: reduce-scatter grads once per step, not per micro-step (more memory, less traffic)
@@ -83,6 +87,7 @@ def main(argv=None):
     ctx = setup_run(config)
     rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
     parallel = parallel_from_config(config)  # the DDP path or FSDP2 (nanochat/parallel.py)
+    check_model_options(config, device)  # --fp8=1 on hardware without FP8 stops here, before any work
     device_type = device.type
     master = ctx.master
     if config["data_world_size"] > 1 and world_size > 1:
@@ -94,7 +99,8 @@ def main(argv=None):
     token_bytes = get_token_bytes(device=device)
     vocab_size = tokenizer.get_vocab_size()
     model_config = config_for_depth(config["depth"], vocab_size, config["max_seq_len"])
-    model = parallel.wrap(build_model(model_config, device, config["init"], config["attn"]), device)
+    model = build_model(model_config, device, config["init"], config["attn"])
+    model = parallel.wrap(apply_model_options(model, config, device, parallel), device)
     orig_model = model  # uncompiled, for eval, sampling and saving
     model = maybe_compile(model, config["compile"], device, config["device_batch_size"], config["max_seq_len"],
                           parallel.compile_per_block, autocast)

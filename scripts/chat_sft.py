@@ -28,8 +28,8 @@ from nanochat.dist import all_reduce_mean
 from nanochat.metrics import MetricsLogger
 from nanochat.parallel import parallel_from_config
 from nanochat.training import (
-    MicroBatches, ProgressMeter, apply_schedule, assert_finite, every, lr_multiplier, save_stage_model, setup_run,
-    train_step
+    MicroBatches, ProgressMeter, apply_model_options, apply_schedule, assert_finite, every, lr_multiplier, save_stage_model,
+    setup_run, train_step
 )
 from tasks.suites import build_mixture, held_out_tasks
 
@@ -57,6 +57,8 @@ DEFAULTS = dict(
     eval_metrics_every=200,
     eval_metrics_max_problems=1024,
     # systems
+    activation_checkpointing="none",  # none | full | selective (base_train's flag; nanochat/gpt.py)
+    ac_every=2,  # selective: checkpoint every ac_every-th block
     use_fsdp=False,
     fsdp_reduce_dtype="float32",
     seed=42,
@@ -122,7 +124,7 @@ def main(argv=None):
 
     model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
     model_config = model.config
-    model = parallel.wrap(model, device)
+    model = parallel.wrap(apply_model_options(model, config, device, parallel), device)  # --activation_checkpointing
     print0(f"Fine-tuning the {config['source']} model (step {source_meta.get('step')}): {model_config}")
 
     # batch arithmetic: whole conversations per step

@@ -28,7 +28,7 @@ from nanochat.metrics import MetricsLogger
 from nanochat.parallel import parallel_from_config
 from nanochat.tokenizer import get_token_bytes
 from nanochat.training import (
-    MicroBatches, ProgressMeter, apply_schedule, assert_finite, batch_arithmetic, eval_steps_for, every,
+    MicroBatches, ProgressMeter, apply_model_options, apply_schedule, assert_finite, batch_arithmetic, eval_steps_for, every,
     format_duration, muon_momentum, save_train_state, setup_run, train_step
 )
 from tasks.suites import build_mixture, held_out_tasks
@@ -58,6 +58,8 @@ DEFAULTS = dict(
     # systems
     dry_run=False,  # train and evaluate, but save no checkpoint and log no report / wandb
     compile="auto",  # auto | 1 | 0: torch.compile wherever it works (nanochat/compile.py)
+    activation_checkpointing="none",  # none | full | selective (base_train's flag; nanochat/gpt.py)
+    ac_every=2,  # selective: checkpoint every ac_every-th block
     use_fsdp=False,
     fsdp_reduce_dtype="float32",
     seed=42,
@@ -108,7 +110,7 @@ def main(argv=None):
     # the base model and its tokenizer
     model, tokenizer, base_meta = load_stage_model("base", device, config["model_tag"], config["model_step"])
     model_config = model.config
-    model = parallel.wrap(model, device)
+    model = parallel.wrap(apply_model_options(model, config, device, parallel), device)  # --activation_checkpointing
     orig_model = model  # uncompiled, for eval and saving
     model = maybe_compile(model, config["compile"], device, config["device_batch_size"], config["max_seq_len"],
                           parallel.compile_per_block, autocast)

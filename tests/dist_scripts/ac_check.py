@@ -1,0 +1,79 @@
+"""
+Activation checkpointing under FSDP2 (tests/test_ac.py): the same tiny GPT trained for 3 steps with
+--activation_checkpointing none, full and selective (every 2nd block), eager and with nanochat.compile's per-block
+compile (backend aot_eager: no C++ compiler needed, fast). Rank 0 prints one JSON line {"<mode>": [losses]} and
+"calls": how many times the eager runs ran a block's body (a checkpointed block runs it again in the backward).
+
+    torchrun --nproc_per_node=2 ac_check.py
+"""
+
+import json
+
+import torch
+import torch.distributed as dist
+
+from nanochat.fsdp import apply_fsdp, setup_fsdp_optimizers
+from nanochat.gpt import GPT, Block, GPTConfig
+
+CONFIG = GPTConfig(sequence_len=16, vocab_size=128, n_layer=4, n_head=2, n_kv_head=1, n_embd=64)
+STEPS = 3
+
+
+def batch(step, rank, world):
+    g = torch.Generator().manual_seed(100 + step)
+    data = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.sequence_len + 1), generator=g)
+    n = data.size(0) // world
+    rows = data[rank * n : (rank + 1) * n]
+    return rows[:, :-1], rows[:, 1:]
+
+
+def run(mode, compiled, rank, world):
+    from nanochat.compile import compile_model
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(CONFIG, attn="sdpa")
+    model.to_empty(device="cpu")
+    model.init_weights("nanochat")
+    model.set_activation_checkpointing(mode, every=2)
+    apply_fsdp(model)
+    opts = setup_fsdp_optimizers(model, matrix_lr=0.02, use_muon=True)
+    if compiled:
+        model = compile_model(model, per_block=True, backend="aot_eager")
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, rank, world)
+        loss = model(x, y)
+        loss.backward()
+        for opt in opts:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        losses.append(loss.item())
+    return losses
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out, calls = {}, {}
+    body, count = Block._forward, [0]
+
+    def counted(self, *args):
+        count[0] += 1
+        return body(self, *args)
+
+    for mode in ("none", "full", "selective"):
+        Block._forward, count[0] = counted, 0
+        out[mode] = run(mode, False, rank, world)
+        Block._forward, calls[mode] = body, count[0]
+    out["calls"] = calls
+    out["full+compile"] = run("full", True, rank, world)
+    if rank == 0:
+        print(json.dumps(out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

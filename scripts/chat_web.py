@@ -4,7 +4,7 @@ replicas (one per GPU, or one on CPU/MPS).
 
     python -m scripts.chat_web                          # sft model, all defaults, http://0.0.0.0:8000
     python -m scripts.chat_web -n 4 -i sft -g d20       # four replicas on four GPUs
-    python -m scripts.chat_web --api_key=secret ...     # or NANOCHAT_API_KEY=secret: required on /v1/*
+    NANOCHAT_API_KEY=secret python -m scripts.chat_web  # or --api_key_file=PATH: a key on every generation endpoint
 
 Endpoints
     GET  /                      the chat page (single file, no CDN)
@@ -377,7 +377,8 @@ def create_app(
 ):
     """
     The FastAPI app. `workers_or_factory` is a list of Workers, or a callable returning one (called at startup, in a
-    thread, e.g. to load checkpoints). api_key: when set, /v1/* needs `Authorization: Bearer <key>`.
+    thread, e.g. to load checkpoints). api_key: when set, every generation endpoint (/chat/completions, /v1/*) needs
+    `Authorization: Bearer <key>`; the page itself, /health and /stats stay open (the page asks for the key).
     """
     defaults = {"temperature": temperature, "top_k": top_k, "max_tokens": max_tokens}
     state = {"pool": None, "started": int(time.time())}
@@ -428,7 +429,9 @@ def create_app(
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             what = "Missing API key" if not header else "Incorrect API key provided"
-            raise RequestError(f"{what}: send the server's key as `Authorization: Bearer <key>`", status=401, code="invalid_api_key")
+            raise RequestError(
+                f"{what}: send the server's key as `Authorization: Bearer <key>`", status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+            )
 
     def checked_prompt(pool, messages):
         # All replicas share the tokenizer: the prompt is rendered (and checked) once, before waiting for a worker.
@@ -447,6 +450,7 @@ def create_app(
 
     @app.post("/chat/completions")
     async def chat_completions(request: Request):
+        check_api_key(request)  # before the body is read: a client without the key cannot make us buffer a megabyte
         pool = pool_or_503()
         params = validate_ui_request(await read_json_body(request), defaults)
         prompt = checked_prompt(pool, params["messages"])
@@ -599,7 +603,8 @@ def build_arg_parser():
     p.add_argument("--device_type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
     p.add_argument("--cors_origins", type=str, default="*", help="comma-separated allowed browser origins, * for any")
     p.add_argument("--max_queue", type=int, default=64, help="requests that may wait while every worker is busy; more get 429 + Retry-After")
-    p.add_argument("--api_key", type=str, default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: $NANOCHAT_API_KEY)")
+    p.add_argument("--api_key", type=str, default=None, help="require `Authorization: Bearer KEY` on every generation endpoint (default: $NANOCHAT_API_KEY; visible in ps: prefer the env or --api_key_file)")
+    p.add_argument("--api_key_file", type=str, default=None, help="read the API key from this file (its first line), so it shows in neither ps nor the environment")
     p.add_argument("--model_name", type=str, default="nanochat", help="the model id served on /v1 (clients send it as `model`)")
     return add_dashed_aliases(p)
 
@@ -622,8 +627,19 @@ def check_args(args):
     return errors
 
 
-def resolve_api_key(flag_value):
-    """--api_key wins; else $NANOCHAT_API_KEY; empty means no key."""
+def resolve_api_key(flag_value, key_file=None):
+    """--api_key, else the first line of --api_key_file, else $NANOCHAT_API_KEY; empty means no key."""
+    if flag_value is not None and key_file is not None:
+        raise ValueError("--api_key and --api_key_file both given: pass one")
+    if key_file is not None:
+        try:
+            lines = Path(key_file).read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise ValueError(f"--api_key_file={key_file}: cannot read it ({e.strerror})") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"--api_key_file={key_file} is empty; put the key on its first line")
+        return key
     key = flag_value if flag_value is not None else os.environ.get("NANOCHAT_API_KEY", "")
     return key or None
 
@@ -661,9 +677,12 @@ def main(argv=None):
             errors.append(f"--num_gpus={args.num_gpus} but only {torch.cuda.device_count()} CUDA device(s) are visible")
     elif args.num_gpus != 1:
         errors.append(f"--num_gpus={args.num_gpus} needs CUDA; on {device_type} the server runs one replica (drop -n)")
+    try:
+        api_key = resolve_api_key(args.api_key, args.api_key_file)
+    except ValueError as e:
+        errors.append(str(e))
     if errors:
         parser.error("; ".join(errors))
-    api_key = resolve_api_key(args.api_key)
     origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
 
     workers = load_workers(args, device_type)  # before serving: a missing checkpoint stops here with its message

@@ -77,11 +77,11 @@ def sse_events(response_text):
     return events
 
 
-def post_chat(base_url, body, path="/chat/completions", headers=None, timeout=60):
-    return httpx.post(base_url + path, json=body, headers=headers, timeout=timeout)
-
-
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def post_chat(base_url, body, path="/chat/completions", headers=AUTH, timeout=60):
+    return httpx.post(base_url + path, json=body, headers=headers, timeout=timeout)
 
 
 # -----------------------------------------------------------------------------
@@ -204,7 +204,7 @@ UI_BAD_REQUESTS = [
 @pytest.mark.parametrize("body, message", UI_BAD_REQUESTS, ids=[m for _, m in UI_BAD_REQUESTS])
 def test_ui_endpoint_rejects_bad_requests(server, body, message):
     if isinstance(body, bytes):
-        r = httpx.post(server.base_url + "/chat/completions", content=body, headers={"Content-Type": "application/json"})
+        r = httpx.post(server.base_url + "/chat/completions", content=body, headers={"Content-Type": "application/json", **AUTH})
     else:
         r = post_chat(server.base_url, body)
     assert r.status_code == 400, r.text
@@ -289,23 +289,42 @@ def test_limits_are_inclusive_and_server_survives(server, tok):
     assert httpx.get(server.base_url + "/health").json()["available_workers"] == 1
 
 
-def test_api_key_is_required_on_v1(server):
+def test_api_key_is_required_on_every_generation_endpoint(server):
     body = {"model": "nanochat", "messages": msgs("hi"), "max_tokens": 2}
-    for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": f"Basic {API_KEY}"}):
+    ui_body = {"messages": msgs("hi"), "max_tokens": 2}
+    served = httpx.get(server.base_url + "/stats").json()["workers"][0]["requests_served"]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": f"Basic {API_KEY}"}):
         r = post_chat(server.base_url, body, "/v1/chat/completions", headers=headers)
-        assert r.status_code == 401, headers
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", headers
         assert r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(server.base_url + "/v1/models", headers=headers).status_code == 401
-    assert post_chat(server.base_url, body, "/v1/chat/completions", headers=AUTH).status_code == 200
-    # the UI endpoint and monitoring stay open (the key guards the API)
-    assert httpx.get(server.base_url + "/health").status_code == 200
+        r = post_chat(server.base_url, ui_body, headers=headers)  # the web UI's endpoint too
+        assert r.status_code == 401 and "send the server's key as `Authorization: Bearer <key>`" in r.json()["detail"], headers
+        # refused before the body is read: even an oversized or broken body gets the 401, not a 413/400
+        r = httpx.post(server.base_url + "/chat/completions", content=b"{" * 2_000_000, headers=headers)
+        assert r.status_code == 401
+    assert httpx.get(server.base_url + "/stats").json()["workers"][0]["requests_served"] == served  # nothing ran
+    assert post_chat(server.base_url, body, "/v1/chat/completions").status_code == 200
+    assert sse_events(post_chat(server.base_url, ui_body).text)[-1] == '{"done": true}'
+    # the page (it asks for the key) and monitoring stay open
+    assert httpx.get(server.base_url + "/").status_code == 200 and httpx.get(server.base_url + "/health").status_code == 200
 
 
-def test_cli_flags_and_api_key_from_environment(monkeypatch):
+def test_cli_flags_and_api_key_from_environment_or_file(monkeypatch, tmp_path):
     from scripts.chat_web import build_arg_parser, check_args, resolve_api_key
 
     monkeypatch.setenv("NANOCHAT_API_KEY", "from-env")
     assert resolve_api_key(None) == "from-env" and resolve_api_key("from-flag") == "from-flag"
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    assert resolve_api_key(None, str(key_file)) == "from-file"  # the file wins over the environment
+    with pytest.raises(ValueError, match="both given"):
+        resolve_api_key("from-flag", str(key_file))
+    key_file.write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        resolve_api_key(None, str(key_file))
+    with pytest.raises(ValueError, match="cannot read it"):
+        resolve_api_key(None, str(tmp_path / "missing"))
     monkeypatch.setenv("NANOCHAT_API_KEY", "")
     assert resolve_api_key(None) is None
 
@@ -402,7 +421,7 @@ def test_32_concurrent_streams_with_one_worker(server):
 
     async def main():
         limits = httpx.Limits(max_connections=64)
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=limits) as client:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=limits, headers=AUTH) as client:
             streams = asyncio.ensure_future(asyncio.gather(*[one(client, i) for i in range(32)]))
             return await health_while_busy(client, streams)
 
@@ -558,7 +577,8 @@ def test_cli_serves_a_checkpoint(base_dir):
     m = tiny_model(tok.get_vocab_size(), depth=1, sequence_len=64)
     save_checkpoint(str(base_dir / "chatsft_checkpoints" / "d1"), 3, m.state_dict(), None, {"model_config": asdict(m.config)})
     port = free_port()
-    cmd = [sys.executable, "-m", "scripts.chat_web", "-i", "sft", "-p", str(port), "--host", "127.0.0.1", "--device_type", "cpu", "-m", "5", "--api_key", "k"]
+    (base_dir / "key.txt").write_text("k\n")  # the key from a file: it shows neither in ps nor in the environment
+    cmd = [sys.executable, "-m", "scripts.chat_web", "-i", "sft", "-p", str(port), "--host", "127.0.0.1", "--device_type", "cpu", "-m", "5", "--api_key_file", str(base_dir / "key.txt")]
     proc = subprocess.Popen(cmd, env=subprocess_env(base_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -574,6 +594,7 @@ def test_cli_serves_a_checkpoint(base_dir):
         assert wait_for(up, timeout=90, interval=0.25)
         r = httpx.post(url + "/v1/chat/completions", json={"model": "nanochat", "messages": msgs("hi")}, headers={"Authorization": "Bearer k"}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5
+        assert httpx.post(url + "/chat/completions", json={"messages": msgs("hi")}, timeout=30).status_code == 401
     finally:
         proc.send_signal(signal.SIGINT)
         try:

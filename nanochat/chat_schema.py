@@ -206,7 +206,13 @@ def validate_openai_request(body, defaults, model_name):
 
 
 async def read_json_body(request):
-    """The body as JSON, refusing oversized or non-JSON bodies with a clear 4xx (never a crash)."""
+    """The body as JSON, refusing other content types, oversized or non-JSON bodies with a clear 4xx (never a crash)."""
+    # Only application/json (or a +json type): a browser page on another site may POST text/plain, form or
+    # untyped bodies without asking first (no CORS preflight), so those are never read as a request.
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != "application/json" and not (content_type.startswith("application/") and content_type.endswith("+json")):
+        got = f"got {shown(content_type)!r}" if content_type else "got none"
+        raise RequestError(f"send the body as JSON with `Content-Type: application/json` ({got})", status=415, code="unsupported_media_type")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise RequestError(f"request body is larger than {MAX_BODY_BYTES} bytes", status=413)

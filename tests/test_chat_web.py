@@ -240,7 +240,7 @@ OPENAI_BAD_REQUESTS = [
 @pytest.mark.parametrize("body, status, message", OPENAI_BAD_REQUESTS, ids=[m for _, _, m in OPENAI_BAD_REQUESTS])
 def test_openai_endpoint_rejects_bad_requests_openai_style(server, body, status, message):
     if isinstance(body, bytes):
-        r = httpx.post(server.base_url + "/v1/chat/completions", content=body, headers=AUTH)
+        r = httpx.post(server.base_url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json", **AUTH})
     else:
         r = post_chat(server.base_url, body, "/v1/chat/completions", headers=AUTH)
     assert r.status_code == status, r.text
@@ -333,6 +333,19 @@ def test_cli_flags_and_api_key_from_environment_or_file(monkeypatch, tmp_path):
     assert args.cors_origins == "http://a,http://b" and check_args(args) == []
     bad = build_arg_parser().parse_args(["-t", "3", "-k", "500", "-m", "0"])
     assert len(check_args(bad)) == 3
+    defaults = build_arg_parser().parse_args([])
+    assert defaults.host == "127.0.0.1" and defaults.cors_origins == ""  # local only, no CORS, unless asked
+
+
+def test_listening_beyond_this_machine_without_a_key_warns():
+    from scripts.chat_web import exposure_warning
+
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        assert exposure_warning(host, None) is None, host
+    for host in ("0.0.0.0", "::", "192.168.1.5", "myhost.example"):
+        warning = exposure_warning(host, None)
+        assert f"--host {host} listens beyond this machine" in warning and "NANOCHAT_API_KEY" in warning
+        assert exposure_warning(host, "a-key") is None
 
 
 # -----------------------------------------------------------------------------
@@ -383,6 +396,32 @@ def test_raw_v1_stream_ends_with_done(server):
     for e in events[:-1]:
         chunk = json.loads(e)
         assert chunk["object"] == "chat.completion.chunk" and set(chunk) >= {"id", "created", "model", "choices"}
+
+
+def test_cors_is_off_by_default(server):
+    """No allow-list: a page from another origin gets no CORS grant, neither on a preflight nor on a plain request."""
+    pre = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type,authorization"}
+    for path in ("/chat/completions", "/v1/chat/completions"):
+        r = httpx.options(server.base_url + path, headers=pre)
+        assert r.status_code >= 400 and not any(h.startswith("access-control-") for h in r.headers), r.headers
+    r = post_chat(server.base_url, {"messages": msgs("hi"), "max_tokens": 1}, headers={"Origin": "http://evil.example", **AUTH})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"])
+def test_json_endpoints_refuse_other_content_types(server, content_type):
+    """Bodies a cross-site page can send without a CORS preflight are never read as requests: 415, whatever they hold."""
+    raw = json.dumps({"model": "nanochat", "messages": msgs("hi"), "max_tokens": 1}).encode()
+    headers = {**AUTH, **({"Content-Type": content_type} if content_type else {})}
+    for path in ("/chat/completions", "/v1/chat/completions"):
+        r = httpx.post(server.base_url + path, content=raw, headers=headers)
+        assert r.status_code == 415, (path, r.text)
+        message = r.json()["error"]["message"] if path.startswith("/v1/") else r.json()["detail"]
+        assert "`Content-Type: application/json`" in message
+    # JSON with a charset parameter, or a +json type, is JSON
+    for ok in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        r = httpx.post(server.base_url + "/v1/chat/completions", content=raw, headers={**AUTH, "Content-Type": ok})
+        assert r.status_code == 200, (ok, r.text)
 
 
 def test_cors_origins_are_configurable(tok, model):

@@ -748,7 +748,7 @@ def test_fuzzed_bodies_never_get_a_5xx(quick_server):
 
 def test_a_full_queue_is_a_429_with_retry_after_and_frees_up(tok):
     """One worker, --max_queue=2: three requests are admitted (one runs, two wait); the fourth gets 429 at once."""
-    slow = ScriptedModel(tok.get_vocab_size(), script=[], filler=tok.encode("a")[0], delay=0.1)
+    slow = ScriptedModel(tok.get_vocab_size(), script=[], filler=tok.encode("a")[0], delay=0.25)  # 2 s a request: time to look
     app = create_app([Worker(Engine(slow, tok))], max_queue=2, max_tokens=8)
     body = {"messages": msgs("hi"), "temperature": 0}
     with ServerThread(app) as s:

@@ -667,6 +667,9 @@ def test_lone_surrogates_in_names_and_content_are_a_400(server):
             assert r.status_code in (400, 404), r.text
             body = r.json()
             assert message in (body["error"]["message"] if path.startswith("/v1/") else body["detail"])
+        # a value is echoed only in part: a 100 KB bad temperature does not come back as a 100 KB message
+        r = client.post("/chat/completions", content=json.dumps({"messages": msgs("hi"), "temperature": "x" * 100_000}))
+        assert r.status_code == 400 and 'got "xxx' in r.json()["detail"] and len(r.json()["detail"]) < 200
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 What the chat server accepts: the request bodies of its two chat endpoints (nanochat's UI and OpenAI's Chat
 Completions), their limits, and the JSON body reader. Every problem becomes a RequestError (400 unless said) whose
 message says what to change; a client-supplied name or value goes into a message only through shown() or
-json.dumps, so the error response can always be encoded.
+quoted(), so the error response can always be encoded.
 """
 
 import json
@@ -31,6 +31,12 @@ def shown(name):
     return name.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def quoted(value, limit=80):
+    """A client-supplied JSON value for an error message: as JSON (ASCII, so any string encodes), cut at `limit`."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -44,7 +50,7 @@ def _number(body, key, lo, hi, default):
     if value is None:
         return default
     if not _is_number(value):
-        raise RequestError(f"{key} must be a number between {lo} and {hi}, got {json.dumps(value)}", key)
+        raise RequestError(f"{key} must be a number between {lo} and {hi}, got {quoted(value)}", key)
     if not lo <= value <= hi:
         raise RequestError(f"{key} must be between {lo} and {hi}, got {value}", key)
     return float(value)
@@ -55,7 +61,7 @@ def _integer(body, key, lo, hi, default):
     if value is None:
         return default
     if not _is_int(value):
-        raise RequestError(f"{key} must be an integer between {lo} and {hi}, got {json.dumps(value)}", key)
+        raise RequestError(f"{key} must be an integer between {lo} and {hi}, got {quoted(value)}", key)
     if not lo <= value <= hi:
         raise RequestError(f"{key} must be between {lo} and {hi}, got {value}", key)
     return value
@@ -70,7 +76,7 @@ def _message_text(content, i):
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestError(f"messages[{i}].content: only text parts are supported, got a {kind!r} part", "messages")
+                raise RequestError(f"messages[{i}].content: only text parts are supported, got a {quoted(kind)} part", "messages")
             texts.append(part["text"])
         return "".join(texts)
     raise RequestError(f"messages[{i}].content must be a string, got {type(content).__name__}", "messages")
@@ -89,7 +95,7 @@ def validate_messages(messages, allow_system):
             raise RequestError(f"messages[{i}] must be an object with role and content", "messages")
         role = m.get("role")
         if role not in roles:
-            raise RequestError(f"messages[{i}].role must be one of {', '.join(roles)}, got {json.dumps(role)}", "messages")
+            raise RequestError(f"messages[{i}].role must be one of {', '.join(roles)}, got {quoted(role)}", "messages")
         role = "system" if role == "developer" else role  # OpenAI's newer name for the system role
         if role == "system" and i != 0:
             raise RequestError(f"messages[{i}]: a system message is only supported as the first message", "messages")
@@ -160,7 +166,7 @@ def validate_openai_request(body, defaults, model_name):
         raise RequestError(f"model is required (a string); this server serves {json.dumps(model_name)}", "model")
     if model != model_name:
         raise RequestError(
-            f"The model {json.dumps(model)} does not exist; this server serves {json.dumps(model_name)} (see GET /v1/models)",
+            f"The model {quoted(model)} does not exist; this server serves {json.dumps(model_name)} (see GET /v1/models)",
             "model", status=404, code="model_not_found",
         )
     if "messages" not in body:
@@ -175,7 +181,7 @@ def validate_openai_request(body, defaults, model_name):
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise RequestError(f"stream must be true or false, got {json.dumps(stream)}", "stream")
+        raise RequestError(f"stream must be true or false, got {quoted(stream)}", "stream")
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise RequestError("stream_options must be an object", "stream_options")
@@ -184,7 +190,7 @@ def validate_openai_request(body, defaults, model_name):
         raise RequestError("stream_options.include_usage must be true or false", "stream_options")
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
-        raise RequestError(f"seed must be an integer, got {json.dumps(seed)}", "seed")
+        raise RequestError(f"seed must be an integer, got {quoted(seed)}", "seed")
     if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
         # torch.Generator.manual_seed takes any signed or unsigned 64-bit integer and raises outside that range
         raise RequestError(f"seed must be between {MIN_SEED} and {MAX_SEED}, got {seed}", "seed")
@@ -206,7 +212,13 @@ def validate_openai_request(body, defaults, model_name):
 
 
 async def read_json_body(request):
-    """The body as JSON, refusing oversized or non-JSON bodies with a clear 4xx (never a crash)."""
+    """The body as JSON, refusing other content types, oversized or non-JSON bodies with a clear 4xx (never a crash)."""
+    # Only application/json (or a +json type): a browser page on another site may POST text/plain, form or
+    # untyped bodies without asking first (no CORS preflight), so those are never read as a request.
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != "application/json" and not (content_type.startswith("application/") and content_type.endswith("+json")):
+        got = f"got {shown(content_type)!r}" if content_type else "got none"
+        raise RequestError(f"send the body as JSON with `Content-Type: application/json` ({got})", status=415, code="unsupported_media_type")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise RequestError(f"request body is larger than {MAX_BODY_BYTES} bytes", status=413)

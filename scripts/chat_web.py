@@ -2,9 +2,9 @@
 Chat web server: a browser UI, a streaming endpoint for it, and an OpenAI-compatible API, served by a pool of model
 replicas (one per GPU, or one on CPU/MPS).
 
-    python -m scripts.chat_web                          # sft model, all defaults, http://0.0.0.0:8000
+    python -m scripts.chat_web                          # sft model, all defaults, http://127.0.0.1:8000 (this machine only)
     python -m scripts.chat_web -n 4 -i sft -g d20       # four replicas on four GPUs
-    python -m scripts.chat_web --api_key=secret ...     # or NANOCHAT_API_KEY=secret: required on /v1/*
+    NANOCHAT_API_KEY=secret python -m scripts.chat_web  # or --api_key_file=PATH: a key on every generation endpoint
 
 Endpoints
     GET  /                      the chat page (single file, no CDN)
@@ -23,6 +23,7 @@ is free again after at most one more forward pass.
 import argparse
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -369,7 +370,7 @@ def create_app(
     *,
     model_name="nanochat",
     api_key=None,
-    cors_origins=("*",),
+    cors_origins=(),
     max_queue=64,
     temperature=0.8,
     top_k=50,
@@ -377,7 +378,8 @@ def create_app(
 ):
     """
     The FastAPI app. `workers_or_factory` is a list of Workers, or a callable returning one (called at startup, in a
-    thread, e.g. to load checkpoints). api_key: when set, /v1/* needs `Authorization: Bearer <key>`.
+    thread, e.g. to load checkpoints). api_key: when set, every generation endpoint (/chat/completions, /v1/*) needs
+    `Authorization: Bearer <key>`; the page itself, /health and /stats stay open (the page asks for the key).
     """
     defaults = {"temperature": temperature, "top_k": top_k, "max_tokens": max_tokens}
     state = {"pool": None, "started": int(time.time())}
@@ -395,13 +397,14 @@ def create_app(
 
     # no /docs or /redoc: their pages load Swagger UI from a CDN, and the server must work offline
     app = FastAPI(title="nanochat", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=list(cors_origins),
-        allow_methods=["GET", "POST", "OPTIONS"],
-        allow_headers=["*"],
-        allow_credentials=False,
-    )
+    if cors_origins:  # off by default: only the page this server serves (same origin) may call it from a browser
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            allow_credentials=False,
+        )
 
     def error_response(err, openai_style):
         err.message = shown(err.message)  # a last guard: the response must encode whatever went into the message
@@ -428,7 +431,9 @@ def create_app(
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             what = "Missing API key" if not header else "Incorrect API key provided"
-            raise RequestError(f"{what}: send the server's key as `Authorization: Bearer <key>`", status=401, code="invalid_api_key")
+            raise RequestError(
+                f"{what}: send the server's key as `Authorization: Bearer <key>`", status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+            )
 
     def checked_prompt(pool, messages):
         # All replicas share the tokenizer: the prompt is rendered (and checked) once, before waiting for a worker.
@@ -447,6 +452,7 @@ def create_app(
 
     @app.post("/chat/completions")
     async def chat_completions(request: Request):
+        check_api_key(request)  # before the body is read: a client without the key cannot make us buffer a megabyte
         pool = pool_or_503()
         params = validate_ui_request(await read_json_body(request), defaults)
         prompt = checked_prompt(pool, params["messages"])
@@ -594,12 +600,13 @@ def build_arg_parser():
     p.add_argument("-k", "--top_k", type=int, default=50, help="default top-k when a request sends none (0 = off)")
     p.add_argument("-m", "--max_tokens", type=int, default=512, help="default max new tokens when a request sends none")
     p.add_argument("-p", "--port", type=int, default=8000)
-    p.add_argument("--host", type=str, default="0.0.0.0", help="0.0.0.0 listens on every interface; 127.0.0.1 only locally")
+    p.add_argument("--host", type=str, default="127.0.0.1", help="127.0.0.1 listens only locally; 0.0.0.0 on every interface (then set an API key)")
     p.add_argument("--dtype", type=str, default="bfloat16", choices=["bfloat16", "float32"], help="autocast dtype on CUDA")
     p.add_argument("--device_type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
-    p.add_argument("--cors_origins", type=str, default="*", help="comma-separated allowed browser origins, * for any")
+    p.add_argument("--cors_origins", type=str, default="", help="comma-separated browser origins allowed to call the API, e.g. https://a,https://b (default: none; * for any)")
     p.add_argument("--max_queue", type=int, default=64, help="requests that may wait while every worker is busy; more get 429 + Retry-After")
-    p.add_argument("--api_key", type=str, default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: $NANOCHAT_API_KEY)")
+    p.add_argument("--api_key", type=str, default=None, help="require `Authorization: Bearer KEY` on every generation endpoint (default: $NANOCHAT_API_KEY; visible in ps: prefer the env or --api_key_file)")
+    p.add_argument("--api_key_file", type=str, default=None, help="read the API key from this file (its first line), so it shows in neither ps nor the environment")
     p.add_argument("--model_name", type=str, default="nanochat", help="the model id served on /v1 (clients send it as `model`)")
     return add_dashed_aliases(p)
 
@@ -622,10 +629,34 @@ def check_args(args):
     return errors
 
 
-def resolve_api_key(flag_value):
-    """--api_key wins; else $NANOCHAT_API_KEY; empty means no key."""
+def resolve_api_key(flag_value, key_file=None):
+    """--api_key, else the first line of --api_key_file, else $NANOCHAT_API_KEY; empty means no key."""
+    if flag_value is not None and key_file is not None:
+        raise ValueError("--api_key and --api_key_file both given: pass one")
+    if key_file is not None:
+        try:
+            lines = Path(key_file).read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise ValueError(f"--api_key_file={key_file}: cannot read it ({e.strerror})") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"--api_key_file={key_file} is empty; put the key on its first line")
+        return key
     key = flag_value if flag_value is not None else os.environ.get("NANOCHAT_API_KEY", "")
     return key or None
+
+
+def exposure_warning(host, api_key):
+    """A warning when the server listens beyond this machine with no API key (anyone who can reach it may use it)."""
+    if api_key:
+        return None
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        loopback = False
+    if loopback:
+        return None
+    return f"--host {host} listens beyond this machine, and no API key is set: anyone who can reach it can generate. Set NANOCHAT_API_KEY or --api_key_file, or use --host 127.0.0.1"
 
 
 def load_workers(args, device_type):
@@ -661,9 +692,12 @@ def main(argv=None):
             errors.append(f"--num_gpus={args.num_gpus} but only {torch.cuda.device_count()} CUDA device(s) are visible")
     elif args.num_gpus != 1:
         errors.append(f"--num_gpus={args.num_gpus} needs CUDA; on {device_type} the server runs one replica (drop -n)")
+    try:
+        api_key = resolve_api_key(args.api_key, args.api_key_file)
+    except ValueError as e:
+        errors.append(str(e))
     if errors:
         parser.error("; ".join(errors))
-    api_key = resolve_api_key(args.api_key)
     origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
 
     workers = load_workers(args, device_type)  # before serving: a missing checkpoint stops here with its message
@@ -679,6 +713,9 @@ def main(argv=None):
     )
     import uvicorn
 
+    warning = exposure_warning(args.host, api_key)
+    if warning:
+        logger.warning(warning)
     logger.info(f"chat UI at http://{args.host}:{args.port}/  OpenAI API at http://{args.host}:{args.port}/v1" + (" (API key required)" if api_key else ""))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 

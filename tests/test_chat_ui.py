@@ -207,3 +207,58 @@ def test_network_error_before_any_token_takes_the_message_back(browser, server):
     assert page.locator(".message.user").all_text_contents() == ["Are you there?"]
     assert posted_messages(requests)[-1] == [{"role": "user", "content": "Are you there?"}]
     page.close()
+
+
+def test_the_page_sends_the_api_key_from_the_link_or_asks_for_it(browser):
+    """With --api_key the page itself loads, and its chat requests carry the key: from #key=... in the link (then
+    taken out of the address bar), or typed into the prompt the page shows when the server answers 401."""
+    tok = tiny_tokenizer()
+    model = tiny_model(tok.get_vocab_size(), depth=1, sequence_len=256, seed=2)
+    app = create_app([Worker(Engine(model, tok))], api_key="s3cret key", max_tokens=4)
+    with ServerThread(app) as s:
+        # 1. the key in the link
+        page = browser.new_page()
+        requests = []
+        page.on("request", lambda req: requests.append(req))
+        page.goto(s.base_url + "/#key=s3cret%20key")
+        assert page.url == s.base_url + "/"  # the key does not stay in the address bar (or the history)
+        page.fill("#input", "Hello")
+        page.press("#input", "Enter")
+        page.wait_for_selector(".message.assistant:not(.streaming)", timeout=30_000)
+        assert page.text_content("#error") == ""
+        posts = [r for r in requests if r.method == "POST"]
+        assert len(posts) == 1 and posts[0].headers["authorization"] == "Bearer s3cret key"
+        page.close()
+
+        # 2. no key yet: the server's 401 makes the page ask once, and the answer is kept for this tab
+        page = browser.new_page()
+        requests = []
+        page.on("request", lambda req: requests.append(req))
+        prompts = []
+
+        def answer(dialog):
+            prompts.append(dialog.message)
+            dialog.accept("s3cret key")
+
+        page.on("dialog", answer)
+        page.goto(s.base_url + "/")
+        for i, text in enumerate(["Hello", "Again"]):
+            page.fill("#input", text)
+            page.press("#input", "Enter")
+            page.wait_for_function(f"document.querySelectorAll('.message.assistant:not(.streaming)').length === {i + 1}", timeout=30_000)
+            assert page.text_content("#error") == ""
+        assert prompts == ["This nanochat server needs its API key:"]
+        auth = [r.headers.get("authorization") for r in requests if r.method == "POST"]
+        assert auth == [None, "Bearer s3cret key", "Bearer s3cret key"]
+        page.close()
+
+        # 3. a wrong key (or none: the prompt dismissed) is refused, shown, and the message comes back to the input box
+        page = browser.new_page()
+        page.on("dialog", lambda dialog: dialog.dismiss())
+        page.goto(s.base_url + "/#key=wrong")
+        page.fill("#input", "Hello")
+        page.press("#input", "Enter")
+        page.wait_for_selector("#error:not(:empty)", timeout=30_000)
+        assert "Incorrect API key provided" in page.text_content("#error")
+        assert page.locator(".message").count() == 0 and page.input_value("#input") == "Hello"
+        page.close()

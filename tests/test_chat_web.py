@@ -77,11 +77,11 @@ def sse_events(response_text):
     return events
 
 
-def post_chat(base_url, body, path="/chat/completions", headers=None, timeout=60):
-    return httpx.post(base_url + path, json=body, headers=headers, timeout=timeout)
-
-
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def post_chat(base_url, body, path="/chat/completions", headers=AUTH, timeout=60):
+    return httpx.post(base_url + path, json=body, headers=headers, timeout=timeout)
 
 
 # -----------------------------------------------------------------------------
@@ -204,7 +204,7 @@ UI_BAD_REQUESTS = [
 @pytest.mark.parametrize("body, message", UI_BAD_REQUESTS, ids=[m for _, m in UI_BAD_REQUESTS])
 def test_ui_endpoint_rejects_bad_requests(server, body, message):
     if isinstance(body, bytes):
-        r = httpx.post(server.base_url + "/chat/completions", content=body, headers={"Content-Type": "application/json"})
+        r = httpx.post(server.base_url + "/chat/completions", content=body, headers={"Content-Type": "application/json", **AUTH})
     else:
         r = post_chat(server.base_url, body)
     assert r.status_code == 400, r.text
@@ -240,7 +240,7 @@ OPENAI_BAD_REQUESTS = [
 @pytest.mark.parametrize("body, status, message", OPENAI_BAD_REQUESTS, ids=[m for _, _, m in OPENAI_BAD_REQUESTS])
 def test_openai_endpoint_rejects_bad_requests_openai_style(server, body, status, message):
     if isinstance(body, bytes):
-        r = httpx.post(server.base_url + "/v1/chat/completions", content=body, headers=AUTH)
+        r = httpx.post(server.base_url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json", **AUTH})
     else:
         r = post_chat(server.base_url, body, "/v1/chat/completions", headers=AUTH)
     assert r.status_code == status, r.text
@@ -289,23 +289,42 @@ def test_limits_are_inclusive_and_server_survives(server, tok):
     assert httpx.get(server.base_url + "/health").json()["available_workers"] == 1
 
 
-def test_api_key_is_required_on_v1(server):
+def test_api_key_is_required_on_every_generation_endpoint(server):
     body = {"model": "nanochat", "messages": msgs("hi"), "max_tokens": 2}
-    for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": f"Basic {API_KEY}"}):
+    ui_body = {"messages": msgs("hi"), "max_tokens": 2}
+    served = httpx.get(server.base_url + "/stats").json()["workers"][0]["requests_served"]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": f"Basic {API_KEY}"}):
         r = post_chat(server.base_url, body, "/v1/chat/completions", headers=headers)
-        assert r.status_code == 401, headers
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", headers
         assert r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(server.base_url + "/v1/models", headers=headers).status_code == 401
-    assert post_chat(server.base_url, body, "/v1/chat/completions", headers=AUTH).status_code == 200
-    # the UI endpoint and monitoring stay open (the key guards the API)
-    assert httpx.get(server.base_url + "/health").status_code == 200
+        r = post_chat(server.base_url, ui_body, headers=headers)  # the web UI's endpoint too
+        assert r.status_code == 401 and "send the server's key as `Authorization: Bearer <key>`" in r.json()["detail"], headers
+        # refused before the body is read: even an oversized or broken body gets the 401, not a 413/400
+        r = httpx.post(server.base_url + "/chat/completions", content=b"{" * 2_000_000, headers=headers)
+        assert r.status_code == 401
+    assert httpx.get(server.base_url + "/stats").json()["workers"][0]["requests_served"] == served  # nothing ran
+    assert post_chat(server.base_url, body, "/v1/chat/completions").status_code == 200
+    assert sse_events(post_chat(server.base_url, ui_body).text)[-1] == '{"done": true}'
+    # the page (it asks for the key) and monitoring stay open
+    assert httpx.get(server.base_url + "/").status_code == 200 and httpx.get(server.base_url + "/health").status_code == 200
 
 
-def test_cli_flags_and_api_key_from_environment(monkeypatch):
+def test_cli_flags_and_api_key_from_environment_or_file(monkeypatch, tmp_path):
     from scripts.chat_web import build_arg_parser, check_args, resolve_api_key
 
     monkeypatch.setenv("NANOCHAT_API_KEY", "from-env")
     assert resolve_api_key(None) == "from-env" and resolve_api_key("from-flag") == "from-flag"
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    assert resolve_api_key(None, str(key_file)) == "from-file"  # the file wins over the environment
+    with pytest.raises(ValueError, match="both given"):
+        resolve_api_key("from-flag", str(key_file))
+    key_file.write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        resolve_api_key(None, str(key_file))
+    with pytest.raises(ValueError, match="cannot read it"):
+        resolve_api_key(None, str(tmp_path / "missing"))
     monkeypatch.setenv("NANOCHAT_API_KEY", "")
     assert resolve_api_key(None) is None
 
@@ -314,6 +333,19 @@ def test_cli_flags_and_api_key_from_environment(monkeypatch):
     assert args.cors_origins == "http://a,http://b" and check_args(args) == []
     bad = build_arg_parser().parse_args(["-t", "3", "-k", "500", "-m", "0"])
     assert len(check_args(bad)) == 3
+    defaults = build_arg_parser().parse_args([])
+    assert defaults.host == "127.0.0.1" and defaults.cors_origins == ""  # local only, no CORS, unless asked
+
+
+def test_listening_beyond_this_machine_without_a_key_warns():
+    from scripts.chat_web import exposure_warning
+
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        assert exposure_warning(host, None) is None, host
+    for host in ("0.0.0.0", "::", "192.168.1.5", "myhost.example"):
+        warning = exposure_warning(host, None)
+        assert f"--host {host} listens beyond this machine" in warning and "NANOCHAT_API_KEY" in warning
+        assert exposure_warning(host, "a-key") is None
 
 
 # -----------------------------------------------------------------------------
@@ -366,6 +398,32 @@ def test_raw_v1_stream_ends_with_done(server):
         assert chunk["object"] == "chat.completion.chunk" and set(chunk) >= {"id", "created", "model", "choices"}
 
 
+def test_cors_is_off_by_default(server):
+    """No allow-list: a page from another origin gets no CORS grant, neither on a preflight nor on a plain request."""
+    pre = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type,authorization"}
+    for path in ("/chat/completions", "/v1/chat/completions"):
+        r = httpx.options(server.base_url + path, headers=pre)
+        assert r.status_code >= 400 and not any(h.startswith("access-control-") for h in r.headers), r.headers
+    r = post_chat(server.base_url, {"messages": msgs("hi"), "max_tokens": 1}, headers={"Origin": "http://evil.example", **AUTH})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"])
+def test_json_endpoints_refuse_other_content_types(server, content_type):
+    """Bodies a cross-site page can send without a CORS preflight are never read as requests: 415, whatever they hold."""
+    raw = json.dumps({"model": "nanochat", "messages": msgs("hi"), "max_tokens": 1}).encode()
+    headers = {**AUTH, **({"Content-Type": content_type} if content_type else {})}
+    for path in ("/chat/completions", "/v1/chat/completions"):
+        r = httpx.post(server.base_url + path, content=raw, headers=headers)
+        assert r.status_code == 415, (path, r.text)
+        message = r.json()["error"]["message"] if path.startswith("/v1/") else r.json()["detail"]
+        assert "`Content-Type: application/json`" in message
+    # JSON with a charset parameter, or a +json type, is JSON
+    for ok in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        r = httpx.post(server.base_url + "/v1/chat/completions", content=raw, headers={**AUTH, "Content-Type": ok})
+        assert r.status_code == 200, (ok, r.text)
+
+
 def test_cors_origins_are_configurable(tok, model):
     app = create_app([Worker(Engine(model, tok))], cors_origins=["http://allowed.example"])
     with ServerThread(app) as s:
@@ -402,7 +460,7 @@ def test_32_concurrent_streams_with_one_worker(server):
 
     async def main():
         limits = httpx.Limits(max_connections=64)
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=limits) as client:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=limits, headers=AUTH) as client:
             streams = asyncio.ensure_future(asyncio.gather(*[one(client, i) for i in range(32)]))
             return await health_while_busy(client, streams)
 
@@ -558,7 +616,8 @@ def test_cli_serves_a_checkpoint(base_dir):
     m = tiny_model(tok.get_vocab_size(), depth=1, sequence_len=64)
     save_checkpoint(str(base_dir / "chatsft_checkpoints" / "d1"), 3, m.state_dict(), None, {"model_config": asdict(m.config)})
     port = free_port()
-    cmd = [sys.executable, "-m", "scripts.chat_web", "-i", "sft", "-p", str(port), "--host", "127.0.0.1", "--device_type", "cpu", "-m", "5", "--api_key", "k"]
+    (base_dir / "key.txt").write_text("k\n")  # the key from a file: it shows neither in ps nor in the environment
+    cmd = [sys.executable, "-m", "scripts.chat_web", "-i", "sft", "-p", str(port), "--host", "127.0.0.1", "--device_type", "cpu", "-m", "5", "--api_key_file", str(base_dir / "key.txt")]
     proc = subprocess.Popen(cmd, env=subprocess_env(base_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -574,6 +633,7 @@ def test_cli_serves_a_checkpoint(base_dir):
         assert wait_for(up, timeout=90, interval=0.25)
         r = httpx.post(url + "/v1/chat/completions", json={"model": "nanochat", "messages": msgs("hi")}, headers={"Authorization": "Bearer k"}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5
+        assert httpx.post(url + "/chat/completions", json={"messages": msgs("hi")}, timeout=30).status_code == 401
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -607,6 +667,9 @@ def test_lone_surrogates_in_names_and_content_are_a_400(server):
             assert r.status_code in (400, 404), r.text
             body = r.json()
             assert message in (body["error"]["message"] if path.startswith("/v1/") else body["detail"])
+        # a value is echoed only in part: a 100 KB bad temperature does not come back as a 100 KB message
+        r = client.post("/chat/completions", content=json.dumps({"messages": msgs("hi"), "temperature": "x" * 100_000}))
+        assert r.status_code == 400 and 'got "xxx' in r.json()["detail"] and len(r.json()["detail"]) < 200
 
 
 @pytest.fixture(scope="module")
@@ -688,7 +751,7 @@ def test_fuzzed_bodies_never_get_a_5xx(quick_server):
 
 def test_a_full_queue_is_a_429_with_retry_after_and_frees_up(tok):
     """One worker, --max_queue=2: three requests are admitted (one runs, two wait); the fourth gets 429 at once."""
-    slow = ScriptedModel(tok.get_vocab_size(), script=[], filler=tok.encode("a")[0], delay=0.1)
+    slow = ScriptedModel(tok.get_vocab_size(), script=[], filler=tok.encode("a")[0], delay=0.25)  # 2 s a request: time to look
     app = create_app([Worker(Engine(slow, tok))], max_queue=2, max_tokens=8)
     body = {"messages": msgs("hi"), "temperature": 0}
     with ServerThread(app) as s:

@@ -120,14 +120,19 @@ class KVCache:
 # Sampling
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (see sample_next_token)
+
+
 def sample_next_token(logits, rng, temperature=1.0, top_k=None, top_p=None):
     """
     One token per row from logits (B, V) -> (B, 1) long. Rows are sampled independently (one multinomial draw each).
     temperature 0 is greedy; top_k keeps the k most likely tokens; top_p keeps the smallest set whose mass reaches p.
+    A temperature below GREEDY_BELOW is greedy too: logits / 1e-40 overflow to inf and softmax(inf - inf) is NaN, and
+    long before that the distribution is already one-hot in float32.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if temperature == 0.0:
+    if temperature < GREEDY_BELOW:
         return torch.argmax(logits, dim=-1, keepdim=True)
     # Sample among the candidates only: top_k's k logits (topk returns them sorted), or all of them sorted for top_p.
     # Softmax and the draw then run over k values instead of the whole vocab, with nothing masked in place.

@@ -420,8 +420,11 @@ class GPT(nn.Module):
 
             adamw = DistAdamW(adam_groups, **adamw_kwargs)
         else:
-            # torch's fused kernel (one pass over each tensor) exists on CUDA and CPU; nanochat uses it everywhere
-            fused = self.get_device().type in ("cuda", "cpu")
+            # torch's fused kernel (one pass over each tensor) on CUDA. Not on CPU: there it rounds differently from
+            # DistAdamW's update (which is torch's single-tensor math bit for bit), and an AdamW-only run (eps 1e-10)
+            # amplifies that last-bit difference to ~1e-2 in a few steps, so 1 process would no longer equal N ranks;
+            # the fused kernel saves under 1% of a CPU training step.
+            fused = self.get_device().type == "cuda"
             adamw = torch.optim.AdamW(adam_groups, fused=fused, **adamw_kwargs)
         optimizers = [adamw]
         if use_muon:

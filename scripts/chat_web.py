@@ -429,7 +429,9 @@ def create_app(
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        # Starlette decodes header bytes as latin-1: encoding back gives the exact bytes sent, so a non-ASCII key sent
+        # as UTF-8 matches, and bytes that are not UTF-8 at all simply do not match (401, never a 500)
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"), api_key.encode()):
             what = "Missing API key" if not header else "Incorrect API key provided"
             raise RequestError(
                 f"{what}: send the server's key as `Authorization: Bearer <key>`", status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},

@@ -681,6 +681,21 @@ def quick_server(tok):
         yield s
 
 
+def test_api_key_bytes_are_compared_exactly(tok):
+    # a non-ASCII key sent as UTF-8 matches; header bytes that are not UTF-8 at all are a 401, never a 500
+    key = "clé-ünï-🔑"
+    quick = ScriptedModel(tok.get_vocab_size(), script=[tok.encode_special("<|assistant_end|>")], filler=0)
+    app = create_app([Worker(Engine(quick, tok))], api_key=key, max_tokens=4)
+    body = {"model": "nanochat", "messages": msgs("hi"), "max_tokens": 2, "temperature": 1e-40}  # tiny temperature: greedy
+    with ServerThread(app) as s:
+        url = s.base_url + "/v1/chat/completions"
+        ok = httpx.post(url, json=body, headers={"Authorization": b"Bearer " + key.encode()})
+        assert ok.status_code == 200, ok.text
+        for raw in (b"Bearer \xff\xfe\x80", b"Bearer " + key.encode("latin-1", "replace"), b"Bearer " + key.encode()[:-1]):
+            r = httpx.post(url, json=body, headers={"Authorization": raw})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", raw
+
+
 def _strings(max_size):
     """Any text, lone surrogates included (st.text leaves them out; JSON can carry them as \\udXXX escapes)."""
     from hypothesis import strategies as st

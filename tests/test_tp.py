@@ -136,7 +136,7 @@ def test_tp_resume_is_exact_and_other_layouts_are_refused(base_dir):
     from conftest import REPO, free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "scripts.base_train", *TINY, "--total_batch_size=256",
+           f"--master_port={free_port()}", "-m", "scripts.base_train", *TINY, "--total_batch_size=512",
            f"--num_iterations={2 * n}", "--model_tag=resumed", f"--resume_from_step={n}"]
     p = subprocess.run(cmd, cwd=REPO, env=subprocess_env(base_dir), capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "resume with --tp_size=2" in p.stderr + p.stdout

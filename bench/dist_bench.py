@@ -12,6 +12,10 @@ Paths:
   fsdp_adamw FSDP2 (apply_fsdp) + torch AdamW on the shards: per fwd/bwd micro-step, all-gather params for forward
              and again for backward (every block but the last), reduce-scatter gradients.
   fsdp_muon  as fsdp_adamw, plus FSDPMuon's two all-to-alls of the matrix updates per optimizer step.
+  tp2        FSDP2 x TP (apply_tp, --tp_size=2) + ShardedMuon: per block, 2 all-reduces of the (B, T, d) activations
+             over the 2 tp ranks in forward and 2 in backward (+2 with activation checkpointing, which re-runs the
+             forward); FSDP's all-gathers/reduce-scatters over the W/2 data ranks carry each rank's TP shard (1/2 of
+             each block matrix); ShardedMuon's two all-to-alls over all W ranks per optimizer step.
 
 Bytes are per rank sent per optimizer step under the usual ring/pairwise algorithms: all-reduce 2(W-1)/W * S,
 reduce-scatter (W-1)/W * S_in, all-gather (W-1)/W * S_out, all-to-all (W-1)/W * S_in. The same formulas are checked
@@ -37,7 +41,8 @@ if str(REPO) not in sys.path:
 
 from nanochat.gpt import GPT, GPTConfig, config_for_depth  # noqa: E402
 
-MODES = ("ddp", "fsdp_adamw", "fsdp_muon")
+MODES = ("ddp", "fsdp_adamw", "fsdp_muon", "tp2")
+TP = 2  # the tensor-parallel size of mode tp2
 GiB = 1024**3
 
 
@@ -61,13 +66,27 @@ def padded_numel(shape, W):
     return math.ceil(shape[0] / W) * W * math.prod(shape[1:])
 
 
-def comm_model(params, W, mode, grad_accum=1, param_bytes=2, reduce_bytes=4, master_bytes=4, ns_bytes=2):
+def tp_local_shape(name, shape, tp):
+    """The shape of one tp rank's shard: c_q/c_k/c_v/c_fc split by rows (column-wise), c_proj by columns (row-wise)."""
+    if not name.startswith("transformer.h."):
+        return shape  # wte, lm_head: replicated over tp
+    if name.endswith("c_proj.weight"):
+        return (shape[0], shape[1] // tp)
+    return (shape[0] // tp, shape[1])
+
+
+def comm_model(params, W, mode, grad_accum=1, param_bytes=2, reduce_bytes=4, master_bytes=4, ns_bytes=2,
+               tokens=0, d_model=0, act_bytes=2, ac=False):
     """
     Analytic collectives of one optimizer step: {op: bytes (S_in for reduce-scatter/all-to-all, S_out for
-    all-gather)} and the per-rank bytes sent. param_bytes: FSDP's all-gather dtype; reduce_bytes: FSDP's
-    reduce-scatter dtype; master_bytes: the fp32 params/grads of the DDP path; ns_bytes: FSDPMuon's all-to-all dtype.
+    all-gather, the buffer for all-reduce)} and the per-rank bytes sent. param_bytes: FSDP's all-gather dtype;
+    reduce_bytes: FSDP's reduce-scatter dtype; master_bytes: the fp32 params/grads of the DDP path; ns_bytes:
+    FSDPMuon's/ShardedMuon's all-to-all dtype. tp2 only: tokens = B*T per rank per micro-step, d_model = n_embd,
+    act_bytes = the compute dtype's size, ac = activation checkpointing on every block.
     """
-    ops = {"all_gather": 0, "reduce_scatter": 0, "all_to_all": 0}
+    ops = {"all_gather": 0, "reduce_scatter": 0, "all_to_all": 0, "all_reduce": 0}
+    if mode == "tp2":
+        return _tp_comm_model(params, W, grad_accum, param_bytes, reduce_bytes, ns_bytes, tokens, d_model, act_bytes, ac)
     muon = [p for p in params if p[3]] if mode != "fsdp_adamw" else []
     adam = [p for p in params if p not in muon]
     if mode == "ddp":
@@ -96,6 +115,34 @@ def comm_model(params, W, mode, grad_accum=1, param_bytes=2, reduce_bytes=4, mas
     return ops, sent
 
 
+def _tp_comm_model(params, W, grad_accum, param_bytes, reduce_bytes, ns_bytes, tokens, d_model, act_bytes, ac):
+    """mode tp2 of comm_model: TP all-reduces over tp ranks, FSDP over dp = W/tp ranks, ShardedMuon over W."""
+    if W % TP:
+        raise ValueError(f"mode tp2 needs a world size divisible by {TP}, got {W}")
+    dp = W // TP
+    n_layer = 1 + max(p[2] for p in params if p[2] is not None)
+    ops = {"all_gather": 0, "reduce_scatter": 0, "all_to_all": 0, "all_reduce": 0}
+    # 2 all-reduces per block in forward (attention and MLP outputs), 2 in backward (their input gradients), 2 more
+    # when the block's forward is re-run by activation checkpointing
+    ops["all_reduce"] = grad_accum * (6 if ac else 4) * n_layer * tokens * d_model * act_bytes
+    last_block = n_layer - 1
+    for name, shape, block, _ in params if dp > 1 else []:  # FSDP on one data rank communicates nothing
+        n = padded_numel(tp_local_shape(name, shape, TP), dp)  # FSDP shards each rank's TP shard over dp
+        regather = block is not None and block != last_block
+        ops["all_gather"] += grad_accum * n * param_bytes * (2 if regather else 1)
+        ops["reduce_scatter"] += grad_accum * n * reduce_bytes
+    muon = [p for p in params if p[3]]
+    for shape in sorted({p[1] for p in muon}):
+        # ShardedMuon: (W, K, slot) buffers, slot = the largest rank's rectangle of a matrix in the group
+        group = [p for p in muon if p[1] == shape]
+        K = math.ceil(len(group) / W)
+        slot = max(math.ceil(tp_local_shape(p[0], shape, TP)[0] / dp) * tp_local_shape(p[0], shape, TP)[1] for p in group)
+        ops["all_to_all"] += 2 * W * K * slot * ns_bytes
+    sent = ((dp - 1) / dp * (ops["all_gather"] + ops["reduce_scatter"]) + (W - 1) / W * ops["all_to_all"]
+            + 2 * (TP - 1) / TP * ops["all_reduce"])
+    return ops, sent
+
+
 def memory_model(params, W, mode):
     """Per-rank resident bytes of params + grads + optimizer state (activations and transient buffers excluded)."""
     P = sum(math.prod(p[1]) for p in params)
@@ -104,6 +151,10 @@ def memory_model(params, W, mode):
     state = 8 * P_adam + 4 * P_muon  # AdamW: exp_avg + exp_avg_sq (fp32); Muon: momentum (fp32)
     if mode == "ddp":
         return 4 * P + 4 * P + state / W  # full fp32 params and grads, sharded state
+    if mode == "tp2":
+        # block matrices sharded over all W ranks (tp x dp); wte and lm_head only over the W/TP data ranks
+        per_elem = {True: 4 + 4 + 4, False: 4 + 4 + 8}  # param + grad + (Muon momentum | AdamW moments)
+        return sum(math.prod(p[1]) * per_elem[p[3]] / (W if p[2] is not None else W // TP) for p in params)
     return (4 * P + 4 * P + state) / W  # everything sharded (plus one gathered block at a time, not counted)
 
 
@@ -113,20 +164,23 @@ def analytic_section(depths, W, vocab_size, seq_len, total_batch, device_batch):
         "",
         "FSDP: bf16 all-gathers, fp32 reduce-scatters (the default `--fsdp_reduce_dtype=float32`), FSDPMuon all-to-alls in bf16.",
         "DDP: fp32 gradients and parameters. Memory = params + grads + optimizer state per rank (no activations).",
+        f"tp2: TP={TP} x FSDP over {W // TP} data ranks; the all-reduces carry bf16 activations (B*T*d per block, 4 per block per micro-step).",
         "",
-        "| depth | params | device batch | grad accum | path | all-gather | reduce-scatter | all-to-all | sent per rank | memory per rank |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| depth | params | device batch | grad accum | path | all-gather | reduce-scatter | all-to-all | all-reduce (TP) | sent per rank | memory per rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for depth in depths:
         params = param_table(config_for_depth(depth, vocab_size, seq_len))
         P = sum(math.prod(p[1]) for p in params)
         dbs = device_batch.get(depth, 1)
-        accum = max(1, total_batch // (dbs * seq_len * W))
+        d_model = config_for_depth(depth, vocab_size, seq_len).n_embd
         for mode in MODES:
-            ops, sent = comm_model(params, W, mode, grad_accum=accum)
+            data_ranks = W // TP if mode == "tp2" else W  # a tp group of TP ranks shares one micro-batch
+            accum = max(1, total_batch // (dbs * seq_len * data_ranks))
+            ops, sent = comm_model(params, W, mode, grad_accum=accum, tokens=dbs * seq_len, d_model=d_model)
             lines.append(
                 f"| d{depth} | {P / 1e9:.2f}B | {dbs} | {accum} | {mode} | {ops['all_gather'] / GiB:.2f} GiB | "
-                f"{ops['reduce_scatter'] / GiB:.2f} GiB | {ops['all_to_all'] / GiB:.3f} GiB | {sent / GiB:.2f} GiB | "
+                f"{ops['reduce_scatter'] / GiB:.2f} GiB | {ops['all_to_all'] / GiB:.3f} GiB | {ops['all_reduce'] / GiB:.2f} GiB | {sent / GiB:.2f} GiB | "
                 f"{memory_model(params, W, mode) / GiB:.1f} GiB |"
             )
     lines.append("")
@@ -159,6 +213,9 @@ class CommCounter:
         "all_reduce": ("all_reduce", 0),
         "broadcast": ("broadcast", 0),
     }
+    FUNCOL_NAMES = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "all_gather_tensor": "all_gather",
+                    "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+                    "all_to_all_single": "all_to_all"}
 
     def __init__(self):
         import torch.distributed as dist
@@ -173,6 +230,16 @@ class CommCounter:
                 continue
             self.saved[name] = fn
             setattr(dist, name, self._wrap(fn, op, idx))
+        # DTensor (tensor parallelism) communicates through the functional collectives, not the functions above
+        import torch.distributed._functional_collectives as funcol
+
+        self.funcol = funcol
+        self.saved_funcol = {}
+        for name, op in self.FUNCOL_NAMES.items():
+            fn = getattr(funcol, name, None)
+            if fn is not None:
+                self.saved_funcol[name] = fn
+                setattr(funcol, name, self._wrap(fn, op, 0))
 
     def _wrap(self, fn, op, idx):
         def wrapper(*args, **kwargs):
@@ -194,9 +261,11 @@ class CommCounter:
     def restore(self):
         for name, fn in self.saved.items():
             setattr(self.dist, name, fn)
+        for name, fn in self.saved_funcol.items():
+            setattr(self.funcol, name, fn)
 
 
-def worker(steps, warmup):
+def worker(steps, warmup, modes=MODES):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -207,7 +276,7 @@ def worker(steps, warmup):
     counter = CommCounter() if distributed else None
     config = GPTConfig(**BENCH_CONFIG)
     results = {}
-    for mode in (MODES if distributed else ("single",)):
+    for mode in (modes if distributed else ("single",)):
         torch.manual_seed(0)
         with torch.device("meta"):
             model = GPT(config, attn="sdpa")
@@ -218,9 +287,14 @@ def worker(steps, warmup):
 
             apply_fsdp(model)
             opts = setup_fsdp_optimizers(model, use_muon=mode == "fsdp_muon")
+        elif mode == "tp2":
+            from nanochat.tensor_parallel import apply_tp, setup_tp_optimizers
+
+            apply_tp(model, TP)
+            opts = setup_tp_optimizers(model, use_muon=True)
         else:
             opts = model.setup_optimizers(use_muon=True)
-        g = torch.Generator().manual_seed(rank)
+        g = torch.Generator().manual_seed(rank // TP if mode == "tp2" else rank)  # tp ranks share a batch
         fwdbwd, optim = [], []
         for step in range(warmup + steps):
             x = torch.randint(0, config.vocab_size, (BENCH_BATCH, config.sequence_len + 1), generator=g)
@@ -244,7 +318,8 @@ def worker(steps, warmup):
             res["measured"] = counter.totals()
             counter.calls = []
             params = param_table(config)
-            ops, sent = comm_model(params, W, mode, grad_accum=1, param_bytes=4, reduce_bytes=4, master_bytes=4, ns_bytes=4)  # CPU: all fp32
+            ops, sent = comm_model(params, W, mode, grad_accum=1, param_bytes=4, reduce_bytes=4, master_bytes=4, ns_bytes=4,
+                                   tokens=BENCH_BATCH * config.sequence_len, d_model=config.n_embd, act_bytes=4)  # CPU: all fp32
             res["analytic"] = ops
             res["analytic_sent"] = sent
         results[mode] = res
@@ -259,7 +334,7 @@ def worker(steps, warmup):
 # driver
 
 
-def launch(nproc, steps, warmup):
+def launch(nproc, steps, warmup, modes=MODES):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     me = str(Path(__file__).resolve())
     if nproc > 1:
@@ -273,7 +348,7 @@ def launch(nproc, steps, warmup):
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             env.pop(k, None)
         cmd = [sys.executable, me]
-    cmd += ["--worker", f"--steps={steps}", f"--warmup={warmup}"]
+    cmd += ["--worker", f"--steps={steps}", f"--warmup={warmup}", f"--modes={','.join(modes)}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark worker failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -285,16 +360,19 @@ def measured_section(steps, warmup):
     single = launch(1, steps, warmup)["results"]["single"]
     run = launch(2, steps, warmup)
     W, res = run["world"], run["results"]
+    # tp2 on 2 ranks has one data rank (FSDP then communicates nothing): DP=2 x TP=2 on 4 ranks as well
+    res["dp2 x tp2 (4 ranks)"] = launch(4, steps, warmup, modes=("tp2",))["results"]["tp2"]
+    modes = [*MODES, "dp2 x tp2 (4 ranks)"]
     c = run["config"]
     lines = [
-        f"### Measured on CPU: 2 gloo ranks, one optimizer step (n_layer={c['n_layer']}, n_embd={c['n_embd']}, vocab={c['vocab_size']}, "
+        f"### Measured on CPU: 2 gloo ranks (and 4 for dp2 x tp2), one optimizer step (n_layer={c['n_layer']}, n_embd={c['n_embd']}, vocab={c['vocab_size']}, "
         f"T={c['sequence_len']}, {run['batch_per_rank']} sequences per rank; median of {steps} steps after {warmup} warm-up)",
         "",
         "| path | fwd+bwd | optimizer step | total step | collectives recorded in one step | bytes recorded | analytic bytes | per-rank sent (analytic) |",
         "|---|---|---|---|---|---|---|---|",
         f"| single process (AdamW + Muon, same per-rank batch) | {single['fwdbwd_s'] * 1000:.0f} ms | {single['optim_s'] * 1000:.0f} ms | {single['step_s'] * 1000:.0f} ms | - | - | - | - |",
     ]
-    for mode in MODES:
+    for mode in modes:
         r = res[mode]
         measured = r["measured"]
         calls = ", ".join(f"{op} x{v['calls']}" for op, v in sorted(measured.items()))
@@ -304,7 +382,7 @@ def measured_section(steps, warmup):
             f"| {mode} | {r['fwdbwd_s'] * 1000:.0f} ms | {r['optim_s'] * 1000:.0f} ms | {r['step_s'] * 1000:.0f} ms | {calls} | "
             f"{mbytes / 2**20:.2f} MiB | {abytes / 2**20:.2f} MiB | {r['analytic_sent'] / 2**20:.2f} MiB |"
         )
-    mismatches = [m for m in MODES if {k: v for k, v in res[m]["analytic"].items() if v} != {op: v["bytes"] for op, v in res[m]["measured"].items()}]
+    mismatches = [m for m in modes if {k: v for k, v in res[m]["analytic"].items() if v} != {op: v["bytes"] for op, v in res[m]["measured"].items()}]
     lines.append("")
     lines.append("Recorded bytes per collective type equal the analytic model for every path." if not mismatches else
                  f"WARNING: recorded bytes differ from the analytic model for {mismatches}: {json.dumps({m: res[m] for m in mismatches})}")
@@ -322,9 +400,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no_run", action="store_true", help="analytic tables only")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--modes", default=",".join(MODES), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args.steps, args.warmup)
+        return worker(args.steps, args.warmup, tuple(args.modes.split(",")))
     depths = [int(d) for d in args.depths.split(",")]
     # pretrain.sh's presets (issue 4): device batch per depth
     device_batch = {20: 16, 22: 16, 26: 8, 32: 4, 40: 1, 44: 1, 48: 1, 56: 1, 64: 1}

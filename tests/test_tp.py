@@ -78,6 +78,9 @@ def test_tp2_on_two_ranks_matches_one_process(base_dir, use_muon):
     p = _torchrun(base_dir, f"tp{use_muon}", STEPS, 2, flags)
     assert "x 1 rank(s)" in p.stdout  # 2 ranks, one data rank: both tp ranks read the same batches
     assert_same_run(base_dir, f"ref{use_muon}", f"tp{use_muon}", STEPS, adamw_matrices=not use_muon)
+    # the clipped gradient norm (two meshes, replicated wte/lm_head) equals the unsharded model's
+    norms = [[r["train/grad_norm"] for r in records(base_dir, t) if "train/grad_norm" in r] for t in (f"ref{use_muon}", f"tp{use_muon}")]
+    assert len(norms[0]) == STEPS and norms[1] == pytest.approx(norms[0], rel=1e-4), norms
     meta = final_params(base_dir, f"tp{use_muon}", STEPS)[1]
     assert meta["parallel"] == "tp" and meta["tp_size"] == 2
 

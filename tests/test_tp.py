@@ -182,3 +182,53 @@ def test_tp_size_errors_name_the_valid_values():
     with pytest.raises(ValueError, match="resume with --tp_size=2"):
         DataParallel().check_resume({"parallel": "tp", "tp_size": 2}, 10)
     tp.check_resume({"parallel": "tp", "tp_size": 2}, 10)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_sft_tp2_matches_one_process(tmp_path, monkeypatch):
+    """chat_sft --tp_size=2 on 2 ranks (one data rank: both tp ranks take the same conversations) == 1 process."""
+    from test_posttrain import require_chat_data, SHARED_DATA
+
+    require_chat_data()
+    from nanochat.checkpoint_manager import load_checkpoint, save_checkpoint
+    from nanochat.gpt import config_for_depth
+    from nanochat.metrics import read_metrics
+    from nanochat.tokenizer import compute_token_bytes, save_token_bytes
+    from nanochat.training import build_model
+    from scripts import chat_sft
+    from tests.chat_fixtures import tiny_tokenizer
+
+    base = tmp_path / "base"
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(SHARED_DATA))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # missing hub datasets fail at once
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    tok = tiny_tokenizer()
+    tok.save(str(base / "tokenizer"))
+    save_token_bytes(compute_token_bytes(tok), str(base / "tokenizer"))
+    torch.manual_seed(0)
+    config = config_for_depth(3, tok.get_vocab_size(), 128)  # 2 heads
+    model = build_model(config, "cpu")
+    for tag in ("one", "tp"):
+        save_checkpoint(str(base / "base_checkpoints" / tag), 0, model.state_dict(), None, {"model_config": vars(config), "step": 0})
+
+    def args(tag):
+        return ["--source=base", "--device_type=cpu", "--device_batch_size=1", "--target_examples_per_step=2",
+                "--num_iterations=3", "--eval_every=3", "--eval_steps=2", "--eval_metrics_every=-1", f"--model_tag={tag}"]
+
+    chat_sft.main(args("one"))
+    p = run_torchrun(["-m", "scripts.chat_sft", *args("tp"), "--tp_size=2"], env=subprocess_env(base))
+    assert "x 1 rank(s) x 2 accumulation" in p.stdout
+
+    def series(tag, key):
+        return [(r["step"], r[key]) for r in read_metrics(base / "chatsft_checkpoints" / tag / "metrics.jsonl") if key in r]
+
+    for key, tol in (("train/loss", 1e-5), ("val/loss", 1e-5), ("train/num_tokens", 0)):
+        a, b = series("one", key), series("tp", key)
+        assert len(a) >= 2 and [s for s, _ in a] == [s for s, _ in b], (key, a, b)
+        assert [v for _, v in b] == pytest.approx([v for _, v in a], abs=tol), (key, a, b)
+    a, _, _ = load_checkpoint(str(base / "chatsft_checkpoints" / "one"), 3, "cpu")
+    b, _, _ = load_checkpoint(str(base / "chatsft_checkpoints" / "tp"), 3, "cpu")
+    for k in a:
+        assert (a[k] - b[k]).abs().mean() <= 1e-4 * a[k].abs().mean(), k

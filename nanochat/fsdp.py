@@ -35,7 +35,8 @@ the weights code sees inside forward are ordinary full tensors. Two rules:
     wte/lm_head and the last block stay gathered until the next backward; `model.reshard()` frees them. For a plain
     copy of the weights use full_model_state_dict().
 
-FSDPMuon (why it exists): FSDP2 hands the optimizer dim-0 shards of each matrix. Orthogonalising a shard is not
+FSDPMuon (why it exists; it is ShardedMuon checked for this layout, and ShardedMuon also serves FSDP x TP's 2-D
+layouts, nanochat/tensor_parallel.py): FSDP2 hands the optimizer dim-0 shards of each matrix. Orthogonalising a shard is not
 orthogonalising the matrix (it is wrong, and running Newton-Schulz on DTensors is also very slow: DTensor matmuls
 gather behind your back). FSDPMuon keeps the momentum on the shards (elementwise, exact), then per shape group
 assigns matrix m to rank m % world: one all-to-all sends every rank's shard of each matrix to its owner (each rank
@@ -51,7 +52,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP2 (public here since torch 2.6)
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private; knows FSDP x TP layouts
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private; the one helper that knows FSDP x TP (_StridedShard) layouts
 
 from nanochat.muon import _check_dist_state, _check_muon_hparams, group_params_by_shape, muon_momentum_, muon_orthogonalize, ns_dtype
 
@@ -192,12 +193,26 @@ class FSDPAdamW(torch.optim.AdamW):
                         st[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
-class FSDPMuon(torch.optim.Optimizer):
+def local_box(p):
+    """(rows, cols, row0, col0): the rectangle of the full matrix that this rank's DTensor shard of `p` holds."""
+    if not isinstance(p, DTensor):
+        return (*p.shape, 0, 0)
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    if tuple(shape) != tuple(p.to_local().shape):
+        raise RuntimeError(f"local shard of a {tuple(p.shape)} parameter is {tuple(p.to_local().shape)}, expected {tuple(shape)} from its placements {p.placements}")
+    return (shape[0], shape[1], offset[0], offset[1])
+
+
+class ShardedMuon(torch.optim.Optimizer):
     """
-    Muon for FSDP2-sharded matrices (see the module docstring). State: one momentum buffer per parameter, the size of
-    this rank's shard (so the state is sharded exactly like the parameters). Groups are split by shape; the
-    hyperparameters per group are those of Muon (lr, momentum, nesterov, ns_steps).
+    Muon for DTensor matrices sharded over any mesh that spans all ranks, 1-D (FSDP) or 2-D (FSDP x TP): each rank
+    holds a rectangle of each matrix (see "FSDPMuon" in the module docstring: rectangles in place of row ranges).
+    State: one momentum buffer per parameter, the size of this rank's shard (so the state is sharded exactly like the
+    parameters). Groups are split by shape; the hyperparameters per group are Muon's (lr, momentum, nesterov,
+    ns_steps). state_dict() is per rank, tagged with `kind` and checked on load.
     """
+
+    kind = "ShardedMuon"
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5):
         _check_muon_hparams(lr, momentum, ns_steps)
@@ -207,10 +222,18 @@ class FSDPMuon(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if not isinstance(p, DTensor):
-                    raise TypeError("FSDPMuon takes FSDP-sharded (DTensor) parameters; use Muon/DistMuon for plain tensors")
+                    raise TypeError(f"{self.kind} takes sharded (DTensor) parameters; use Muon/DistMuon for plain tensors")
                 if p.device_mesh.size() != self.world_size:
-                    raise ValueError("FSDPMuon expects the FSDP mesh to span all ranks (a 1-D mesh of the whole world)")
-                _dim0_rows(p)
+                    raise ValueError(f"{self.kind} expects each parameter's mesh to span all {self.world_size} ranks, got a mesh of {p.device_mesh.size()}")
+        self._boxes = None  # per group: [per matrix: [per global rank: (rows, cols, row0, col0)]], gathered once
+
+    def _all_boxes(self):
+        if self._boxes is None:
+            mine = [[local_box(p) for p in g["params"]] for g in self.param_groups]
+            every = [None] * self.world_size
+            dist.all_gather_object(every, mine)  # once: the layout does not change during training
+            self._boxes = [[[every[r][gi][m] for r in range(self.world_size)] for m in range(len(g["params"]))] for gi, g in enumerate(self.param_groups)]
+        return self._boxes
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -219,62 +242,80 @@ class FSDPMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         W, rank = self.world_size, self.rank
+        boxes = self._all_boxes()
 
-        # 1) Momentum on my shards, packed per group into (W, K, chunk, cols): slot [j, k] is my shard of matrix
-        #    k*W + j (owned by rank j), zero-padded to `chunk` rows. One all-to-all per group, all launched up front.
+        # 1) Momentum on my shards; slot [j, k] of the send buffer is my shard of matrix k*W + j (owner j),
+        #    flattened and zero-padded to the largest shard of the group. One all-to-all per group, all up front.
         pending = []
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             ps = group["params"]
-            rows, cols = ps[0].shape
-            chunk = -(-rows // W)
-            K = -(-len(ps) // W)  # matrices per owner (last round padded with zero matrices)
-            cdtype = ns_dtype(ps[0].device)
-            send = torch.zeros((W, K, chunk, cols), dtype=cdtype, device=ps[0].to_local().device)
+            K = -(-len(ps) // W)
+            slot = max(b[0] * b[1] for per_rank in boxes[gi] for b in per_rank)
+            device = ps[0].to_local().device
+            send = torch.zeros((W, K, slot), dtype=ns_dtype(device), device=device)
             for m, p in enumerate(ps):
                 if p.grad is None:
-                    raise RuntimeError(f"FSDPMuon: a parameter of shape {tuple(p.shape)} has no gradient on rank {rank}; every rank must backprop through every matrix")
+                    raise RuntimeError(f"{self.kind}: a parameter of shape {tuple(p.shape)} has no gradient on rank {rank}; every rank must backprop through every matrix")
                 g = p.grad.to_local()
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(g)
-                k, j = divmod(m, W)
                 d = muon_momentum_(g, state["momentum_buffer"], group["momentum"], group["nesterov"])
-                send[j, k, : d.size(0)] = d
+                k, j = divmod(m, W)
+                send[j, k, : d.numel()] = d.reshape(-1)
             recv = torch.empty_like(send)
             work = dist.all_to_all_single(recv, send, async_op=True)
-            pending.append((group, rows, chunk, K, recv, work, send))  # send kept alive until the all-to-all is done
+            pending.append((gi, group, K, recv, work, send))  # send kept alive until the all-to-all is done
 
-        # 2) Per group: assemble my K full matrices, orthogonalise them in one batch, send each rank its rows back.
+        # 2) Per group: assemble my matrices from every rank's rectangles, orthogonalise them in one batch, send each
+        #    rank its rectangles of the updates.
         returns = []
-        for group, rows, chunk, K, recv, work, _ in pending:
+        for gi, group, K, recv, work, _ in pending:
             work.wait()
-            cols = recv.size(-1)
-            # recv[i, k] = rank i's rows of matrix k*W + rank  ->  (K, W*chunk, cols), padding rows at the end
-            full = recv.permute(1, 0, 2, 3).reshape(K, W * chunk, cols)[:, :rows]
-            n_mine = len([m for m in range(rank, len(group["params"]), W)])  # my real matrices; the rest are padding
-            upd = torch.zeros((K, W * chunk, cols), dtype=recv.dtype, device=recv.device)
-            if n_mine > 0:
-                upd[:n_mine, :rows] = muon_orthogonalize(full[:n_mine], group["ns_steps"]).to(recv.dtype)
-            send = upd.view(K, W, chunk, cols).permute(1, 0, 2, 3).contiguous()  # slot [i, k]: rank i's rows
+            rows, cols = group["params"][0].shape
+            mine = list(range(rank, len(group["params"]), W))  # my matrices: m = k*W + rank
+            send = torch.zeros_like(recv)
+            if mine:
+                full = torch.empty((len(mine), rows, cols), dtype=recv.dtype, device=recv.device)
+                for k, m in enumerate(mine):
+                    for i, (r, c, r0, c0) in enumerate(boxes[gi][m]):
+                        full[k, r0 : r0 + r, c0 : c0 + c] = recv[i, k, : r * c].view(r, c)
+                upd = muon_orthogonalize(full, group["ns_steps"]).to(recv.dtype)
+                for k, m in enumerate(mine):
+                    for i, (r, c, r0, c0) in enumerate(boxes[gi][m]):
+                        send[i, k, : r * c] = upd[k, r0 : r0 + r, c0 : c0 + c].reshape(-1)
             back = torch.empty_like(send)
             returns.append((group, back, dist.all_to_all_single(back, send, async_op=True), send))
 
-        # 3) Apply my rows of every update: back[j, k] holds my rows of matrix k*W + j.
+        # 3) Apply my rectangles: back[j, k] holds my part of matrix k*W + j.
         for group, back, work, _ in returns:
             work.wait()
             for m, p in enumerate(group["params"]):
                 k, j = divmod(m, W)
                 local = p.to_local()
-                local.add_(back[j, k, : local.size(0)].to(local.dtype), alpha=-group["lr"])
+                local.add_(back[j, k, : local.numel()].view_as(local).to(local.dtype), alpha=-group["lr"])
         return loss
 
     def state_dict(self):
         sd = super().state_dict()
-        sd["dist"] = {"world_size": self.world_size, "rank": self.rank, "kind": "FSDPMuon"}
+        sd["dist"] = {"world_size": self.world_size, "rank": self.rank, "kind": self.kind}
         return sd
 
     def load_state_dict(self, state_dict):
-        super().load_state_dict(_check_dist_state(state_dict, "FSDPMuon", self.rank, self.world_size))
+        super().load_state_dict(_check_dist_state(state_dict, self.kind, self.rank, self.world_size))
+
+
+class FSDPMuon(ShardedMuon):
+    """ShardedMuon for apply_fsdp's layout (dim-0 shards on a 1-D mesh of all ranks; checked), with its own
+    state-dict kind so FSDP checkpoints keep loading only into the FSDP path."""
+
+    kind = "FSDPMuon"
+
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5):
+        super().__init__(params, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps)
+        for group in self.param_groups:
+            for p in group["params"]:
+                _dim0_rows(p)  # raises unless Shard(0) on a 1-D mesh
 
 
 def setup_fsdp_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, use_muon=True,

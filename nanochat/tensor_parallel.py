@@ -36,8 +36,8 @@ two row-wise outputs); backward 2 (the input gradients of attention -- one for q
 replicated DTensor -- and of the MLP). Activation checkpointing re-runs a block's forward in the backward, so its two
 forward all-reduces happen again. docs/distributed.md has the totals and the measured numbers.
 
-ShardedMuon: Muon for DTensor matrices sharded over any mesh (2-D here: FSDP's dim-0 shard of TP's dim-0 or dim-1
-shard). Each rank holds a rectangle of each matrix (compute_local_shape_and_global_offset). The momentum runs on the
+ShardedMuon (nanochat/fsdp.py, next to FSDPMuon, which is the same optimizer restricted to a 1-D mesh): Muon for
+DTensor matrices sharded over any mesh (2-D here: FSDP's dim-0 shard of TP's dim-0 or dim-1 shard). Each rank holds a rectangle of each matrix (compute_local_shape_and_global_offset). The momentum runs on the
 rectangles (elementwise, exact); matrix m of a shape group is owned by rank m % world: one all-to-all sends every
 rank's rectangle of each matrix to its owner, the owner orthogonalises whole matrices (batched), a second
 all-to-all returns each rank its rectangle of the updates. So each full matrix is orthogonalised exactly once, and
@@ -49,12 +49,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private, but the only helper that knows _StridedShard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
 from nanochat.dist import set_tp_size
-from nanochat.muon import _check_dist_state, _check_muon_hparams, group_params_by_shape, muon_momentum_, muon_orthogonalize, ns_dtype
+from nanochat.fsdp import ShardedMuon  # noqa: F401  (defined with FSDPMuon, which is ShardedMuon on a 1-D mesh)
 
 
 def _require_dist():
@@ -127,113 +126,6 @@ def apply_tp(model, tp_size, param_dtype=None, reduce_dtype=torch.float32):
 
 # -----------------------------------------------------------------------------
 # optimizers
-
-
-def local_box(p):
-    """(rows, cols, row0, col0): the rectangle of the full matrix that this rank's DTensor shard of `p` holds."""
-    if not isinstance(p, DTensor):
-        return (*p.shape, 0, 0)
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    if tuple(shape) != tuple(p.to_local().shape):
-        raise RuntimeError(f"local shard of a {tuple(p.shape)} parameter is {tuple(p.to_local().shape)}, expected {tuple(shape)} from its placements {p.placements}")
-    return (shape[0], shape[1], offset[0], offset[1])
-
-
-class ShardedMuon(torch.optim.Optimizer):
-    """
-    Muon for DTensor matrices sharded over any mesh that spans all ranks (see the module docstring). State: one
-    momentum buffer per parameter, the size of this rank's shard. Hyperparameters per group as Muon's.
-    """
-
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5):
-        _check_muon_hparams(lr, momentum, ns_steps)
-        self.rank, self.world_size = _require_dist()
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps)
-        super().__init__(group_params_by_shape(params), defaults)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not isinstance(p, DTensor):
-                    raise TypeError("ShardedMuon takes sharded (DTensor) parameters; use Muon/DistMuon for plain tensors")
-                if p.device_mesh.size() != self.world_size:
-                    raise ValueError(f"ShardedMuon expects each parameter's mesh to span all {self.world_size} ranks, got a mesh of {p.device_mesh.size()}")
-        self._boxes = None  # per group: [per matrix: [per global rank: (rows, cols, row0, col0)]], gathered once
-
-    def _all_boxes(self):
-        if self._boxes is None:
-            mine = [[local_box(p) for p in g["params"]] for g in self.param_groups]
-            every = [None] * self.world_size
-            dist.all_gather_object(every, mine)  # once: the layout does not change during training
-            self._boxes = [[[every[r][gi][m] for r in range(self.world_size)] for m in range(len(g["params"]))] for gi, g in enumerate(self.param_groups)]
-        return self._boxes
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        W, rank = self.world_size, self.rank
-        boxes = self._all_boxes()
-
-        # 1) Momentum on my shards; slot [j, k] of the send buffer is my shard of matrix k*W + j (owner j),
-        #    flattened and zero-padded to the largest shard of the group. One all-to-all per group, all up front.
-        pending = []
-        for gi, group in enumerate(self.param_groups):
-            ps = group["params"]
-            K = -(-len(ps) // W)
-            slot = max(b[0] * b[1] for per_rank in boxes[gi] for b in per_rank)
-            device = ps[0].to_local().device
-            send = torch.zeros((W, K, slot), dtype=ns_dtype(device), device=device)
-            for m, p in enumerate(ps):
-                if p.grad is None:
-                    raise RuntimeError(f"ShardedMuon: a parameter of shape {tuple(p.shape)} has no gradient on rank {rank}; every rank must backprop through every matrix")
-                g = p.grad.to_local()
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(g)
-                d = muon_momentum_(g, state["momentum_buffer"], group["momentum"], group["nesterov"])
-                k, j = divmod(m, W)
-                send[j, k, : d.numel()] = d.reshape(-1)
-            recv = torch.empty_like(send)
-            work = dist.all_to_all_single(recv, send, async_op=True)
-            pending.append((gi, group, K, recv, work, send))  # send kept alive until the all-to-all is done
-
-        # 2) Per group: assemble my matrices from every rank's rectangles, orthogonalise them in one batch, send each
-        #    rank its rectangles of the updates.
-        returns = []
-        for gi, group, K, recv, work, _ in pending:
-            work.wait()
-            rows, cols = group["params"][0].shape
-            mine = list(range(rank, len(group["params"]), W))  # my matrices: m = k*W + rank
-            send = torch.zeros_like(recv)
-            if mine:
-                full = torch.empty((len(mine), rows, cols), dtype=recv.dtype, device=recv.device)
-                for k, m in enumerate(mine):
-                    for i, (r, c, r0, c0) in enumerate(boxes[gi][m]):
-                        full[k, r0 : r0 + r, c0 : c0 + c] = recv[i, k, : r * c].view(r, c)
-                upd = muon_orthogonalize(full, group["ns_steps"]).to(recv.dtype)
-                for k, m in enumerate(mine):
-                    for i, (r, c, r0, c0) in enumerate(boxes[gi][m]):
-                        send[i, k, : r * c] = upd[k, r0 : r0 + r, c0 : c0 + c].reshape(-1)
-            back = torch.empty_like(send)
-            returns.append((group, back, dist.all_to_all_single(back, send, async_op=True), send))
-
-        # 3) Apply my rectangles: back[j, k] holds my part of matrix k*W + j.
-        for group, back, work, _ in returns:
-            work.wait()
-            for m, p in enumerate(group["params"]):
-                k, j = divmod(m, W)
-                local = p.to_local()
-                local.add_(back[j, k, : local.numel()].view_as(local).to(local.dtype), alpha=-group["lr"])
-        return loss
-
-    def state_dict(self):
-        sd = super().state_dict()
-        sd["dist"] = {"world_size": self.world_size, "rank": self.rank, "kind": "ShardedMuon"}
-        return sd
-
-    def load_state_dict(self, state_dict):
-        super().load_state_dict(_check_dist_state(state_dict, "ShardedMuon", self.rank, self.world_size))
 
 
 def setup_tp_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, use_muon=True):

@@ -232,3 +232,16 @@ def test_sft_tp2_matches_one_process(tmp_path, monkeypatch):
     b, _, _ = load_checkpoint(str(base / "chatsft_checkpoints" / "tp"), 3, "cpu")
     for k in a:
         assert (a[k] - b[k]).abs().mean() <= 1e-4 * a[k].abs().mean(), k
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_tp_compiled_with_ac_matches_eager_one_process(base_dir):
+    """torch.compile (per block, as under FSDP) x TP x activation checkpointing: no graph break, same run as eager."""
+    steps = 3
+    _single(base_dir, "refc", steps, 1)
+    p = run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=256", f"--num_iterations={steps}",
+                      "--model_tag=tpc", "--tp_size=2", "--compile=1", "--activation_checkpointing=full"],
+                     env=subprocess_env(base_dir, NANOCHAT_COMPILE="1"), timeout=900)
+    assert "cold compile" in p.stdout and "graph break" not in p.stdout + p.stderr
+    assert_same_run(base_dir, "refc", "tpc", steps)

@@ -23,8 +23,8 @@ Collective rules (why each exists):
     split work by DATA rank (`nanochat.dist.data_rank_world`), never by global rank.
   * every forward is a collective (two all-reduces per block), as under FSDP: sample on every rank, and an eval that
     splits problems over data ranks must give each rank the same number of forwards.
-  * n_head and n_kv_head must be divisible by tp_size (heads are not split), checked with a message naming the valid
-    sizes. Parameter names and shapes are unchanged, so checkpoints stay one full model file.
+  * n_head, n_kv_head and 4*n_embd must be divisible by tp_size (heads are not split), checked with a message naming
+    the valid sizes. Parameter names and shapes are unchanged, so checkpoints stay one full model file.
 
 Why wte and lm_head are not tensor-parallel: sharding the vocabulary would need a vocab-parallel cross-entropy and
 softcap (the logits would be sharded); at nanochat's sizes they are a small part of the model and FSDP over dp
@@ -36,13 +36,17 @@ two row-wise outputs); backward 2 (the input gradients of attention -- one for q
 replicated DTensor -- and of the MLP). Activation checkpointing re-runs a block's forward in the backward, so its two
 forward all-reduces happen again. docs/distributed.md has the totals and the measured numbers.
 
-ShardedMuon (nanochat/fsdp.py, next to FSDPMuon, which is the same optimizer restricted to a 1-D mesh): Muon for
-DTensor matrices sharded over any mesh (2-D here: FSDP's dim-0 shard of TP's dim-0 or dim-1 shard). Each rank holds a rectangle of each matrix (compute_local_shape_and_global_offset). The momentum runs on the
-rectangles (elementwise, exact); matrix m of a shape group is owned by rank m % world: one all-to-all sends every
-rank's rectangle of each matrix to its owner, the owner orthogonalises whole matrices (batched), a second
-all-to-all returns each rank its rectangle of the updates. So each full matrix is orthogonalised exactly once, and
-the update equals the unsharded one (same full matrix, same Newton-Schulz). It is FSDPMuon's scheme with rectangles
-in place of row ranges.
+ShardedMuon (nanochat/fsdp.py; FSDPMuon is the same class checked for FSDP's 1-D layout): Muon for DTensor matrices
+sharded over any mesh that spans all ranks (2-D here: FSDP's dim-0 shard of TP's dim-0 or dim-1 shard). Each rank
+holds a rectangle of each matrix (compute_local_shape_and_global_offset). The momentum runs on the rectangles
+(elementwise, exact); matrix m of a shape group is owned by rank m % world: one all-to-all sends every rank's
+rectangle of each matrix to its owner, the owner orthogonalises whole matrices (batched), a second all-to-all returns
+each rank its rectangle of the updates. So each full matrix is orthogonalised exactly once, and the update equals the
+unsharded one (same full matrix, same Newton-Schulz).
+
+Not TP-aware (they run in one process or on the DDP path, loading the full model file): the inference Engine,
+chat_cli, chat_web, scripts.chat_eval, chat_rl (no --tp_size). --fp8=1 with tp_size > 1 is refused (torchao's float8
+linears need their own TP styles).
 """
 
 import torch

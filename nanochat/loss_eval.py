@@ -18,7 +18,9 @@ def evaluate_bpb(model, batches, steps, token_bytes):
     model: called as model(x, y, loss_reduction='none') -> per-token loss.
     batches: iterator of (x, y) or (x, y, state). steps: batches to consume on this rank.
     token_bytes: int tensor (vocab,) of byte lengths, on the model's device.
-    Sums are all-reduced across ranks, so every rank returns the same number.
+    Sums are all-reduced across ranks, so every rank returns the same number. Under tensor parallelism the tp ranks of
+    a group read the same batches (data rank loaders), so each group's sums count tp times in both nats and bytes: the
+    ratio is unchanged.
     """
     device = token_bytes.device
     total_nats = torch.zeros((), dtype=torch.float64, device=device)

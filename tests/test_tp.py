@@ -7,6 +7,7 @@ base training, against one process with the same global batch (tolerances as tes
 - activation checkpointing under TP gives the same run; evaluation (bpb) and sampling run mid-training (every forward
   is collective); the TP checkpoint is one full model file that loads in one process with the same logits
 - resuming a TP run is exact; resuming it with another layout is refused with the flag to use
+- mid_train and chat_sft under TP == 1 process; torch.compile x TP x activation checkpointing == eager 1 process
 - ShardedMuon on awkward layouts (uneven rectangles, Shard(1) x Shard(0), replicated dims) == Muon on full matrices
 - the head-divisibility and world-size errors name the valid sizes (no process group needed)
 """
@@ -186,9 +187,9 @@ def test_tp_size_errors_name_the_valid_values():
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_sft_tp2_matches_one_process(tmp_path, monkeypatch):
-    """chat_sft --tp_size=2 on 2 ranks (one data rank: both tp ranks take the same conversations) == 1 process."""
-    from test_posttrain import require_chat_data, SHARED_DATA
+def test_mid_and_sft_tp2_match_one_process(tmp_path, monkeypatch):
+    """mid_train and chat_sft --tp_size=2 on 2 ranks (one data rank: both tp ranks take the same rows) == 1 process."""
+    from test_posttrain import SHARED_DATA, require_chat_data
 
     require_chat_data()
     from nanochat.checkpoint_manager import load_checkpoint, save_checkpoint
@@ -196,7 +197,7 @@ def test_sft_tp2_matches_one_process(tmp_path, monkeypatch):
     from nanochat.metrics import read_metrics
     from nanochat.tokenizer import compute_token_bytes, save_token_bytes
     from nanochat.training import build_model
-    from scripts import chat_sft
+    from scripts import chat_sft, mid_train
     from tests.chat_fixtures import tiny_tokenizer
 
     base = tmp_path / "base"
@@ -213,25 +214,36 @@ def test_sft_tp2_matches_one_process(tmp_path, monkeypatch):
     for tag in ("one", "tp"):
         save_checkpoint(str(base / "base_checkpoints" / tag), 0, model.state_dict(), None, {"model_config": vars(config), "step": 0})
 
-    def args(tag):
+    def series(stage, tag, key):
+        return [(r["step"], r[key]) for r in read_metrics(base / f"{stage}_checkpoints" / tag / "metrics.jsonl") if key in r]
+
+    def compare(stage, keys, step):
+        for key, tol in keys:
+            a, b = series(stage, "one", key), series(stage, "tp", key)
+            assert len(a) >= 2 and [s for s, _ in a] == [s for s, _ in b], (stage, key, a, b)
+            assert [v for _, v in b] == pytest.approx([v for _, v in a], abs=tol), (stage, key, a, b)
+        a, _, _ = load_checkpoint(str(base / f"{stage}_checkpoints" / "one"), step, "cpu")
+        b, _, _ = load_checkpoint(str(base / f"{stage}_checkpoints" / "tp"), step, "cpu")
+        for k in a:
+            assert (a[k] - b[k]).abs().mean() <= 1e-4 * a[k].abs().mean(), (stage, k)
+
+    def mid_args(tag):
+        return ["--device_type=cpu", "--max_seq_len=64", "--device_batch_size=2", "--total_batch_size=256",
+                "--num_iterations=3", "--eval_every=3", "--eval_tokens=256", f"--model_tag={tag}"]
+
+    mid_train.main(mid_args("one"))
+    p = run_torchrun(["-m", "scripts.mid_train", *mid_args("tp"), "--tp_size=2"], env=subprocess_env(base))
+    assert "x 1 rank(s) x 2 accumulation" in p.stdout
+    compare("mid", [("train/loss", 1e-5), ("val/bpb", 1e-5)], 3)
+
+    def sft_args(tag):
         return ["--source=base", "--device_type=cpu", "--device_batch_size=1", "--target_examples_per_step=2",
                 "--num_iterations=3", "--eval_every=3", "--eval_steps=2", "--eval_metrics_every=-1", f"--model_tag={tag}"]
 
-    chat_sft.main(args("one"))
-    p = run_torchrun(["-m", "scripts.chat_sft", *args("tp"), "--tp_size=2"], env=subprocess_env(base))
+    chat_sft.main(sft_args("one"))
+    p = run_torchrun(["-m", "scripts.chat_sft", *sft_args("tp"), "--tp_size=2"], env=subprocess_env(base))
     assert "x 1 rank(s) x 2 accumulation" in p.stdout
-
-    def series(tag, key):
-        return [(r["step"], r[key]) for r in read_metrics(base / "chatsft_checkpoints" / tag / "metrics.jsonl") if key in r]
-
-    for key, tol in (("train/loss", 1e-5), ("val/loss", 1e-5), ("train/num_tokens", 0)):
-        a, b = series("one", key), series("tp", key)
-        assert len(a) >= 2 and [s for s, _ in a] == [s for s, _ in b], (key, a, b)
-        assert [v for _, v in b] == pytest.approx([v for _, v in a], abs=tol), (key, a, b)
-    a, _, _ = load_checkpoint(str(base / "chatsft_checkpoints" / "one"), 3, "cpu")
-    b, _, _ = load_checkpoint(str(base / "chatsft_checkpoints" / "tp"), 3, "cpu")
-    for k in a:
-        assert (a[k] - b[k]).abs().mean() <= 1e-4 * a[k].abs().mean(), k
+    compare("chatsft", [("train/loss", 1e-5), ("val/loss", 1e-5), ("train/num_tokens", 0)], 3)
 
 
 @pytest.mark.dist

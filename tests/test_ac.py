@@ -84,12 +84,14 @@ def peak_bytes(mode):
     return peak
 
 
+@pytest.mark.slow  # profiles a model big enough to show the saving
 def test_peak_memory_is_lower():
     none, full, selective = peak_bytes("none"), peak_bytes("full"), peak_bytes("selective")
     assert full < 0.5 * none, (none, full)
     assert full < selective < 0.8 * none, (none, full, selective)
 
 
+@pytest.mark.slow  # compiles forward and backward
 def test_compiled_matches_eager():
     torch._dynamo.reset()
     ref_loss, ref_grads = loss_and_grads(model_with("none")[0])

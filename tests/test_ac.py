@@ -128,3 +128,18 @@ def test_fsdp_and_ddp_same_losses():
     # and the two paths train alike (tests/test_dist_train.py compares them to one process in detail)
     for a, b in zip(out["ddp"]["none"], out["fsdp"]["none"]):
         assert abs(a - b) < 1e-4, out
+
+
+def test_train_bench_takes_the_flag(capsys):
+    """bench/train_bench.py's --activation_checkpointing (the docs/benchmarks.md GPU commands use it)."""
+    import json
+
+    from bench.train_bench import main
+
+    main(["--depth=2", "--max_seq_len=32", "--device_batch_size=2", "--vocab_size=256", "--steps=1", "--warmup=0",
+          "--device_type=cpu", "--attn=sdpa", "--compile=0", "--activation_checkpointing=selective", "--ac_every=2"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0] == "Activation checkpointing (selective): 1 of 2 blocks recompute their activations in the backward"
+    assert "| AC | FP8 |" in out[1]
+    r = json.loads(out[-1])
+    assert r["activation_checkpointing"] == "selective (every 2)" and r["fp8"] == "off" and r["tok_per_s"] > 0

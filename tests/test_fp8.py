@@ -200,3 +200,12 @@ def test_emulated_fp8_under_fsdp_trains_like_the_unconverted_model():
         assert len(out[recipe]) == 3
         for a, b in zip(out[recipe], out["none"]):
             assert abs(a - b) < LOSS_ATOL, (recipe, out)
+
+
+def test_train_bench_refuses_fp8_on_cpu(capsys):
+    from bench.train_bench import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--depth=1", "--device_type=cpu", "--fp8=1"])
+    assert e.value.code == 2
+    assert "use --fp8=0" in capsys.readouterr().err

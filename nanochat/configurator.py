@@ -108,7 +108,7 @@ class Flag:
             head = f"  {'-' + self.short + ', ' if self.short else ''}--{self.name}"
             head += " (required)" if self.required else f"={format_value(self.default)}"
         if self.choices:
-            kind = " | ".join((["auto"] if self.default is None else []) + [format_value(c) for c in self.choices])
+            kind = " | ".join((["auto"] if self.default is None and not self.required else []) + [format_value(c) for c in self.choices])
         else:
             kind = _TYPE_NAMES[self.type]
         lines = [f"{head}  [{kind}]"]
@@ -282,7 +282,12 @@ class Flags:
             raise FlagError(f"missing required {', '.join(missing)} (run with --help for what each means)")
         return config
 
-    parse_args = parse  # the argparse spelling, for call sites and tests written against argparse
+    def parse_args(self, argv=None, prog=None, description=None):
+        """argparse's contract, for the CLIs that were argparse: a bad flag prints usage + the error, exit status 2."""
+        try:
+            return self.parse(argv, prog=prog, description=description)
+        except FlagError as e:
+            self.error(str(e), prog)
 
     def _suggest(self, key):
         names = [f.name for f in self.flags() if not f.positional and not f.hidden]

@@ -59,12 +59,14 @@ class Flag:
     def convert(self, raw):
         """The typed value of the command-line text `raw` (FlagError naming the flag and what it expects)."""
         name = self.display_name()
-        if self.default is None and raw.strip().lower() in ("auto", ""):
+        low = raw.strip().lower()
+        # auto: `auto`, or an empty value where that was the old spelling of auto (--device_type=); a free-form
+        # string keeps "" (chat_web's --api_key= means "no key", not "the key in the environment")
+        if self.default is None and (low == "auto" or (low == "" and self.choices is not None)):
             if self.required:
                 raise FlagError(f"{name} is required: pass a value")
             return None
         if self.type is bool:
-            low = raw.strip().lower()
             if low in _TRUE:
                 value = True
             elif low in _FALSE:

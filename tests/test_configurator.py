@@ -67,7 +67,10 @@ def test_auto_values():
     assert FLAGS.parse([])["eval_tokens"] is None
     assert FLAGS.parse(["--eval_tokens=auto"])["eval_tokens"] is None
     assert FLAGS.parse(["--eval_tokens", "AUTO"])["eval_tokens"] is None
-    assert FLAGS.parse(["--model_tag="])["model_tag"] is None  # the old empty spelling of "auto" still works
+    device = Flags(Flag("device_type", None, "cuda | cpu; auto = detect", type=str, choices=["cuda", "cpu"]))
+    assert device.parse(["--device_type="])["device_type"] is None  # the old empty spelling of autodetect still works
+    assert device.parse(["--device_type=auto"])["device_type"] is None
+    assert FLAGS.parse(["--model_tag="])["model_tag"] == ""  # a free-form string keeps an explicit empty value
     assert FLAGS.parse(["--eval_tokens=1024"])["eval_tokens"] == 1024
     with pytest.raises(FlagError, match="--eval_tokens expects an integer"):
         FLAGS.parse(["--eval_tokens=lots"])

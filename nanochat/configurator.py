@@ -16,7 +16,8 @@ is declared (`-i sft`), and positional arguments where declared (import_hf's DIR
 `type=` when the default is None. None means "auto": the script works the value out (from the device, the model...),
 `--help` prints it as `auto`, and `--flag=auto` asks for it explicitly; a value the user passes always wins, even one
 equal to what auto would pick. Booleans take 1/0/true/false/yes/no/on/off, or nothing (`--fp8` = `--fp8=1`).
-`choices` (or a `check` function) are checked here, once, with an error that lists them; unknown flags are errors that suggest close names.
+`choices` (or a `check` function) are checked here, once, with an error that lists them; unknown flags are errors
+that suggest close names. Scripts read the result as a plain dict (checkpoints store it as user_config).
 """
 
 import argparse
@@ -110,7 +111,8 @@ class Flag:
             head = f"  {'-' + self.short + ', ' if self.short else ''}--{self.name}"
             head += " (required)" if self.required else f"={format_value(self.default)}"
         if self.choices:
-            kind = " | ".join((["auto"] if self.default is None and not self.required else []) + [format_value(c) for c in self.choices])
+            auto = ["auto"] if self.default is None and not self.required else []
+            kind = " | ".join(auto + [format_value(c) for c in self.choices])
         else:
             kind = _TYPE_NAMES[self.type]
         lines = [f"{head}  [{kind}]"]
@@ -136,7 +138,7 @@ def format_value(value):
 
 
 class Config(dict):
-    """The parsed flags: a plain dict (config["depth"]; checkpoints store dict(config)) that also reads as config.depth."""
+    """The parsed flags: a plain dict (config["depth"]; checkpoints store dict(config)), also read as config.depth."""
 
     def __getattr__(self, key):
         try:

@@ -14,7 +14,9 @@ from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes
-from nanochat.training import CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, autocast_ctx, eval_steps_for, resolve_dtype, source_flags
+from nanochat.training import (
+    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, autocast_ctx, eval_steps_for, resolve_dtype, source_flags
+)
 
 FLAGS = Flags(
     Flag("device_type", None, "cuda | cpu | mps; auto = cuda if available, else mps, else cpu", type=str,

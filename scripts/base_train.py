@@ -41,7 +41,8 @@ FLAGS = Flags(
     "model",
     Flag("depth", 20, "transformer blocks; width (64 x depth) and heads follow from it, as nanochat"),
     Flag("max_seq_len", 2048, "context length in tokens (rows of the training batch)"),
-    Flag("init", "normal", "weight init: normal (arXiv 2310.17813's scaling), or nanochat's exact scheme (nanochat/gpt.py)", choices=["normal", "nanochat"]),
+    Flag("init", "normal", "weight init: normal (arXiv 2310.17813's scaling), or nanochat's exact scheme "
+         "(nanochat/gpt.py)", choices=["normal", "nanochat"]),
     Flag("attn", "auto", "attention kernel: auto = FlashAttention-3 where it runs (Hopper), else PyTorch SDPA",
          choices=["auto", "sdpa", "fa3"]),
     "horizon (the first one > 0 wins)",

@@ -28,31 +28,39 @@ if str(REPO) not in sys.path:
 
 from nanochat.training import apply_model_options, autocast_ctx, build_model, check_model_options, resolve_dtype, train_step  # noqa: E402
 from nanochat.common import autodetect_device_type, peak_flops_for  # noqa: E402
-from nanochat.compile import maybe_compile  # noqa: E402
-from nanochat.configurator import parse_flags_or_exit  # noqa: E402
+from nanochat.compile import compile_flag, maybe_compile  # noqa: E402
+from nanochat.configurator import Flag, Flags, parse_flags_or_exit  # noqa: E402
 from nanochat.gpt import config_for_depth  # noqa: E402
 
-DEFAULTS = dict(
-    depth=4,
-    max_seq_len=256,
-    device_batch_size=8,
-    vocab_size=65536,  # nanochat's tokenizer size (2**16)
-    steps=10,  # timed steps
-    warmup=3,  # untimed steps first (compilation, allocator, optimizer state)
-    compile="auto",  # auto | 1 | 0, as base_train (nanochat/compile.py): compiled wherever torch.compile works
-    attn="auto",  # auto | sdpa | fa3, or a comma list such as sdpa,fa3
-    dtype="auto",  # auto (bf16 autocast on CUDA, fp32 elsewhere) | bfloat16 | float32
-    device_type="",  # cuda | cpu | mps; empty = autodetect
-    init="normal",
-    use_muon=True,
-    grad_clip=1.0,
-    activation_checkpointing="none",  # none | full | selective, as base_train
-    ac_every=2,  # selective: every ac_every-th block
-    fp8=False,  # FP8 block matmuls (torchao; CUDA with compute capability >= 8.9), as base_train
-    fp8_recipe="tensorwise",  # tensorwise | rowwise
-    threads=0,  # CPU threads for torch (0 = torch's default)
-    seed=42,
+FLAGS = Flags(
+    "model",
+    Flag("depth", 4, "transformer blocks (as base_train)"),
+    Flag("max_seq_len", 256, "tokens per row"),
+    Flag("device_batch_size", 8, "rows per step"),
+    Flag("vocab_size", 65536, "vocabulary size (nanochat's tokenizer: 2**16)"),
+    Flag("init", "normal", "weight init (as base_train)", choices=["normal", "nanochat"]),
+    Flag("attn", "auto", "attention kernel: auto | sdpa | fa3, or a comma list such as sdpa,fa3 to compare them"),
+    "timing",
+    Flag("steps", 10, "timed steps"),
+    Flag("warmup", 3, "untimed steps first (compilation, allocator, optimizer state)"),
+    "training",
+    compile_flag(),
+    Flag("dtype", "auto", "compute dtype: auto = bfloat16 autocast on CUDA, float32 elsewhere",
+         choices=["auto", "bfloat16", "float32", "bf16", "fp32"]),
+    Flag("use_muon", True, "Muon for the matrices (0: AdamW for everything)"),
+    Flag("grad_clip", 1.0, "clip the gradient norm to this (<= 0: no clipping)"),
+    Flag("activation_checkpointing", "none", "recompute block activations in the backward (as base_train)",
+         choices=["none", "full", "selective"]),
+    Flag("ac_every", 2, "selective activation checkpointing: every ac_every-th block"),
+    Flag("fp8", False, "FP8 block matmuls (torchao; CUDA with compute capability >= 8.9), as base_train"),
+    Flag("fp8_recipe", "tensorwise", "FP8 scaling granularity", choices=["tensorwise", "rowwise"]),
+    "systems",
+    Flag("device_type", None, "cuda | cpu | mps; auto = cuda if available, else mps, else cpu", type=str,
+         choices=["cuda", "cpu", "mps"]),
+    Flag("threads", 0, "CPU threads for torch (0 = torch's default)"),
+    Flag("seed", 42, "seed of the weights and the synthetic tokens"),
 )
+DEFAULTS = FLAGS.defaults()
 
 
 def sync(device):
@@ -147,7 +155,7 @@ def markdown_row(r):
 
 
 def main(argv=None):
-    cfg = parse_flags_or_exit(DEFAULTS, argv, description=__doc__)
+    cfg = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     if cfg["steps"] < 1 or cfg["warmup"] < 0:
         print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
         sys.exit(2)

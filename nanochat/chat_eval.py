@@ -15,13 +15,15 @@ The tasks themselves (which split, which data) are built in tasks/suites.py; the
 import torch
 import torch.distributed as dist
 
-from nanochat.common import get_dist_info
+from nanochat.dist import data_rank_world
 
 TASK_NAMES = ["ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee"]
 BASELINES = {"ARC-Easy": 0.25, "ARC-Challenge": 0.25, "MMLU": 0.25, "GSM8K": 0.0, "HumanEval": 0.0, "SpellingBee": 0.0}
 
 
 def _reduce_counts(passed, total, device):
+    if data_rank_world()[2] != 0:
+        passed = total = 0  # a tensor-parallel group's tp ranks ran the same problems: count them once
     counts = torch.tensor([passed, total], dtype=torch.long, device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
@@ -46,7 +48,7 @@ def _max_positions(model):
 @torch.no_grad()
 def run_categorical_eval(task, tokenizer, model, batch_size, max_problems=None):
     """Accuracy by letter logits at the position after <|assistant_start|>. Problems are strided over ranks."""
-    _, rank, _, world = get_dist_info()
+    rank, world, _ = data_rank_world()  # strided over data ranks (tp ranks of a group run the same problems)
     device = model.get_device()
     bos = tokenizer.get_bos_token_id()
     max_len = _max_positions(model)
@@ -82,7 +84,7 @@ def run_categorical_eval(task, tokenizer, model, batch_size, max_problems=None):
 def run_generative_eval(task, tokenizer, model, engine, num_samples, max_new_tokens, temperature, top_k,
                         max_problems=None):
     """Fraction of problems where any of num_samples sampled completions is right. Problems are strided over ranks."""
-    _, rank, _, world = get_dist_info()
+    rank, world, _ = data_rank_world()  # strided over data ranks (tp ranks of a group run the same problems)
     device = model.get_device()
     max_len = _max_positions(model)
     n = len(task) if max_problems is None else min(len(task), max_problems)

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nanochat.dist import data_rank_world
+
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 
 # -----------------------------------------------------------------------------
@@ -293,11 +295,12 @@ def evaluate_example(idx, model, tokenizer, data, device, task_meta):
 
 def evaluate_task(model, tokenizer, data, device, task_meta):
     """
-    Accuracy on one task. Under torchrun each rank takes every world_size-th example; counts are all-reduced.
+    Accuracy on one task. Under torchrun each data rank takes every data_world-th example; counts are all-reduced.
     Every rank runs the same number of forward passes (a rank short of examples re-runs one and discards it):
     a model sharded with FSDP all-gathers its weights inside forward, which every rank must join.
     """
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+    # by data rank: the tp ranks of a tensor-parallel group run the same examples together (nanochat/dist.py)
+    rank, world, tp_rank = data_rank_world()
     correct = torch.zeros(len(data), dtype=torch.float32, device=device)
     for step in range(-(-len(data) // world)):
         idx = rank + step * world
@@ -305,7 +308,9 @@ def evaluate_task(model, tokenizer, data, device, task_meta):
             correct[idx] = float(evaluate_example(idx, model, tokenizer, data, device, task_meta))
         else:
             evaluate_example(0, model, tokenizer, data, device, task_meta)  # keep in step with the other ranks
-    if world > 1:
+    if tp_rank != 0:
+        correct.zero_()  # each tensor-parallel group's results count once
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(correct, op=dist.ReduceOp.SUM)
     return correct.sum().item() / len(data)  # an exact count (float32 holds integers < 2^24), exact division
 

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from nanochat.common import get_dist_info
+from nanochat.dist import data_rank_world
 from nanochat.dataset import split_parquet_files
 
 
@@ -105,7 +105,8 @@ def tokenizing_distributed_data_loader(
     """
     Infinite iterator of (inputs, targets, state_dict): int64 tensors of shape (B, T) on `device` (targets are the
     inputs shifted by one token) and the small JSON-able dict that resumes this rank right after this batch.
-    Consecutive batches are consecutive windows of the token stream. rank/world_size default to torchrun's.
+    Consecutive batches are consecutive windows of the token stream. rank/world_size default to torchrun's (data rank
+    and data world under tensor parallelism).
     """
     if B < 1 or T < 1:
         raise ValueError(f"B and T must be >= 1, got B={B}, T={T}")
@@ -114,7 +115,7 @@ def tokenizing_distributed_data_loader(
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     if rank is None or world_size is None:
-        _, dist_rank, _, dist_world_size = get_dist_info()
+        dist_rank, dist_world_size, _ = data_rank_world()  # by data rank: tp ranks of a group read the same tokens
         rank = dist_rank if rank is None else rank
         world_size = dist_world_size if world_size is None else world_size
     if not 0 <= rank < world_size:

@@ -7,6 +7,9 @@ torch.distributed in one place: process-group setup and the few collectives the 
   collective must live.
 - `all_reduce_mean`, `all_reduce_sum`, `any_rank`, `gather_objects`: python values across ranks.
 - `raise_on_every_rank`: an error one rank hits before a collective becomes an error on every rank (not a hang).
+- `data_rank_world`, `set_tp_size`: under tensor parallelism (`--tp_size`, nanochat/tensor_parallel.py) the tp ranks
+  of a group must see the same data, so loaders and evaluations split work by data rank = rank // tp_size over
+  world // tp_size data ranks, and count each group's result once (tp_rank 0). Without TP: the rank and world.
 
 Every function works in a single process (without torch.distributed initialised) and then does what the plain code
 would: a mean of one value is the value, and so on. nanochat's names (`get_dist_info`, `compute_init`, ...) are also
@@ -34,6 +37,26 @@ def get_dist_info():
     if all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
         return True, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     return False, 0, 0, 1
+
+
+_TP_SIZE = 1  # set once by nanochat.tensor_parallel.apply_tp; 1 = no tensor parallelism
+
+
+def set_tp_size(tp_size):
+    """Record this process's tensor-parallel size (ranks r with the same r // tp_size form one data rank)."""
+    global _TP_SIZE
+    if int(tp_size) < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    _TP_SIZE = int(tp_size)
+
+
+def data_rank_world():
+    """(data_rank, data_world, tp_rank): how to split data and evaluation work; (rank, world, 0) without TP."""
+    _, rank, _, world = get_dist_info()
+    if is_ddp_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    tp = _TP_SIZE if world % _TP_SIZE == 0 else 1
+    return rank // tp, world // tp, rank % tp
 
 
 def is_ddp_initialized():

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP2 (public here since torch 2.6)
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private; knows FSDP x TP layouts
 
 from nanochat.muon import _check_dist_state, _check_muon_hparams, group_params_by_shape, muon_momentum_, muon_orthogonalize, ns_dtype
 
@@ -130,7 +131,7 @@ def full_model_state_dict(model):
 @torch.no_grad()
 def load_full_model_state_dict(model, state_dict):
     """
-    Load a full (unsharded) state dict into the FSDP model: each rank takes its own rows, no communication. Every rank
+    Load a full (unsharded) state dict into the FSDP (or FSDP x TP) model: each rank takes its own block, no communication. Every rank
     must pass the full dict (e.g. each rank reads the model_*.pt file). Keys must match exactly (strip `_orig_mod.`
     prefixes first); shapes must match the model's global shapes.
     """
@@ -148,8 +149,9 @@ def load_full_model_state_dict(model, state_dict):
         if tuple(full.shape) != tuple(cur.shape):
             raise ValueError(f"{name}: checkpoint shape {tuple(full.shape)} != model shape {tuple(cur.shape)}")
         if isinstance(cur, DTensor):
-            _, start, n = _dim0_rows(cur)
-            local = full[start : start + n].to(device=cur.device, dtype=cur.dtype).contiguous()
+            # this rank's block of the full tensor, for any placements (FSDP's dim-0 rows, or a 2-D FSDP x TP box)
+            shape, offset = compute_local_shape_and_global_offset(cur.shape, cur.device_mesh, cur.placements)
+            local = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].to(device=cur.device, dtype=cur.dtype).contiguous()
             new[name] = DTensor.from_local(local, cur.device_mesh, cur.placements, run_check=False, shape=cur.shape, stride=cur.stride())
         else:
             new[name] = full.to(device=cur.device, dtype=cur.dtype)
@@ -275,10 +277,11 @@ class FSDPMuon(torch.optim.Optimizer):
         super().load_state_dict(_check_dist_state(state_dict, "FSDPMuon", self.rank, self.world_size))
 
 
-def setup_fsdp_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, use_muon=True):
+def setup_fsdp_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, use_muon=True,
+                          muon_cls=None):
     """
     The optimizers for an apply_fsdp()-sharded GPT: FSDPAdamW for lm_head and wte (and the matrices when use_muon is
-    false), FSDPMuon for the block matrices. The groups, learning rates (with GPT's width scaling), betas, eps and
+    false), FSDPMuon (or `muon_cls`: the tensor-parallel path passes ShardedMuon) for the block matrices. The groups, learning rates (with GPT's width scaling), betas, eps and
     weight decay are taken from GPT.setup_optimizers so the two paths cannot drift apart; only the optimizer classes
     change. Every group carries "initial_lr".
     """
@@ -299,5 +302,5 @@ def setup_fsdp_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_
         else:  # a Muon
             keep = ("params", "lr", "momentum", "nesterov", "ns_steps", "initial_lr")
             groups = [{k: g[k] for k in keep} for g in groups]
-            optimizers.append(FSDPMuon(groups))
+            optimizers.append((muon_cls or FSDPMuon)(groups))
     return optimizers

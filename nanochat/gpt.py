@@ -211,9 +211,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cos_sin, kv_cache, backend):
         B, T, C = x.size()
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
-        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
-        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        # -1 heads: under tensor parallelism c_q/c_k/c_v return this rank's heads only (nanochat/tensor_parallel.py)
+        q = self.c_q(x).view(B, T, -1, self.head_dim)
+        k = self.c_k(x).view(B, T, -1, self.head_dim)
+        v = self.c_v(x).view(B, T, -1, self.head_dim)
         q, k = rotate(q, *cos_sin), rotate(k, *cos_sin)  # cos_sin: full_rotary_tables of this forward's positions
         q, k = norm(q), norm(k)  # QK norm, after rotary as nanochat
 

@@ -2,7 +2,8 @@
 How a training run spreads the model over ranks: one strategy object, chosen once from the flags, with the few
 operations the training loop needs. The loop never asks which strategy it has.
 
-    parallel = parallel_from_config(config)                 # --use_fsdp, --fsdp_reduce_dtype, --fsdp_defer_grad_sync
+    parallel = parallel_from_config(config)                 # --use_fsdp, --tp_size, --fsdp_reduce_dtype, --fsdp_defer_grad_sync
+    data_rank, data_world = parallel.data_rank_and_world(rank, world)   # which shard of the data this rank reads
     model = parallel.wrap(model, device)                    # after init_weights / loading the weights
     optimizers = parallel.setup_optimizers(model, matrix_lr=..., ...)
     parallel.set_grad_sync(model, micro_step, grad_accum)  # before each micro-step's forward (training.train_step)
@@ -10,7 +11,7 @@ operations the training loop needs. The loop never asks which strategy it has.
     parallel.load_model_state_dict(model, state)            # a full state dict (any strategy's checkpoint)
     parallel.collective_forward                             # True: every forward is a collective (sample on all ranks)
 
-Two strategies (docs/distributed.md compares them):
+Three strategies (docs/distributed.md compares them):
 
 - `DataParallel` (name "ddp", the default): every rank holds the whole model and its local gradients; DistAdamW and
   DistMuon average the gradients and shard the optimizer state themselves (in one process: plain AdamW and Muon).
@@ -18,9 +19,13 @@ Two strategies (docs/distributed.md compares them):
 - `FSDP` (name "fsdp", `--use_fsdp=1`): FSDP2 shards parameters, gradients and optimizer state (nanochat/fsdp.py has
   the mechanics). With defer_grad_sync the gradients are reduce-scattered once per step instead of per micro-step.
 
-The model file is the same single-file format for both (only the per-rank optimizer files differ), so a later stage
-may use either strategy on an earlier stage's model; resuming a run's optimizer state needs the strategy it was saved
-with (`check_resume`). Another strategy (HSDP, tensor parallelism) is one more class here plus a line in
+- `TensorParallel` (name "tp", `--tp_size=N`, N > 1): the blocks' matrices split over N ranks (heads and MLP units),
+  composed with FSDP2 over the world/N data ranks (nanochat/tensor_parallel.py). The N ranks of a tensor-parallel
+  group read the same data: `data_rank_and_world` gives the data rank (rank // N) and the number of data ranks.
+
+The model file is the same single-file format for all (only the per-rank optimizer files differ), so a later stage
+may use either strategy on an earlier stage's model; resuming a run's optimizer state needs the strategy (and tp size) it was saved
+with (`check_resume`). Another strategy (HSDP, pipeline parallelism) is one more class here plus a line in
 `parallel_from_config`.
 """
 
@@ -43,6 +48,14 @@ class DataParallel:
     def wrap(self, model, device):
         return model
 
+    def data_rank_and_world(self, rank, world):
+        """(this rank's data shard, number of data shards): every rank reads its own data on this path."""
+        return rank, world
+
+    def resume_meta(self):
+        """What a training checkpoint records about the layout (check_resume compares it)."""
+        return {"parallel": self.name}
+
     def setup_optimizers(self, model, **kwargs):
         """kwargs: unembedding_lr, embedding_lr, matrix_lr, weight_decay, use_muon (GPT.setup_optimizers)."""
         return model.setup_optimizers(**kwargs)
@@ -58,13 +71,13 @@ class DataParallel:
         model.load_state_dict(clean_state_dict(state_dict), strict=True)
 
     def check_resume(self, meta, step):
-        """Refuse optimizer state saved by another strategy (its per-rank files hold other shapes)."""
-        saved = saved_strategy_name(meta)
-        if saved != self.name:
+        """Refuse optimizer state saved by another strategy or tp size (its per-rank files hold other shapes)."""
+        saved = saved_flag(meta)
+        if saved != self.flag:
             raise ValueError(
-                f"step {step} was saved by the {FLAGS[saved]} path, whose optimizer state this {self.flag} run cannot "
-                f"resume: resume with {FLAGS[saved]}. (The model file itself is the same on both paths: later stages "
-                f"such as mid_train load it either way.)"
+                f"step {step} was saved by the {saved} path, whose optimizer state this {self.flag} run cannot "
+                f"resume: resume with {saved}. (The model file itself is the same on every path: later stages "
+                f"such as mid_train load it with any strategy and tp size.)"
             )
 
 
@@ -114,7 +127,48 @@ class FSDP(DataParallel):
         load_full_model_state_dict(model, clean_state_dict(state_dict))
 
 
-FLAGS = {cls.name: cls.flag for cls in (DataParallel, FSDP)}
+class TensorParallel(FSDP):
+    """
+    Tensor parallelism over tp_size ranks composed with FSDP2 over the data ranks (nanochat/tensor_parallel.py):
+    every forward is collective, the tp ranks of a group read the same data, the model file is the full single file.
+    """
+
+    name = "tp"
+    collective_forward = True  # two all-reduces per block in every forward
+    compile_per_block = True
+
+    def __init__(self, tp_size, reduce_dtype="float32", defer_grad_sync=False):
+        super().__init__(reduce_dtype, defer_grad_sync)
+        self.tp_size = tp_size
+
+    @property
+    def flag(self):
+        return f"--tp_size={self.tp_size}"
+
+    def data_rank_and_world(self, rank, world):
+        if world % self.tp_size != 0:
+            raise ValueError(f"--tp_size={self.tp_size} does not divide the world size {world}; use one of: "
+                             f"{', '.join(str(t) for t in range(1, world + 1) if world % t == 0)}")
+        return rank // self.tp_size, world // self.tp_size
+
+    def resume_meta(self):
+        return {"parallel": self.name, "tp_size": self.tp_size}
+
+    def wrap(self, model, device):
+        from nanochat.tensor_parallel import apply_tp
+
+        if not is_ddp_initialized():
+            raise RuntimeError(f"--tp_size={self.tp_size} needs torch.distributed: launch with torchrun --nproc_per_node={self.tp_size} (or a multiple)")
+        param_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else None
+        return apply_tp(model, self.tp_size, param_dtype=param_dtype, reduce_dtype=self.reduce_dtype)
+
+    def setup_optimizers(self, model, **kwargs):
+        from nanochat.tensor_parallel import setup_tp_optimizers
+
+        return setup_tp_optimizers(model, **kwargs)
+
+
+FLAGS = {DataParallel.name: DataParallel.flag, FSDP.name: FSDP.flag}
 
 
 def saved_strategy_name(meta):
@@ -124,12 +178,26 @@ def saved_strategy_name(meta):
     return FSDP.name if meta.get("user_config", {}).get("use_fsdp", False) else DataParallel.name
 
 
+def saved_flag(meta):
+    """The flag that selects the layout a training checkpoint was saved with (--use_fsdp=0|1 or --tp_size=N)."""
+    name = saved_strategy_name(meta)
+    if name == TensorParallel.name:
+        return f"--tp_size={meta.get('tp_size', '?')}"
+    return FLAGS[name]
+
+
 def parallel_from_config(config):
-    """The strategy for a script's flags (a script without FSDP flags gets the DDP path)."""
+    """The strategy for a script's flags (a script without FSDP/TP flags gets the DDP path)."""
     use_fsdp = bool(config.get("use_fsdp", False))
     defer = bool(config.get("fsdp_defer_grad_sync", False))
+    tp_size = config.get("tp_size", 1)
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"--tp_size must be a whole number >= 1 (1 = no tensor parallelism), got {tp_size!r}")
+    if tp_size > 1:
+        # TP always runs with FSDP2 over the data ranks (--use_fsdp is implied; its dtype/defer flags apply)
+        return TensorParallel(tp_size, config.get("fsdp_reduce_dtype", "float32"), defer)
     if not use_fsdp:
         if defer:
-            raise ValueError("--fsdp_defer_grad_sync=1 needs --use_fsdp=1")
+            raise ValueError("--fsdp_defer_grad_sync=1 needs --use_fsdp=1 (or --tp_size > 1)")
         return DataParallel()
     return FSDP(config.get("fsdp_reduce_dtype", "float32"), defer)

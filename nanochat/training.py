@@ -114,6 +114,9 @@ def apply_model_options(model, config, device, parallel=None):
     if config.get("fp8"):
         from nanochat.fp8 import apply_fp8
 
+        if parallel is not None and parallel.name == "tp":
+            # torchao's float8 linears need their own TP styles (Float8ColwiseParallel...), not wired up here
+            raise ValueError(f"--fp8=1 does not work with {parallel.flag} yet: use --fp8=0, or --tp_size=1 (--use_fsdp=1)")
         fsdp = parallel is not None and parallel.name == "fsdp"
         apply_fp8(model, config.get("fp8_recipe", "tensorwise"), device, fsdp=fsdp, log=print0)
     return model
@@ -239,9 +242,17 @@ def clip_grad_norm(model, max_norm):
     """
     Clip by the global gradient norm. Under DistAdamW/DistMuon each rank still holds its own local gradient here
     (the optimizers reduce later), so the norm is of the local gradient, as nanochat does; under FSDP the gradients are
-    sharded DTensors and torch computes the true global norm.
+    sharded DTensors and torch computes the true global norm; under FSDP x TP they live on two meshes and
+    tensor_parallel.clip_grad_norm_ computes the global norm (equal to the unsharded model's).
     """
     params = [p for p in model.parameters() if p.grad is not None]
+    meshes = {p.grad.device_mesh for p in params if hasattr(p.grad, "device_mesh")}
+    if len(meshes) > 1 or any(m.ndim > 1 for m in meshes):
+        # tensor parallelism: block gradients on the 2-D (dp, tp) mesh, wte/lm_head on dp only; torch's clip cannot
+        # mix meshes, and a replicated mesh dim must not count twice (nanochat/tensor_parallel.py)
+        from nanochat.tensor_parallel import clip_grad_norm_
+
+        return clip_grad_norm_(params, max_norm).item()
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
@@ -319,7 +330,7 @@ def save_train_state(checkpoint_dir, step, model, optimizers, meta, loader_state
     _, rank, _, _ = get_dist_info()
     model_sd = parallel.model_state_dict(model)
     loader_states = gather_objects(loader_state)
-    meta = dict(meta, step=step, loader_state=loader_states, world_size=len(loader_states), parallel=parallel.name)
+    meta = dict(meta, step=step, loader_state=loader_states, world_size=len(loader_states), **parallel.resume_meta())
     if loader_states and loader_states[0] is not None:
         meta["dataloader_state_dict"] = loader_states[0]  # nanochat's key, for tools that read it
     optim_sd = [opt.state_dict() for opt in optimizers]
@@ -428,6 +439,8 @@ def memory_flags():
              "nanochat/parallel.py) instead of replicating the model on every rank"),
         Flag("fsdp_reduce_dtype", "float32", "FSDP: dtype of the gradient reduce-scatter",
              choices=["float32", "bfloat16"]),
+        Flag("tp_size", 1, "tensor parallelism over this many ranks (attention heads and the MLP split across them; "
+             "nanochat/tensor_parallel.py), FSDP over the rest; must divide the world size"),
     ]
 
 

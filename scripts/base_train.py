@@ -4,6 +4,7 @@ Pretrain the base model.
     python -m scripts.base_train --depth=4 --max_seq_len=256 --device_batch_size=8 --total_batch_size=4096 ...
     torchrun --nproc_per_node=8 -m scripts.base_train --depth=20
     torchrun --nproc_per_node=8 -m scripts.base_train --depth=40 --use_fsdp=1
+    torchrun --nproc_per_node=8 -m scripts.base_train --depth=40 --tp_size=2   # 4 data ranks x 2 tensor-parallel
 
 Flags use nanochat's names; `--a_b=v` and `--a-b v` both work; unknown flags are errors (run with --help).
 The loop below reads top to bottom: evaluate / sample / checkpoint when due, then one optimisation step.
@@ -97,7 +98,8 @@ def main(argv=None):
     master = ctx.master
     if config["data_world_size"] > 1 and world_size > 1:
         raise ValueError("--data_world_size is for single-process runs that reproduce a multi-rank run; unset it")
-    data_world = max(world_size, config["data_world_size"])
+    data_rank, dp_world = parallel.data_rank_and_world(rank, world_size)  # tp ranks of a group read the same data
+    data_world = max(dp_world, config["data_world_size"])
 
     # tokenizer and model
     tokenizer = get_tokenizer()
@@ -178,7 +180,7 @@ def main(argv=None):
         print0(f"Resumed from step {start_step} in {checkpoint_dir}")
 
     # data: one loader per data rank (exactly one under torchrun)
-    data_ranks = range(data_world) if world_size == 1 else [rank]
+    data_ranks = range(data_world) if world_size == 1 else [data_rank]
     train_loaders = [
         tokenizing_distributed_data_loader(B, Tlen, "train", device=device_type, resume_state_dict=st, tokenizer=tokenizer,
                                            rank=r, world_size=data_world)
@@ -199,7 +201,8 @@ def main(argv=None):
     train_batches = MicroBatches(fetch, on_take)
 
     def build_val_loader():
-        return tokenizing_distributed_data_loader(B, Tlen, "val", device=device_type, tokenizer=tokenizer)
+        return tokenizing_distributed_data_loader(B, Tlen, "val", device=device_type, tokenizer=tokenizer,
+                                                  rank=data_rank, world_size=dp_world)
 
     resume_step = start_step if config["resume_from_step"] >= 0 else None
     metrics = MetricsLogger(os.path.join(checkpoint_dir, "metrics.jsonl"),

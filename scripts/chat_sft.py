@@ -108,7 +108,8 @@ def main(argv=None):
 
     ctx = setup_run(config)
     rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
-    parallel = parallel_from_config(config)  # the DDP path or FSDP2 (nanochat/parallel.py)
+    parallel = parallel_from_config(config)  # the DDP path, FSDP2 or FSDP2 x TP (nanochat/parallel.py)
+    data_rank, data_world = parallel.data_rank_and_world(rank, world_size)  # tp ranks of a group read the same data
     device_type = device.type
     master = ctx.master
 
@@ -119,15 +120,15 @@ def main(argv=None):
 
     # batch arithmetic: whole conversations per step
     B = config["device_batch_size"]
-    grad_accum = sft_batch_arithmetic(config["target_examples_per_step"], B, world_size)
-    print0(f"Batch: {B} conversations x {world_size} rank(s) x {grad_accum} accumulation = "
+    grad_accum = sft_batch_arithmetic(config["target_examples_per_step"], B, data_world)
+    print0(f"Batch: {B} conversations x {data_world} rank(s) x {grad_accum} accumulation = "
            f"{config['target_examples_per_step']} conversations/step")
 
     # data: rows longer than the model's context are truncated (nanochat: 2048 = its sequence_len)
     max_tokens = model_config.sequence_len + 1
     train_ds, train_names = build_mixture(train_tasks(), "SFT data")
     val_ds, _ = build_mixture(held_out_tasks(), "SFT validation")
-    train_iter = sft_batches(train_ds, tokenizer, B, device, rank, world_size, max_tokens)
+    train_iter = sft_batches(train_ds, tokenizer, B, device, data_rank, data_world, max_tokens)
 
     num_iterations = config["num_iterations"]
     if num_iterations <= 0:
@@ -167,7 +168,7 @@ def main(argv=None):
 
         if every(step, config["eval_every"], last_step):
             model.eval()
-            val_iter = sft_batches(val_ds, tokenizer, B, device, rank, world_size, max_tokens)
+            val_iter = sft_batches(val_ds, tokenizer, B, device, data_rank, data_world, max_tokens)
             sums = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, trained tokens
             with torch.no_grad(), autocast():
                 for _ in range(config["eval_steps"]):
@@ -181,8 +182,8 @@ def main(argv=None):
 
         if every(step, config["eval_metrics_every"], last_step):
             if parallel.collective_forward:
-                # each rank evaluates different problems, but every FSDP forward is collective: they would deadlock
-                print0("Note: skipping the MMLU / ARC-Easy accuracy evaluation under --use_fsdp=1 (run scripts.chat_eval on the saved model)")
+                # each rank evaluates different problems, but every FSDP/TP forward is collective: they would deadlock
+                print0(f"Note: skipping the MMLU / ARC-Easy accuracy evaluation under {parallel.flag} (run scripts.chat_eval on the saved model)")
             else:
                 model.eval()
                 out = chat_metrics(model, tokenizer, 2 * B, config["eval_metrics_max_problems"], autocast)
@@ -205,7 +206,7 @@ def main(argv=None):
             torch.cuda.synchronize()
         dt = time.time() - t0
         assert_finite(train_loss, step)
-        processed, trained = (all_reduce_mean(c, device) * world_size for c in counts.tolist())
+        processed, trained = (all_reduce_mean(c, device) * data_world for c in counts.tolist())  # tp ranks count the same rows
         meter.tokens_per_step = processed  # rows are padded to each batch's longest: the count changes every step
         fields = meter.update(step, train_loss, dt)
         metrics_log.log(step + 1, {"train/loss": fields["loss"], "train/raw_loss": train_loss, "train/lrm": lrm,

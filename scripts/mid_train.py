@@ -97,7 +97,8 @@ def main(argv=None):
 
     ctx = setup_run(config)
     rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
-    parallel = parallel_from_config(config)  # the DDP path or FSDP2 (nanochat/parallel.py)
+    parallel = parallel_from_config(config)  # the DDP path, FSDP2 or FSDP2 x TP (nanochat/parallel.py)
+    data_rank, data_world = parallel.data_rank_and_world(rank, world_size)  # tp ranks of a group read the same data
     device_type = device.type
     master = ctx.master
 
@@ -115,9 +116,9 @@ def main(argv=None):
     B, Tlen = config["device_batch_size"], config["max_seq_len"]
     if Tlen != model_config.sequence_len:
         print0(f"Note: training at --max_seq_len={Tlen}; the base model was trained at {model_config.sequence_len}")
-    grad_accum, tokens_per_fwdbwd = batch_arithmetic(config["total_batch_size"], B, Tlen, world_size)
+    grad_accum, tokens_per_fwdbwd = batch_arithmetic(config["total_batch_size"], B, Tlen, data_world)
     total_batch = tokens_per_fwdbwd * grad_accum
-    print0(f"Batch: {B} x {Tlen} x {world_size} rank(s) x {grad_accum} accumulation = {total_batch:,} tokens/step")
+    print0(f"Batch: {B} x {Tlen} x {data_world} rank(s) x {grad_accum} accumulation = {total_batch:,} tokens/step")
     eval_steps = eval_steps_for(config["eval_tokens"], tokens_per_fwdbwd, device_type, enabled=config["eval_every"] > 0)
 
     optimizers = parallel.setup_optimizers(
@@ -129,10 +130,10 @@ def main(argv=None):
     # data: the training mixture, packed; a held-out mixture for validation (rebuilt per eval: same batches each time)
     train_ds, train_names = build_mixture(train_tasks(), "mid-training data")
     val_ds, _ = build_mixture(held_out_tasks(), "mid-training validation")
-    train_loader = ConversationPacker(train_ds, tokenizer, B, Tlen, device, rank, world_size)
+    train_loader = ConversationPacker(train_ds, tokenizer, B, Tlen, device, data_rank, data_world)
 
     def build_val_loader():
-        return ConversationPacker(val_ds, tokenizer, B, Tlen, device, rank, world_size)
+        return ConversationPacker(val_ds, tokenizer, B, Tlen, device, data_rank, data_world)
 
     num_iterations = config["num_iterations"]
     if num_iterations > 0:

@@ -1,0 +1,297 @@
+"""
+Tensor parallelism (`--tp_size=N`) composed with FSDP2 on the data dimension: the usual 2-D recipe, for models whose
+blocks are too wide for one GPU's memory or whose per-GPU batch would get too small under FSDP alone.
+
+API (every function is collective: call it on every rank, in the same order):
+
+    model = GPT(config); model.to_empty(device=...); model.init_weights()   # identical on every rank (same seed)
+    apply_tp(model, tp_size, param_dtype=None, reduce_dtype=torch.float32)
+        # in place: a 2-D mesh ("dp", "tp") of shape (world/tp_size, tp_size) -- global rank r sits at
+        # (r // tp_size, r % tp_size), so the tp ranks of a group are neighbours (one node's NVLink on GPUs).
+        # Per block, over "tp": attention c_q/c_k/c_v and MLP c_fc column-wise (Shard(0): each rank gets
+        # n_head/tp query heads, n_kv_head/tp key/value heads, 4*n_embd/tp hidden units), both c_proj row-wise
+        # (Shard(1)), so attention runs on this rank's heads only. Then FSDP2 over "dp" (always, also when dp=1:
+        # one code path, every parameter a DTensor). wte and lm_head are replicated over tp and FSDP-sharded over dp.
+    optimizers = setup_tp_optimizers(model, unembedding_lr, embedding_lr, matrix_lr, weight_decay, use_muon)
+        # [FSDPAdamW, ShardedMuon] (or [FSDPAdamW]): GPT.setup_optimizers' groups and learning rates, DTensor-aware
+    loss = model(x, y); loss.backward()    # x, y: the same batch on every tp rank of a data group (data rank r // tp)
+    full_model_state_dict / load_full_model_state_dict (nanochat/fsdp.py): the single-file format, any layout
+
+Collective rules (why each exists):
+  * every tp rank of a data group must get the same tokens: a row-wise layer sums the partial products of the tp
+    ranks, so different inputs give silently wrong activations (not an error). Loaders and evaluations therefore
+    split work by DATA rank (`nanochat.dist.data_rank_world`), never by global rank.
+  * every forward is a collective (two all-reduces per block), as under FSDP: sample on every rank, and an eval that
+    splits problems over data ranks must give each rank the same number of forwards.
+  * n_head and n_kv_head must be divisible by tp_size (heads are not split), checked with a message naming the valid
+    sizes. Parameter names and shapes are unchanged, so checkpoints stay one full model file.
+
+Why wte and lm_head are not tensor-parallel: sharding the vocabulary would need a vocab-parallel cross-entropy and
+softcap (the logits would be sharded); at nanochat's sizes they are a small part of the model and FSDP over dp
+already shards their memory. Their gradients are identical on the tp ranks (they see the replicated residual
+stream), so no tp communication is needed for them.
+
+Communication per block (B*T*d elements of the compute dtype each, d = n_embd): forward 2 all-reduces over tp (the
+two row-wise outputs); backward 2 (the input gradients of attention -- one for q, k and v together, prepared as one
+replicated DTensor -- and of the MLP). Activation checkpointing re-runs a block's forward in the backward, so its two
+forward all-reduces happen again. docs/distributed.md has the totals and the measured numbers.
+
+ShardedMuon: Muon for DTensor matrices sharded over any mesh (2-D here: FSDP's dim-0 shard of TP's dim-0 or dim-1
+shard). Each rank holds a rectangle of each matrix (compute_local_shape_and_global_offset). The momentum runs on the
+rectangles (elementwise, exact); matrix m of a shape group is owned by rank m % world: one all-to-all sends every
+rank's rectangle of each matrix to its owner, the owner orthogonalises whole matrices (batched), a second
+all-to-all returns each rank its rectangle of the updates. So each full matrix is orthogonalised exactly once, and
+the update equals the unsharded one (same full matrix, same Newton-Schulz). It is FSDPMuon's scheme with rectangles
+in place of row ranges.
+"""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private, but the only helper that knows _StridedShard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
+
+from nanochat.dist import set_tp_size
+from nanochat.muon import _check_dist_state, _check_muon_hparams, group_params_by_shape, muon_momentum_, muon_orthogonalize, ns_dtype
+
+
+def _require_dist():
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("--tp_size needs torch.distributed initialised: launch with torchrun (--nproc_per_node=tp_size or more)")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def valid_tp_sizes(config, world):
+    """tp sizes that divide the world size and the head counts (what the errors suggest)."""
+    return [t for t in range(1, world + 1) if world % t == 0 and config.n_head % t == 0 and config.n_kv_head % t == 0 and (4 * config.n_embd) % t == 0]
+
+
+def check_tp_size(config, tp_size, world):
+    """Raise ValueError naming the valid sizes when tp_size does not divide the world, the heads or the MLP."""
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"--tp_size must be a whole number >= 1, got {tp_size!r}")
+    ok = ", ".join(map(str, valid_tp_sizes(config, world)))
+    if world % tp_size != 0:
+        raise ValueError(f"--tp_size={tp_size} does not divide the world size {world} (ranks = data ranks x tp_size); use one of: {ok}")
+    for what, n in (("n_head", config.n_head), ("n_kv_head", config.n_kv_head), ("the MLP width 4*n_embd", 4 * config.n_embd)):
+        if n % tp_size != 0:
+            raise ValueError(f"--tp_size={tp_size} does not divide {what}={n} (each tp rank takes whole heads); use one of: {ok}")
+
+
+def tp_mesh(device_type, tp_size):
+    """The 2-D ("dp", "tp") mesh over all ranks; tp is the inner (fastest-varying) dimension."""
+    _, world = _require_dist()
+    return init_device_mesh(device_type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+
+
+def block_plan():
+    """The parallelize_module plan of one Block (module paths relative to the block)."""
+    return {
+        # attention's input becomes one replicated DTensor shared by c_q, c_k and c_v: their three partial input
+        # gradients add up as DTensors and are all-reduced once (not three times) in the backward
+        "attn": PrepareModuleInput(input_layouts=(Replicate(), None, None, None), desired_input_layouts=(Replicate(), None, None, None)),
+        # column-wise: output feature dim sharded, returned as a local tensor (this rank's heads / hidden units)
+        "attn.c_q": ColwiseParallel(),
+        "attn.c_k": ColwiseParallel(),
+        "attn.c_v": ColwiseParallel(),
+        # row-wise: takes the local shard of its input features, all-reduces the output (the block's forward comms)
+        "attn.c_proj": RowwiseParallel(),
+        "mlp.c_fc": ColwiseParallel(),
+        "mlp.c_proj": RowwiseParallel(),
+    }
+
+
+def apply_tp(model, tp_size, param_dtype=None, reduce_dtype=torch.float32):
+    """Tensor-parallel blocks over "tp", then FSDP2 over "dp" (see the module docstring). Returns the model."""
+    _, world = _require_dist()
+    check_tp_size(model.config, tp_size, world)
+    device = model.get_device()
+    if device.type == "meta":
+        raise ValueError("apply_tp: the model is on the meta device; call model.to_empty(device=...) and model.init_weights() first")
+    mesh = tp_mesh(device.type, tp_size)
+    for block in model.transformer.h:
+        parallelize_module(block, mesh["tp"], block_plan())
+    if param_dtype is None:
+        param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    blocks = list(model.transformer.h)
+    for i, block in enumerate(blocks):
+        fully_shard(block, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+    model.tp_mesh = mesh  # for the optimizers and tools; not a module attribute that state_dict sees
+    set_tp_size(tp_size)  # loaders and evaluations split work by data rank from now on
+    return model
+
+
+# -----------------------------------------------------------------------------
+# optimizers
+
+
+def local_box(p):
+    """(rows, cols, row0, col0): the rectangle of the full matrix that this rank's DTensor shard of `p` holds."""
+    if not isinstance(p, DTensor):
+        return (*p.shape, 0, 0)
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    if tuple(shape) != tuple(p.to_local().shape):
+        raise RuntimeError(f"local shard of a {tuple(p.shape)} parameter is {tuple(p.to_local().shape)}, expected {tuple(shape)} from its placements {p.placements}")
+    return (shape[0], shape[1], offset[0], offset[1])
+
+
+class ShardedMuon(torch.optim.Optimizer):
+    """
+    Muon for DTensor matrices sharded over any mesh that spans all ranks (see the module docstring). State: one
+    momentum buffer per parameter, the size of this rank's shard. Hyperparameters per group as Muon's.
+    """
+
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5):
+        _check_muon_hparams(lr, momentum, ns_steps)
+        self.rank, self.world_size = _require_dist()
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps)
+        super().__init__(group_params_by_shape(params), defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not isinstance(p, DTensor):
+                    raise TypeError("ShardedMuon takes sharded (DTensor) parameters; use Muon/DistMuon for plain tensors")
+                if p.device_mesh.size() != self.world_size:
+                    raise ValueError(f"ShardedMuon expects each parameter's mesh to span all {self.world_size} ranks, got a mesh of {p.device_mesh.size()}")
+        self._boxes = None  # per group: [per matrix: [per global rank: (rows, cols, row0, col0)]], gathered once
+
+    def _all_boxes(self):
+        if self._boxes is None:
+            mine = [[local_box(p) for p in g["params"]] for g in self.param_groups]
+            every = [None] * self.world_size
+            dist.all_gather_object(every, mine)  # once: the layout does not change during training
+            self._boxes = [[[every[r][gi][m] for r in range(self.world_size)] for m in range(len(g["params"]))] for gi, g in enumerate(self.param_groups)]
+        return self._boxes
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        W, rank = self.world_size, self.rank
+        boxes = self._all_boxes()
+
+        # 1) Momentum on my shards; slot [j, k] of the send buffer is my shard of matrix k*W + j (owner j),
+        #    flattened and zero-padded to the largest shard of the group. One all-to-all per group, all up front.
+        pending = []
+        for gi, group in enumerate(self.param_groups):
+            ps = group["params"]
+            K = -(-len(ps) // W)
+            slot = max(b[0] * b[1] for per_rank in boxes[gi] for b in per_rank)
+            device = ps[0].to_local().device
+            send = torch.zeros((W, K, slot), dtype=ns_dtype(device), device=device)
+            for m, p in enumerate(ps):
+                if p.grad is None:
+                    raise RuntimeError(f"ShardedMuon: a parameter of shape {tuple(p.shape)} has no gradient on rank {rank}; every rank must backprop through every matrix")
+                g = p.grad.to_local()
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(g)
+                d = muon_momentum_(g, state["momentum_buffer"], group["momentum"], group["nesterov"])
+                k, j = divmod(m, W)
+                send[j, k, : d.numel()] = d.reshape(-1)
+            recv = torch.empty_like(send)
+            work = dist.all_to_all_single(recv, send, async_op=True)
+            pending.append((gi, group, K, recv, work, send))  # send kept alive until the all-to-all is done
+
+        # 2) Per group: assemble my matrices from every rank's rectangles, orthogonalise them in one batch, send each
+        #    rank its rectangles of the updates.
+        returns = []
+        for gi, group, K, recv, work, _ in pending:
+            work.wait()
+            rows, cols = group["params"][0].shape
+            mine = list(range(rank, len(group["params"]), W))  # my matrices: m = k*W + rank
+            send = torch.zeros_like(recv)
+            if mine:
+                full = torch.empty((len(mine), rows, cols), dtype=recv.dtype, device=recv.device)
+                for k, m in enumerate(mine):
+                    for i, (r, c, r0, c0) in enumerate(boxes[gi][m]):
+                        full[k, r0 : r0 + r, c0 : c0 + c] = recv[i, k, : r * c].view(r, c)
+                upd = muon_orthogonalize(full, group["ns_steps"]).to(recv.dtype)
+                for k, m in enumerate(mine):
+                    for i, (r, c, r0, c0) in enumerate(boxes[gi][m]):
+                        send[i, k, : r * c] = upd[k, r0 : r0 + r, c0 : c0 + c].reshape(-1)
+            back = torch.empty_like(send)
+            returns.append((group, back, dist.all_to_all_single(back, send, async_op=True), send))
+
+        # 3) Apply my rectangles: back[j, k] holds my part of matrix k*W + j.
+        for group, back, work, _ in returns:
+            work.wait()
+            for m, p in enumerate(group["params"]):
+                k, j = divmod(m, W)
+                local = p.to_local()
+                local.add_(back[j, k, : local.numel()].view_as(local).to(local.dtype), alpha=-group["lr"])
+        return loss
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["dist"] = {"world_size": self.world_size, "rank": self.rank, "kind": "ShardedMuon"}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(_check_dist_state(state_dict, "ShardedMuon", self.rank, self.world_size))
+
+
+def setup_tp_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, use_muon=True):
+    """FSDPAdamW for wte/lm_head (and the matrices when use_muon is false), ShardedMuon for the block matrices; the
+    groups and learning rates of GPT.setup_optimizers (via setup_fsdp_optimizers)."""
+    from nanochat.fsdp import setup_fsdp_optimizers
+
+    return setup_fsdp_optimizers(model, unembedding_lr=unembedding_lr, embedding_lr=embedding_lr, matrix_lr=matrix_lr,
+                                 weight_decay=weight_decay, use_muon=use_muon, muon_cls=ShardedMuon)
+
+
+# -----------------------------------------------------------------------------
+# gradient norm
+
+
+@torch.no_grad()
+def grad_norm_sq(grads):
+    """
+    The squared global norm of gradients that may be DTensors on different meshes (2-D block matrices, 1-D
+    dp-sharded embeddings) or plain tensors (identical on every rank), as in the unsharded model. Summed over all
+    ranks, a tensor's local squared norms count its true squared norm once per replica: world / (product of the sizes
+    of the mesh dims that shard it) times (a replicated mesh dim, or another mesh's ranks, hold copies). So: one local
+    sum per (mesh, sharded dims) group, one all-reduce of those sums over the world, each divided by its replica
+    count. Returns a plain 0-dim fp32 tensor, equal on all ranks.
+    """
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    groups = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            sharded = [g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard()]
+            replicas = world // max(1, _prod(sharded))
+            groups.setdefault(replicas, []).append(g.to_local())
+        else:
+            groups.setdefault(world, []).append(g)
+    if not groups:
+        return torch.zeros(())
+    device = next(iter(groups.values()))[0].device
+    replicas = sorted(groups)
+    sums = torch.stack([torch.stack([n.float() for n in torch._foreach_norm(groups[k])]).square().sum().to(device) for k in replicas])
+    if world > 1:
+        dist.all_reduce(sums)
+    return (sums / torch.tensor(replicas, dtype=sums.dtype, device=device)).sum()
+
+
+def _prod(xs):
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm):
+    """torch.nn.utils.clip_grad_norm_ for gradients on several meshes (torch's cannot mix meshes). Returns the norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = grad_norm_sq(grads).sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    for device in {t.device for t in locals_}:
+        torch._foreach_mul_([t for t in locals_ if t.device == device], coef.to(device))
+    return norm

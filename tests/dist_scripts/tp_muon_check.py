@@ -1,0 +1,55 @@
+"""
+ShardedMuon (nanochat/tensor_parallel.py) on awkward layouts against Muon on the full matrices (run under torchrun,
+4 ranks, a 2 x 2 mesh; called by tests/test_tp.py). Layouts: Shard(0) x Shard(1), Shard(1) x Shard(0), replicated
+mesh dims, uneven rectangles (5 x 7 over 2 x 2), a 1-row matrix (some ranks hold nothing), a tall matrix, and a shape
+group of 5 matrices (not a multiple of the world size). Every rank gets the same full gradients and keeps its
+rectangle. Prints one JSON line per step: {"step", "max_diff", "ok"} (rank 0).
+"""
+
+import json
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from nanochat.muon import Muon
+from nanochat.tensor_parallel import ShardedMuon
+
+STEPS = 3
+LAYOUTS = [
+    ((5, 7), (Shard(0), Shard(1))),
+    ((5, 7), (Shard(1), Shard(0))),
+    ((5, 7), (Replicate(), Shard(0))),
+    ((5, 7), (Shard(0), Shard(0))),
+    ((5, 7), (Shard(1), Replicate())),
+    ((9, 4), (Shard(0), Replicate())),
+    ((1, 6), (Shard(0), Shard(0))),
+]
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    g = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(shape, generator=g) for shape, _ in LAYOUTS]
+    ref = [torch.nn.Parameter(w.clone()) for w in fulls]
+    sharded = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, list(pl))) for w, (_, pl) in zip(fulls, LAYOUTS)]
+    ref_opt = Muon(ref, lr=0.1, momentum=0.9)
+    opt = ShardedMuon(sharded, lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        grads = [torch.randn(w.shape, generator=g) for w in fulls]
+        for p, q, gr, (_, pl) in zip(ref, sharded, grads, LAYOUTS):
+            p.grad = gr.clone()
+            q.grad = distribute_tensor(gr.clone(), mesh, list(pl))
+        ref_opt.step()
+        opt.step()
+        diff = max((p.detach() - q.detach().full_tensor()).abs().max().item() for p, q in zip(ref, sharded))
+        if rank == 0:
+            print(json.dumps({"step": step, "max_diff": diff, "ok": diff < 1e-5}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from nanochat.training import autocast_ctx, build_model, resolve_dtype, train_step  # noqa: E402
-from nanochat.common import autodetect_device_type, peak_flops_for  # noqa: E402
+from nanochat.training import autocast_ctx, build_model, dtype_flag, resolve_dtype, train_step  # noqa: E402
+from nanochat.common import autodetect_device_type, device_type_flag, peak_flops_for  # noqa: E402
 from nanochat.compile import compile_flag, maybe_compile  # noqa: E402
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit  # noqa: E402
 from nanochat.gpt import config_for_depth  # noqa: E402
@@ -42,13 +42,11 @@ FLAGS = Flags(
     Flag("warmup", 3, "untimed steps first (compilation, allocator, optimizer state)"),
     "training",
     compile_flag(),
-    Flag("dtype", "auto", "compute dtype: auto = bfloat16 autocast on CUDA, float32 elsewhere",
-         choices=["auto", "bfloat16", "float32", "bf16", "fp32"]),
+    dtype_flag(),
     Flag("use_muon", True, "Muon for the matrices (0: AdamW for everything)"),
     Flag("grad_clip", 1.0, "clip the gradient norm to this (<= 0: no clipping)"),
     "systems",
-    Flag("device_type", None, "cuda | cpu | mps; auto = cuda if available, else mps, else cpu", type=str,
-         choices=["cuda", "cpu", "mps"]),
+    device_type_flag(),
     Flag("threads", 0, "CPU threads for torch (0 = torch's default)"),
     Flag("seed", 42, "seed of the weights and the synthetic tokens"),
 )

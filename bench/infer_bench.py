@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from nanochat.common import device_type_flag
 from nanochat.configurator import Flag, Flags
 from nanochat.engine import Engine, KVCache
 from nanochat.gpt import GPT, config_for_depth
@@ -49,8 +50,7 @@ FLAGS = Flags(
     Flag("vocab_size", 8192, "vocabulary of the tokenizer trained on WikiText (--tokenizer=wikitext)"),
     Flag("tokenizer", "wikitext", "wikitext: train one on ../shared/data WikiText-2 at --vocab_size; base_dir: the "
          "one in $NANOCHAT_BASE_DIR/tokenizer", choices=["wikitext", "base_dir"]),
-    Flag("device_type", None, "cuda | cpu | mps; auto = cuda if available, else mps, else cpu", type=str,
-         choices=["cuda", "cpu", "mps"]),
+    device_type_flag(),
     Flag("threads", 0, "torch CPU threads (0: torch's default)"),
     "server (scripts/chat_web.py's app, in process)",
     Flag("skip_server", False, "skip the server benchmark"),

@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from nanochat.training import apply_model_options, autocast_ctx, build_model, check_model_options, resolve_dtype, train_step  # noqa: E402
-from nanochat.common import autodetect_device_type, peak_flops_for  # noqa: E402
+from nanochat.training import apply_model_options, autocast_ctx, build_model, check_model_options, dtype_flag, resolve_dtype, train_step  # noqa: E402
+from nanochat.common import autodetect_device_type, device_type_flag, peak_flops_for  # noqa: E402
 from nanochat.compile import compile_flag, maybe_compile  # noqa: E402
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit  # noqa: E402
 from nanochat.gpt import config_for_depth  # noqa: E402
@@ -45,8 +45,7 @@ FLAGS = Flags(
     Flag("warmup", 3, "untimed steps first (compilation, allocator, optimizer state)"),
     "training",
     compile_flag(),
-    Flag("dtype", "auto", "compute dtype: auto = bfloat16 autocast on CUDA, float32 elsewhere",
-         choices=["auto", "bfloat16", "float32", "bf16", "fp32"]),
+    dtype_flag(),
     Flag("use_muon", True, "Muon for the matrices (0: AdamW for everything)"),
     Flag("grad_clip", 1.0, "clip the gradient norm to this (<= 0: no clipping)"),
     Flag("activation_checkpointing", "none", "recompute block activations in the backward (as base_train)",
@@ -55,8 +54,7 @@ FLAGS = Flags(
     Flag("fp8", False, "FP8 block matmuls (torchao; CUDA with compute capability >= 8.9), as base_train"),
     Flag("fp8_recipe", "tensorwise", "FP8 scaling granularity", choices=["tensorwise", "rowwise"]),
     "systems",
-    Flag("device_type", None, "cuda | cpu | mps; auto = cuda if available, else mps, else cpu", type=str,
-         choices=["cuda", "cpu", "mps"]),
+    device_type_flag(),
     Flag("threads", 0, "CPU threads for torch (0 = torch's default)"),
     Flag("seed", 42, "seed of the weights and the synthetic tokens"),
 )

@@ -1,5 +1,5 @@
 """
-Command-line flags for every entry point (scripts/, bench/), nanochat style.
+Command-line flags for every entry point (scripts/, bench/, nanochat.dataset, nanochat.setup_check), nanochat style.
 
 Each script declares its flags once, with the help text users see:
 
@@ -20,7 +20,6 @@ equal to what auto would pick. Booleans take 1/0/true/false/yes/no/on/off, or no
 that suggest close names. Scripts read the result as a plain dict (checkpoints store it as user_config).
 """
 
-import argparse
 import difflib
 import sys
 import textwrap
@@ -39,7 +38,7 @@ class Flag:
     """One flag: its name (a_b spelling), default, help text and optional choices / type / short alias."""
 
     def __init__(self, name, default, help, choices=None, type=None, short=None, positional=False, required=False,
-                 hidden=False, check=None):
+                 hidden=False, check=None, many=False):
         if not help or not help.strip():
             raise ValueError(f"flag --{name} needs a help text (what it does, what its values mean)")
         if type is None:
@@ -54,6 +53,9 @@ class Flag:
         self.choices = list(choices) if choices is not None else None
         self.short, self.positional, self.required, self.hidden = short, positional, required, hidden
         self.check = check  # optional: check(value) raises ValueError with the message for a bad value
+        self.many = many  # a list of one or more values (`--val_paths a b`, nanochat.dataset import's PATHS)
+        if many and default is not None:
+            raise ValueError(f"flag --{name}: a flag of many values defaults to None (auto or none given)")
         if self.choices is not None and default is not None and default not in self.choices:
             raise ValueError(f"flag --{name}: default {default!r} is not among its choices {self.choices}")
 
@@ -115,7 +117,7 @@ class Flag:
             kind = " | ".join(auto + [format_value(c) for c in self.choices])
         else:
             kind = _TYPE_NAMES[self.type]
-        lines = [f"{head}  [{kind}]"]
+        lines = [f"{head}  [{kind}{' ...' if self.many else ''}]"]
         lines += textwrap.wrap(self.help, width=width, initial_indent=" " * 6, subsequent_indent=" " * 6)
         return lines
 
@@ -262,8 +264,22 @@ class Flags:
             else:
                 if not positionals:
                     raise FlagError(f"unexpected argument {arg!r}: flags look like --name=value or --name value")
-                flag = positionals.pop(0)
-                config[flag.name] = flag.convert(arg)
+                flag = positionals[0]
+                if flag.many:  # takes every positional value from here on, wherever it stands between flags
+                    config[flag.name] = (config[flag.name] if flag.name in given else []) + [flag.convert(arg)]
+                else:
+                    positionals.pop(0)
+                    config[flag.name] = flag.convert(arg)
+                given.add(flag.name)
+                continue
+            if flag.many:  # --val_paths a b c: the values up to the next flag
+                values = [raw] if eq else []
+                while not eq and i < len(argv) and not (argv[i].startswith("-") and not _is_number(argv[i])):
+                    values.append(argv[i])
+                    i += 1
+                if not values:
+                    raise FlagError(f"flag --{flag.name} needs one or more values (--{flag.name} A B ...)")
+                config[flag.name] = [flag.convert(v) for v in values]
                 given.add(flag.name)
                 continue
             if not eq:
@@ -334,18 +350,3 @@ def parse_flags_or_exit(flags, argv=None, description=None, prog=None):
     except FlagError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-
-
-def add_dashed_aliases(parser: argparse.ArgumentParser):
-    """For the argparse CLIs left (nanochat.dataset/setup_check/presets): accept --a-b as well as --a_b."""
-    for action in list(parser._actions):
-        extra = []
-        for opt in action.option_strings:
-            if opt.startswith("--") and "_" in opt[2:]:
-                alias = "--" + opt[2:].replace("_", "-")
-                if alias not in parser._option_string_actions:
-                    extra.append(alias)
-        for alias in extra:
-            action.option_strings.append(alias)
-            parser._option_string_actions[alias] = action
-    return parser

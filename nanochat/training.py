@@ -24,7 +24,7 @@ import torch
 
 from nanochat.batching import batch_arithmetic  # noqa: F401  (the scripts import it from here)
 from nanochat.checkpoint_manager import load_checkpoint, save_checkpoint
-from nanochat.common import peak_flops_for, print0
+from nanochat.common import device_type_flag, peak_flops_for, print0
 from nanochat.dist import all_reduce_mean, compute_init, gather_objects, get_dist_info
 from nanochat.parallel import DataParallel
 
@@ -398,16 +398,22 @@ def assert_finite(loss, step):
 # flags that several training scripts share, declared once (nanochat/configurator.py)
 
 
+def dtype_flag():
+    """--dtype of the training scripts and benchmarks (resolve_dtype)."""
+    from nanochat.configurator import Flag
+
+    return Flag("dtype", "auto", "compute dtype: auto = bfloat16 autocast on CUDA, float32 elsewhere (bf16 matmuls on "
+                "CPU are ~10x slower)", choices=["auto", "bfloat16", "float32", "bf16", "fp32"])
+
+
 def run_flags():
     """Every training script's: wandb run, device, compute dtype, seed."""
     from nanochat.configurator import Flag
 
     return [
         Flag("run", "dummy", "wandb run name; dummy = no wandb logging"),
-        Flag("device_type", None, "cuda | cpu | mps; auto = cuda if available, else mps, else cpu", type=str,
-             choices=["cuda", "cpu", "mps"]),
-        Flag("dtype", "auto", "compute dtype: auto = bfloat16 autocast on CUDA, float32 elsewhere (bf16 matmuls on CPU "
-             "are ~10x slower)", choices=["auto", "bfloat16", "float32", "bf16", "fp32"]),
+        device_type_flag(),
+        dtype_flag(),
         Flag("seed", 42, "random seed (model init, data order, sampling)"),
     ]
 

@@ -17,7 +17,9 @@ import os
 import torch
 
 from nanochat.atomic import atomic_write
-from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, get_base_dir, print0
+from nanochat.common import (
+    autodetect_device_type, compute_cleanup, compute_init, device_type_flag, get_base_dir, print0
+)
 from nanochat.configurator import Flag, Flags
 from nanochat.core_eval import evaluate_model, get_bundle_dir
 
@@ -42,8 +44,7 @@ FLAGS = Flags(
     Flag("max_per_task", -1, "examples per task, -1 = all (fewer for quick checks)"),
     Flag("bundle_dir", None, "a local eval bundle dir (core.yaml, eval_data/...); auto = $NANOCHAT_DATA_DIR/core_eval, "
          "else <base_dir>/eval_bundle, else nanochat's eval_bundle.zip is downloaded there", type=str),
-    Flag("device_type", None, "cuda | cpu | mps; auto = cuda if available, else mps, else cpu", type=str,
-         choices=["cuda", "cpu", "mps"]),
+    device_type_flag(),
     Flag("dtype", "bfloat16", "autocast dtype on CUDA (CPU always runs float32)", choices=["bfloat16", "float32"]),
     description=__doc__,
 )

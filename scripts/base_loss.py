@@ -8,21 +8,19 @@ Bits per byte of a saved base model on the train and val shards, plus a few gree
 import torch
 
 from nanochat.checkpoint_manager import PHASE_DIRS, load_model
-from nanochat.common import compute_cleanup, compute_init, print0
+from nanochat.common import compute_cleanup, compute_init, device_type_flag, print0
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes
 from nanochat.training import (
-    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, autocast_ctx, eval_steps_for, resolve_dtype, source_flags
+    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, autocast_ctx, dtype_flag, eval_steps_for, resolve_dtype, source_flags
 )
 
 FLAGS = Flags(
-    Flag("device_type", None, "cuda | cpu | mps; auto = cuda if available, else mps, else cpu", type=str,
-         choices=["cuda", "cpu", "mps"]),
-    Flag("dtype", "auto", "compute dtype: auto = bfloat16 autocast on CUDA, float32 elsewhere",
-         choices=["auto", "bfloat16", "float32", "bf16", "fp32"]),
+    device_type_flag(),
+    dtype_flag(),
     source_flags("base", list(PHASE_DIRS)),
     Flag("device_batch_size", 32, "rows per forward pass on each GPU"),
     Flag("split_tokens", None, f"tokens evaluated per split; auto = {DEFAULT_EVAL_TOKENS:,} ({CPU_EVAL_STEPS} batches "

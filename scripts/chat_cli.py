@@ -13,7 +13,7 @@ from contextlib import nullcontext
 
 import torch
 
-from nanochat.common import autodetect_device_type, compute_init
+from nanochat.common import autodetect_device_type, compute_init, device_type_flag
 from nanochat.checkpoint_manager import checkpoint_flags
 from nanochat.configurator import Flag, Flags
 from nanochat.engine import Engine, TextStreamer
@@ -26,8 +26,7 @@ FLAGS = Flags(
     Flag("top_k", 50, "sample among the k most likely tokens (0 = all)", short="k"),
     Flag("max_tokens", 256, "max tokens per reply", short="m"),
     Flag("seed", 42, "sampling seed (turn i uses seed + i)"),
-    Flag("device_type", None, "cuda | cpu | mps; auto = cuda if available, else mps, else cpu", type=str,
-         choices=["cuda", "cpu", "mps"]),
+    device_type_flag(),
     Flag("dtype", "bfloat16", "autocast dtype on CUDA", choices=["bfloat16", "float32"]),
     description=__doc__,
 )

@@ -15,7 +15,7 @@ import contextlib
 import torch
 
 from nanochat.chat_eval import TASK_NAMES, chatcore, evaluate_task
-from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, print0
+from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, device_type_flag, print0
 from nanochat.checkpoint_manager import checkpoint_flags
 from nanochat.configurator import Flag, Flags
 from nanochat.data_sources import TaskDataNotFound
@@ -27,8 +27,7 @@ FLAGS = Flags(
     checkpoint_flags(required=True),
     Flag("dtype", "bfloat16", "autocast dtype on CUDA (CPU always runs float32)", choices=["float32", "bfloat16"],
          short="d"),
-    Flag("device_type", None, "cuda | cpu | mps; auto = cuda if available, else mps, else cpu", type=str,
-         choices=["cuda", "cpu", "mps"]),
+    device_type_flag(),
     "tasks",
     Flag("task_name", "all", "a task, several joined by '|', or all: " + ", ".join(TASK_NAMES), short="a"),
     Flag("max_problems", None, "evaluate at most this many problems per task; auto = all", type=int, short="x"),

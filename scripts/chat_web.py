@@ -591,14 +591,14 @@ def create_app(
 
 def build_arg_parser():
     from nanochat.checkpoint_manager import checkpoint_flags
+    from nanochat.common import device_type_flag
     from nanochat.configurator import Flag, Flags
 
     return Flags(
         "model",
         checkpoint_flags("sft"),
         Flag("num_gpus", 1, "model replicas, one per GPU (1 on CPU/MPS)", short="n"),
-        Flag("device_type", None, "cuda | cpu | mps; auto = cuda if available, else mps, else cpu", type=str,
-             choices=["cuda", "cpu", "mps"]),
+        device_type_flag(),
         Flag("dtype", "bfloat16", "autocast dtype on CUDA", choices=["bfloat16", "float32"]),
         "generation defaults (when a request sends none)",
         Flag("temperature", 0.8, "sampling temperature", short="t"),

@@ -11,7 +11,6 @@ Flags after `--` are base_train's (as pretrain.sh passes them through): --total_
 change the arithmetic. Errors exit with status 2 and a message naming the flag to change.
 """
 
-import argparse
 import math
 import os
 import shlex
@@ -278,27 +277,23 @@ def markdown_table(world_size=8):
     return "\n".join(rows)
 
 
-def _whole(name, minimum=None):
-    flag = name if name.isupper() else f"--{name}"  # an environment variable, or a flag
-
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} expects a whole number, got {text!r}") from None
-        if minimum is not None and value < minimum:
-            raise argparse.ArgumentTypeError(f"{flag} expects a whole number >= {minimum}, got {value}")
-        return value
-    return parse
+def _at_least(name, minimum):
+    """A Flag check: a whole number >= minimum."""
+    def check(value):
+        if value < minimum:
+            raise ValueError(f"--{name} expects a whole number >= {minimum}, got {value}")
+    return check
 
 
-def _bool01(text):
-    low = text.lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"--use_fsdp expects 0 or 1, got {text!r}")
+def _whole(name, text, minimum):
+    """The whole number in `text`, from an environment variable or a training flag (`name` says which)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name} expects a whole number, got {text!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} expects a whole number >= {minimum}, got {value}")
+    return value
 
 
 def _train_flag(train_args, name, default):
@@ -306,44 +301,52 @@ def _train_flag(train_args, name, default):
     value = default
     for a in train_args:
         if a.startswith(f"--{name}="):
-            value = _whole(name)(a.split("=", 1)[1])
+            value = _whole(f"--{name}", a.split("=", 1)[1], 0)
     return value
+
+
+def _flags():
+    from nanochat.configurator import Flag, Flags
+
+    return Flags(
+        Flag("depth", None, "model depth (a preset, or any depth with both --num_shards and --device_batch_size)",
+             type=int, check=_at_least("depth", 1)),
+        Flag("num_shards", None, "override the preset's shards of pretraining data", type=int, check=_at_least("num_shards", 0)),
+        Flag("device_batch_size", None, "override the preset's rows per GPU (then it is never halved)", type=int,
+             check=_at_least("device_batch_size", 0)),
+        Flag("use_fsdp", None, "override the FSDP default (on from d40)", type=bool),
+        Flag("activation_checkpointing", None, "override the preset's activation checkpointing", type=str,
+             choices=list(AC_MODES)),
+        Flag("tp_size", None, "override the preset's tensor-parallel degree", type=int, check=_at_least("tp_size", 1)),
+        Flag("world_size", 1, "processes over all nodes", check=_at_least("world_size", 1)),
+        Flag("mode", "pretrain", "which stages the launch runs", choices=["pretrain", "posttrain", "fullrun"]),
+        Flag("max_shards", None, f"shards the dataset has (auto: $NANOCHAT_MAX_SHARDS or {FINEWEB_SHARDS})", type=int,
+             check=_at_least("max_shards", 2)),
+        Flag("format", "text", "text: key=value lines; shell: lines for pretrain.sh to eval; markdown: the preset table",
+             choices=["text", "shell", "markdown"]),
+        prog="python -m nanochat.presets", description=__doc__,
+    )
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     train_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(prog="python -m nanochat.presets", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--depth", type=_whole("depth", 1), help="model depth (a preset, or any with both overrides)")
-    parser.add_argument("--num_shards", "--num-shards", type=_whole("num_shards"), help="override the preset's shards")
-    parser.add_argument("--device_batch_size", "--device-batch-size", type=_whole("device_batch_size"),
-                        help="override the preset's rows per GPU (then it is never halved)")
-    parser.add_argument("--use_fsdp", "--use-fsdp", type=_bool01, help="override the FSDP default (on from d40)")
-    parser.add_argument("--activation_checkpointing", "--activation-checkpointing", choices=AC_MODES,
-                        help="override the preset's activation checkpointing")
-    parser.add_argument("--tp_size", "--tp-size", type=_whole("tp_size", 1), help="override the preset's tensor-parallel degree")
-    parser.add_argument("--world_size", "--world-size", type=_whole("world_size", 1), default=1,
-                        help="processes over all nodes")
-    parser.add_argument("--mode", default="pretrain", choices=["pretrain", "posttrain", "fullrun"])
-    parser.add_argument("--max_shards", type=_whole("max_shards", 2),
-                        help=f"shards the dataset has (default $NANOCHAT_MAX_SHARDS or {FINEWEB_SHARDS})")
-    parser.add_argument("--format", default="text", choices=["text", "shell", "markdown"])
-    args = parser.parse_args(argv)
+    flags = _flags()
+    args = flags.parse_args(argv)
     if args.format == "markdown":
         print(markdown_table())
         return 0
     if args.depth is None:
-        parser.error("--depth is required (except with --format markdown)")
+        flags.error("--depth is required (except with --format markdown)")
     try:
         if args.max_shards is None:
-            args.max_shards = _whole("NANOCHAT_MAX_SHARDS", 2)(os.environ.get("NANOCHAT_MAX_SHARDS", str(FINEWEB_SHARDS)))
+            args.max_shards = _whole("NANOCHAT_MAX_SHARDS", os.environ.get("NANOCHAT_MAX_SHARDS", str(FINEWEB_SHARDS)), 2)
         launch = resolve(args.depth, args.num_shards, args.device_batch_size, args.use_fsdp, args.world_size,
                          _train_flag(train_args, "total_batch_size", TOTAL_BATCH_SIZE),
                          _train_flag(train_args, "max_seq_len", MAX_SEQ_LEN), args.mode, args.max_shards,
                          args.activation_checkpointing, args.tp_size, _train_flag(train_args, "ac_every", 2))
-    except (ValueError, argparse.ArgumentTypeError) as e:
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.format == "shell":

@@ -185,7 +185,7 @@ ENTRY_POINTS = sorted(
     [(f"scripts.{p.stem}", ["--help"]) for p in (REPO / "scripts").glob("*.py") if p.stem != "__init__"]
     + [(f"bench.{p.stem}", ["--help"]) for p in (REPO / "bench").glob("*.py") if p.stem != "decode_driver"]
     + [("nanochat.dataset", ["--help"]), ("nanochat.dataset", ["import", "--help"]),
-       ("nanochat.setup_check", ["--help"])]
+       ("nanochat.setup_check", ["--help"]), ("nanochat.presets", ["--help"])]
 )  # bench/decode_driver.py stays argparse on purpose: it runs unchanged against the reference nanochat's tree
 
 

@@ -21,6 +21,9 @@
 #   --num_shards=N          data shards to download (preset value by default)
 #   --device_batch_size=N   per-GPU batch (preset value by default)
 #   --use_fsdp=0|1          FSDP2 instead of DDP (on by default from d40)
+#   --activation_checkpointing=none|full|selective   recompute block activations in the backward (preset: none at
+#                           every depth); with --ac_every=K for selective. Passed to base_train, mid_train, chat_sft
+#   --tp_size=N             tensor parallelism over N GPUs of a node (preset: 1); passed on only when N > 1
 #   --model_tag=TAG         checkpoint tag (default: base_train's d{depth}); passed to every stage
 #   --run=NAME              wandb run name (default $WANDB_RUN or "dummy" = wandb off)
 #   --nproc_per_node=N      processes per node (default: see above; or $NPROC_PER_NODE)
@@ -134,6 +137,7 @@ count_visible_gpus() {
 
 parse_flags() {
     DEPTH="${MODEL_DEPTH:-20}" NUM_SHARDS="" DBS="" USE_FSDP="" MODEL_TAG="" RUN_NAME="${WANDB_RUN:-dummy}"
+    AC="" AC_EVERY="" TP=""
     NPROC="${NPROC_PER_NODE:-}" PREPARE=1 MODE_POST=0 MODE_FULL=0 DRY_RUN=0
     PASS=()
     local arg name value has_value
@@ -172,6 +176,9 @@ parse_flags() {
             num_shards) NUM_SHARDS="$value" ;;
             device_batch_size) DBS="$value" ;;
             use_fsdp) USE_FSDP="$(to_bool01 use_fsdp "$value")" ;;
+            activation_checkpointing) AC="$value" ;;
+            ac_every) AC_EVERY="$value" ;;
+            tp_size) TP="$value" ;;
             model_tag) MODEL_TAG="$value" ;;
             run) RUN_NAME="$value" ;;
             nproc_per_node) NPROC="$value" ;;
@@ -294,14 +301,19 @@ pick_interpreter() { # PY and TR (torchrun) as arrays, TR_ARGS for this node
 repo_python() { PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" "${PY[@]}" "$@"; }
 
 # The preset and the batch arithmetic, by nanochat.presets (the training's own arithmetic): sets NUM_SHARDS,
-# DEVICE_BATCH_SIZE, USE_FSDP, GRAD_ACCUM, SFT_ARGS and NOTES, or stops with its message before any work.
+# DEVICE_BATCH_SIZE, USE_FSDP, ACTIVATION_CHECKPOINTING, TP_SIZE, GRAD_ACCUM, EST_GB, SFT_ARGS and NOTES, or stops
+# with its message before any work.
 resolve_presets() {
     local -a q=(--format=shell --depth="$DEPTH" --world_size=$((NNODES * NPROC)) --mode="$MODE")
     [[ -z "$NUM_SHARDS" ]] || q+=(--num_shards="$NUM_SHARDS")
     [[ -z "$DBS" ]] || q+=(--device_batch_size="$DBS")
     [[ -z "$USE_FSDP" ]] || q+=(--use_fsdp="$USE_FSDP")
+    [[ -z "$AC" ]] || q+=(--activation_checkpointing="$AC")
+    [[ -z "$TP" ]] || q+=(--tp_size="$TP")
+    local -a train=(${PASS[@]+"${PASS[@]}"})
+    [[ -z "$AC_EVERY" ]] || train+=(--ac_every="$AC_EVERY")
     local resolved
-    resolved="$(repo_python -m nanochat.presets "${q[@]}" -- ${PASS[@]+"${PASS[@]}"})" || exit 2
+    resolved="$(repo_python -m nanochat.presets "${q[@]}" -- ${train[@]+"${train[@]}"})" || exit 2
     eval "$resolved"
 }
 
@@ -321,6 +333,9 @@ print_settings() {
     echo "device_batch_size=$DEVICE_BATCH_SIZE"
     echo "grad_accum=$GRAD_ACCUM"
     echo "use_fsdp=$USE_FSDP"
+    echo "activation_checkpointing=$ACTIVATION_CHECKPOINTING${AC_EVERY:+ (ac_every=$AC_EVERY)}"
+    echo "tp_size=$TP_SIZE"
+    echo "est_gb_per_gpu=$EST_GB (upper bound; nanochat.presets)"
     if ((NGPU > 0)); then echo "device_type=cuda"; else echo "device_type=auto"; fi
     echo "model_tag=${MODEL_TAG:-(default: d$DEPTH)}"
     echo "run=$RUN_NAME"
@@ -398,19 +413,24 @@ stage() { # stage MODULE ARGS...: one torchrun over all nodes
 run_stages() {
     local -a tag=() ev=()
     [[ -z "$MODEL_TAG" ]] || tag=(--model_tag="$MODEL_TAG") ev=(-g "$MODEL_TAG")
-    local -a fsdp=()
-    ((!USE_FSDP)) || fsdp=(--use_fsdp=1)
+    # the model-memory settings every training stage gets, each only when it is not the scripts' default (none, 1,
+    # DDP; tests/test_launch.py checks those defaults): FSDP, activation checkpointing, tensor parallelism
+    local -a model_args=()
+    [[ "$ACTIVATION_CHECKPOINTING" == none ]] || model_args+=(--activation_checkpointing="$ACTIVATION_CHECKPOINTING")
+    [[ -z "$AC_EVERY" ]] || model_args+=(--ac_every="$AC_EVERY")
+    ((TP_SIZE <= 1)) || model_args+=(--tp_size="$TP_SIZE")
+    ((!USE_FSDP)) || model_args+=(--use_fsdp=1)
     if [[ "$MODE" != posttrain ]]; then
         if ((NODE_RANK == 0)); then run_cmd "${PY[@]}" -m nanochat.report reset; fi
-        stage scripts.base_train --depth="$DEPTH" --device_batch_size="$DEVICE_BATCH_SIZE" ${fsdp[@]+"${fsdp[@]}"} \
+        stage scripts.base_train --depth="$DEPTH" --device_batch_size="$DEVICE_BATCH_SIZE" ${model_args[@]+"${model_args[@]}"} \
             ${tag[@]+"${tag[@]}"} --run="$RUN_NAME" ${PASS[@]+"${PASS[@]}"}
         stage scripts.base_loss --device_batch_size="$DEVICE_BATCH_SIZE" ${tag[@]+"${tag[@]}"}
         stage scripts.base_eval ${tag[@]+"${tag[@]}"}
     fi
     if [[ "$MODE" != pretrain ]]; then
-        stage scripts.mid_train --run="$RUN_NAME" --device_batch_size="$DEVICE_BATCH_SIZE" ${fsdp[@]+"${fsdp[@]}"} ${tag[@]+"${tag[@]}"}
+        stage scripts.mid_train --run="$RUN_NAME" --device_batch_size="$DEVICE_BATCH_SIZE" ${model_args[@]+"${model_args[@]}"} ${tag[@]+"${tag[@]}"}
         stage scripts.chat_eval -i mid ${ev[@]+"${ev[@]}"}
-        stage scripts.chat_sft --run="$RUN_NAME" ${SFT_ARGS[@]+"${SFT_ARGS[@]}"} ${fsdp[@]+"${fsdp[@]}"} ${tag[@]+"${tag[@]}"}
+        stage scripts.chat_sft --run="$RUN_NAME" ${SFT_ARGS[@]+"${SFT_ARGS[@]}"} ${model_args[@]+"${model_args[@]}"} ${tag[@]+"${tag[@]}"}
         stage scripts.chat_eval -i sft ${ev[@]+"${ev[@]}"}
     fi
     if ((NODE_RANK == 0)); then run_cmd "${PY[@]}" -m nanochat.report generate; fi

@@ -49,8 +49,10 @@ RESOLVED="$("$PRESET_PY" -m nanochat.presets "${Q[@]}")" || exit 2
 eval "$RESOLVED"
 for note in ${NOTES[@]+"${NOTES[@]}"}; do log "note: $note"; done
 log "d$DEPTH on $NPROC GPUs: $NUM_SHARDS shards, device batch $DEVICE_BATCH_SIZE, grad accumulation $GRAD_ACCUM, FSDP $USE_FSDP"
-FSDP=()
+FSDP=() # the preset's model-memory flags, each only when not the scripts' default: FSDP, AC, TP
 ((!USE_FSDP)) || FSDP=(--use_fsdp=1)
+[[ "$ACTIVATION_CHECKPOINTING" == none ]] || FSDP+=(--activation_checkpointing="$ACTIVATION_CHECKPOINTING")
+((TP_SIZE <= 1)) || FSDP+=(--tp_size="$TP_SIZE")
 train() { # train MODULE ARGS...: one torchrun over the node's GPUs, on CUDA
     local module="$1"
     shift

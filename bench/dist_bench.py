@@ -23,7 +23,6 @@ against a real run: the measured section patches torch.distributed's collectives
 step on 2 gloo ranks, and compares the byte totals with the analytic model of that small config.
 """
 
-import argparse
 import json
 import math
 import os
@@ -39,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from nanochat.configurator import Flag, Flags  # noqa: E402
 from nanochat.gpt import GPT, GPTConfig, config_for_depth  # noqa: E402
 
 MODES = ("ddp", "fsdp_adamw", "fsdp_muon", "tp2")
@@ -389,19 +389,23 @@ def measured_section(steps, warmup):
     return "\n".join(lines), mismatches
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world", type=int, default=8, help="ranks for the analytic tables")
-    ap.add_argument("--depths", default="20,40")
-    ap.add_argument("--vocab_size", type=int, default=65536)
-    ap.add_argument("--seq_len", type=int, default=2048)
-    ap.add_argument("--total_batch", type=int, default=524288, help="tokens per optimizer step")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps of the measured run")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--no_run", action="store_true", help="analytic tables only")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--modes", default=",".join(MODES), help=argparse.SUPPRESS)
-    args = ap.parse_args()
+FLAGS = Flags(
+    Flag("world", 8, "ranks for the analytic tables"),
+    Flag("depths", "20,40", "comma-separated model depths for the analytic tables"),
+    Flag("vocab_size", 65536, "vocabulary size of the analytic models"),
+    Flag("seq_len", 2048, "sequence length of the analytic models"),
+    Flag("total_batch", 524288, "tokens per optimizer step"),
+    Flag("steps", 5, "timed steps of the measured run"),
+    Flag("warmup", 2, "untimed steps before them"),
+    Flag("no_run", False, "analytic tables only (no processes launched)"),
+    Flag("worker", False, "internal: run as one rank of the measured run", hidden=True),
+    Flag("modes", ",".join(MODES), "internal: the paths the worker measures", hidden=True),
+    description=__doc__,
+)
+
+
+def main(argv=None):
+    args = FLAGS.parse_args(argv)
     if args.worker:
         return worker(args.steps, args.warmup, tuple(args.modes.split(",")))
     depths = [int(d) for d in args.depths.split(",")]

@@ -19,7 +19,6 @@ What is measured (median of --repeats runs after one warm-up):
   --server_requests requests in all; requests/s, generated tokens/s, per-request latency and time to first token.
 """
 
-import argparse
 import asyncio
 import json
 import os
@@ -33,31 +32,39 @@ from pathlib import Path
 
 import torch
 
-from nanochat.configurator import add_dashed_aliases
+from nanochat.common import device_type_flag
+from nanochat.configurator import Flag, Flags
 from nanochat.engine import Engine, KVCache
 from nanochat.gpt import GPT, config_for_depth
 
 WIKITEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pretrain" / "wikitext-2" / "train.txt"
 
 
+FLAGS = Flags(
+    "engine",
+    Flag("depths", "4,6", "comma-separated model depths"),
+    Flag("batch_sizes", "1,8", "comma-separated num_samples"),
+    Flag("prompt_len", 256, "prompt tokens"),
+    Flag("gen_tokens", 128, "decode steps per run"),
+    Flag("repeats", 3, "timed runs per setting (after one warm-up)"),
+    Flag("vocab_size", 8192, "vocabulary of the tokenizer trained on WikiText (--tokenizer=wikitext)"),
+    Flag("tokenizer", "wikitext", "wikitext: train one on ../shared/data WikiText-2 at --vocab_size; base_dir: the "
+         "one in $NANOCHAT_BASE_DIR/tokenizer", choices=["wikitext", "base_dir"]),
+    device_type_flag(),
+    Flag("threads", 0, "torch CPU threads (0: torch's default)"),
+    "server (scripts/chat_web.py's app, in process)",
+    Flag("skip_server", False, "skip the server benchmark"),
+    Flag("server_depth", 4, "model depth of the served model"),
+    Flag("server_requests", 32, "requests sent"),
+    Flag("server_concurrency", 8, "requests in flight at once"),
+    Flag("server_max_tokens", 32, "max new tokens per request"),
+    Flag("json_out", "", "also write the raw numbers to this file (empty: don't)"),
+    description=__doc__,
+)
+
+
 def build_arg_parser():
-    p = argparse.ArgumentParser(description="nanochat inference benchmark")
-    p.add_argument("--depths", type=str, default="4,6", help="comma-separated model depths")
-    p.add_argument("--batch_sizes", type=str, default="1,8", help="comma-separated num_samples")
-    p.add_argument("--prompt_len", type=int, default=256)
-    p.add_argument("--gen_tokens", type=int, default=128, help="decode steps per run")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--vocab_size", type=int, default=8192)
-    p.add_argument("--tokenizer", type=str, default="wikitext", choices=["wikitext", "base_dir"])
-    p.add_argument("--device_type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--skip_server", action="store_true")
-    p.add_argument("--server_depth", type=int, default=4)
-    p.add_argument("--server_requests", type=int, default=32)
-    p.add_argument("--server_concurrency", type=int, default=8)
-    p.add_argument("--server_max_tokens", type=int, default=32)
-    p.add_argument("--json_out", type=str, default="", help="also write the raw numbers here")
-    return add_dashed_aliases(p)
+    return FLAGS
 
 
 def get_tokenizer(args):
@@ -211,8 +218,8 @@ def run_server_benchmark(args, tokenizer, device):
     return row
 
 
-def main():
-    args = build_arg_parser().parse_args()
+def main(argv=None):
+    args = FLAGS.parse_args(argv)
     from nanochat.common import autodetect_device_type
 
     device_type = args.device_type or autodetect_device_type()

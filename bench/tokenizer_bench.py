@@ -10,7 +10,6 @@ Prints a markdown section ready for docs/benchmarks.md. Both trainers use every 
 RAYON_NUM_THREADS to change that, for both).
 """
 
-import argparse
 import json
 import os
 import platform
@@ -20,6 +19,7 @@ from pathlib import Path
 import rustbpe
 import tiktoken
 
+from nanochat.configurator import Flag, Flags
 from nanochat.tokenizer import SPLIT_PATTERN
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pretrain"
@@ -118,13 +118,17 @@ def _timed(fn):
     return time.perf_counter() - t0, out
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vocab_sizes", default="8192,32768", help="comma-separated vocab sizes to train")
-    parser.add_argument("--max_mb", type=float, default=16.0, help="megabytes of text to train on (>= 10 for the report)")
-    parser.add_argument("--repeats", type=int, default=2, help="best of N runs for each timing")
-    parser.add_argument("--skip_hf", action="store_true", help="do not run Hugging Face tokenizers")
-    args = parser.parse_args()
+FLAGS = Flags(
+    Flag("vocab_sizes", "8192,32768", "comma-separated vocab sizes to train"),
+    Flag("max_mb", 16.0, "megabytes of text to train on (>= 10 for the report)"),
+    Flag("repeats", 2, "best of N runs for each timing"),
+    Flag("skip_hf", False, "do not run Hugging Face tokenizers"),
+    description=__doc__,
+)
+
+
+def main(argv=None):
+    args = FLAGS.parse_args(argv)
     vocab_sizes = [int(v) for v in args.vocab_sizes.split(",")]
 
     docs, nbytes = load_corpus(args.max_mb)

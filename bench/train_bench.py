@@ -4,11 +4,14 @@ grad clip + optimizer step), timed after warmup, on synthetic tokens (no data or
 
     python -m bench.train_bench --depth=4 --max_seq_len=256 --device_batch_size=8 --device_type=cpu
     python -m bench.train_bench --depth=20 --max_seq_len=2048 --device_batch_size=32 --attn=sdpa,fa3   # one H100
+    python -m bench.train_bench --depth=20 --max_seq_len=2048 --device_batch_size=32 --fp8=1 --activation_checkpointing=full
 
 It builds the model and optimizers exactly as scripts.base_train does (nanochat.training), so the figures are the
 training loop's. MFU = estimate_flops() per token x tokens/s / peak bf16 FLOPS of the GPU (nanochat.common's
 table, matched by device name); there is no MFU on CPU. `--attn` takes a comma list to compare backends in one run;
-each result is printed as a markdown table row plus one JSON line.
+each result is printed as a markdown table row plus one JSON line. --activation_checkpointing/--ac_every and
+--fp8/--fp8_recipe are base_train's (nanochat.training.apply_model_options): the MFU counts the model's FLOPs only, so
+AC's recompute shows as lower MFU, and FP8 is divided by the bf16 peak as well (speedup = the ratio of the rows).
 """
 
 import json
@@ -23,29 +26,39 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from nanochat.training import autocast_ctx, build_model, resolve_dtype, train_step  # noqa: E402
-from nanochat.common import autodetect_device_type, peak_flops_for  # noqa: E402
-from nanochat.compile import maybe_compile  # noqa: E402
-from nanochat.configurator import parse_flags_or_exit  # noqa: E402
+from nanochat.training import apply_model_options, autocast_ctx, build_model, check_model_options, dtype_flag, resolve_dtype, train_step  # noqa: E402
+from nanochat.common import autodetect_device_type, device_type_flag, peak_flops_for  # noqa: E402
+from nanochat.compile import compile_flag, maybe_compile  # noqa: E402
+from nanochat.configurator import Flag, Flags, parse_flags_or_exit  # noqa: E402
 from nanochat.gpt import config_for_depth  # noqa: E402
 
-DEFAULTS = dict(
-    depth=4,
-    max_seq_len=256,
-    device_batch_size=8,
-    vocab_size=65536,  # nanochat's tokenizer size (2**16)
-    steps=10,  # timed steps
-    warmup=3,  # untimed steps first (compilation, allocator, optimizer state)
-    compile="auto",  # auto | 1 | 0, as base_train (nanochat/compile.py): compiled wherever torch.compile works
-    attn="auto",  # auto | sdpa | fa3, or a comma list such as sdpa,fa3
-    dtype="auto",  # auto (bf16 autocast on CUDA, fp32 elsewhere) | bfloat16 | float32
-    device_type="",  # cuda | cpu | mps; empty = autodetect
-    init="normal",
-    use_muon=True,
-    grad_clip=1.0,
-    threads=0,  # CPU threads for torch (0 = torch's default)
-    seed=42,
+FLAGS = Flags(
+    "model",
+    Flag("depth", 4, "transformer blocks (as base_train)"),
+    Flag("max_seq_len", 256, "tokens per row"),
+    Flag("device_batch_size", 8, "rows per step"),
+    Flag("vocab_size", 65536, "vocabulary size (nanochat's tokenizer: 2**16)"),
+    Flag("init", "normal", "weight init (as base_train)", choices=["normal", "nanochat"]),
+    Flag("attn", "auto", "attention kernel: auto | sdpa | fa3, or a comma list such as sdpa,fa3 to compare them"),
+    "timing",
+    Flag("steps", 10, "timed steps"),
+    Flag("warmup", 3, "untimed steps first (compilation, allocator, optimizer state)"),
+    "training",
+    compile_flag(),
+    dtype_flag(),
+    Flag("use_muon", True, "Muon for the matrices (0: AdamW for everything)"),
+    Flag("grad_clip", 1.0, "clip the gradient norm to this (<= 0: no clipping)"),
+    Flag("activation_checkpointing", "none", "recompute block activations in the backward (as base_train)",
+         choices=["none", "full", "selective"]),
+    Flag("ac_every", 2, "selective activation checkpointing: every ac_every-th block"),
+    Flag("fp8", False, "FP8 block matmuls (torchao; CUDA with compute capability >= 8.9), as base_train"),
+    Flag("fp8_recipe", "tensorwise", "FP8 scaling granularity", choices=["tensorwise", "rowwise"]),
+    "systems",
+    device_type_flag(),
+    Flag("threads", 0, "CPU threads for torch (0 = torch's default)"),
+    Flag("seed", 42, "seed of the weights and the synthetic tokens"),
 )
+DEFAULTS = FLAGS.defaults()
 
 
 def sync(device):
@@ -61,6 +74,7 @@ def bench_one(cfg, attn, device):
     dtype = resolve_dtype(cfg["dtype"], device_type)
     model_config = config_for_depth(cfg["depth"], cfg["vocab_size"], cfg["max_seq_len"])
     model = build_model(model_config, device, cfg["init"], attn)
+    apply_model_options(model, cfg, device)  # --activation_checkpointing, --fp8: before compile, as base_train
     orig_model = model
     optimizers = orig_model.setup_optimizers(use_muon=cfg["use_muon"])  # one process: the DDP path's optimizers
     autocast = lambda: autocast_ctx(device_type, dtype)  # noqa: E731
@@ -106,6 +120,8 @@ def bench_one(cfg, attn, device):
         "compile": compiled,
         "attn": orig_model.attn_backend,
         "optimizer": "AdamW+Muon" if cfg["use_muon"] else "AdamW",
+        "activation_checkpointing": cfg["activation_checkpointing"] + (f" (every {cfg['ac_every']})" if cfg["activation_checkpointing"] == "selective" else ""),
+        "fp8": cfg["fp8_recipe"] if cfg["fp8"] else "off",
         "step_ms_median": 1000 * dt_med,
         "step_ms_mean": 1000 * statistics.mean(times),
         "step_ms_min": 1000 * min(times),
@@ -120,22 +136,24 @@ def bench_one(cfg, attn, device):
 
 
 HEADER = (
-    "| device | model | B x T | dtype | compile | attn | optimizer | step (ms, median) | tok/s | TFLOP/s | MFU |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|"
+    "| device | model | B x T | dtype | compile | attn | optimizer | AC | FP8 | step (ms, median) | tok/s | TFLOP/s | MFU "
+    "| peak GiB |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
 def markdown_row(r):
     mfu = f"{r['mfu_pct']:.1f}%" if r["mfu_pct"] is not None else "n/a"
+    peak = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
     return (
         f"| {r['device']} | d{r['depth']} ({r['params'] / 1e6:.1f}M) | {r['batch']} x {r['seq_len']} | {r['dtype']} | "
-        f"{'yes' if r['compile'] else 'no'} | {r['attn']} | {r['optimizer']} | {r['step_ms_median']:.1f} | "
-        f"{r['tok_per_s']:,.0f} | {r['achieved_tflops']:.3g} | {mfu} |"
+        f"{'yes' if r['compile'] else 'no'} | {r['attn']} | {r['optimizer']} | {r['activation_checkpointing']} | "
+        f"{r['fp8']} | {r['step_ms_median']:.1f} | {r['tok_per_s']:,.0f} | {r['achieved_tflops']:.3g} | {mfu} | {peak} |"
     )
 
 
 def main(argv=None):
-    cfg = parse_flags_or_exit(DEFAULTS, argv, description=__doc__)
+    cfg = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     if cfg["steps"] < 1 or cfg["warmup"] < 0:
         print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
         sys.exit(2)
@@ -151,6 +169,11 @@ def main(argv=None):
         torch.backends.cudnn.allow_tf32 = True
         torch.set_float32_matmul_precision("high")
     device = torch.device(device_type)
+    try:
+        check_model_options(cfg, device)  # --fp8=1 without FP8 hardware, a bad --activation_checkpointing: say so now
+    except (RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     attns = [a.strip() for a in cfg["attn"].split(",") if a.strip()]
     results = []
     for attn in attns:

@@ -43,6 +43,18 @@ def checkpoint_root(source):
 # atomic writes
 
 
+def checkpoint_flags(source="sft", required=False):
+    """-i/--source, -g/--model_tag, -s/--step: which checkpoint a CLI loads (chat_cli, chat_web, chat_eval, export_hf)."""
+    from nanochat.configurator import Flag
+
+    return [
+        Flag("source", None if required else source, "which stage's checkpoints to load", type=str,
+             choices=list(PHASE_DIRS), short="i", required=required),
+        Flag("model_tag", None, "model tag, e.g. d20; auto = the largest model", type=str, short="g"),
+        Flag("step", None, "checkpoint step; auto = the last", type=int, short="s"),
+    ]
+
+
 def atomic_torch_save(obj, path):
     atomic_write(path, lambda f: torch.save(obj, f))
 

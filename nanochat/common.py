@@ -134,3 +134,11 @@ def peak_flops_for(device):
         if key in name:
             return flops
     return None
+
+
+def device_type_flag():
+    """--device_type, as every entry point that picks a device declares it (auto: autodetect_device_type)."""
+    from nanochat.configurator import Flag
+
+    return Flag("device_type", None, "cuda | cpu | mps; auto = cuda if available, else mps, else cpu", type=str,
+                choices=["cuda", "cpu", "mps"])

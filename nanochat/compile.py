@@ -160,3 +160,12 @@ def maybe_compile(model, flag, device, batch_size, seq_len, per_block=False, aut
     compiled = compile_model(model, per_block, backend)
     warm_up(compiled, batch_size, seq_len, model.config.vocab_size, device, autocast, log)
     return compiled
+
+
+def compile_flag():
+    """--compile, as every training script and bench/train_bench.py declare it."""
+    from nanochat.configurator import Flag
+
+    return Flag("compile", "auto", "torch.compile: auto = wherever it works (CUDA with Triton, CPU with a C++ compiler; "
+                "NANOCHAT_COMPILE=auto|1|0 replaces this default), 1 = always (stops with the reason when it cannot), "
+                "0 = eager", check=parse_compile_flag)

@@ -1,14 +1,28 @@
 """
-Command-line flags for the training and eval scripts, nanochat style.
+Command-line flags for every entry point (scripts/, bench/, nanochat.dataset, nanochat.setup_check), nanochat style.
 
-Each script declares its settings as a dict of defaults; `parse_flags` overrides them from argv.
-Accepted forms: `--depth=20`, `--depth 20`, `--device-batch-size=32`, `--device_batch_size 32`.
-The type of each flag is the type of its default. Unknown flags are errors that list close matches.
+Each script declares its flags once, with the help text users see:
+
+    FLAGS = Flags(
+        "model",                                                  # a heading: the flags below are grouped under it
+        Flag("depth", 20, "transformer blocks; width and heads follow from it"),
+        Flag("eval_tokens", None, "tokens per validation; auto: 20 x 524288 (a few batches on CPU)", type=int),
+        Flag("source", "sft", "which checkpoints to load", choices=["base", "mid", "sft", "rl"], short="i"),
+    )
+    config = parse_flags_or_exit(FLAGS, argv, description=__doc__)   # a dict: config["depth"] (or config.depth)
+
+Accepted forms: `--depth=20`, `--depth 20`, `--device-batch-size=32`, `--device_batch_size 32`, a short alias where one
+is declared (`-i sft`), and positional arguments where declared (import_hf's DIR). A flag's type is its default's, or
+`type=` when the default is None. None means "auto": the script works the value out (from the device, the model...),
+`--help` prints it as `auto`, and `--flag=auto` asks for it explicitly; a value the user passes always wins, even one
+equal to what auto would pick. Booleans take 1/0/true/false/yes/no/on/off, or nothing (`--fp8` = `--fp8=1`).
+`choices` (or a `check` function) are checked here, once, with an error that lists them; unknown flags are errors
+that suggest close names. Scripts read the result as a plain dict (checkpoints store it as user_config).
 """
 
-import argparse
 import difflib
 import sys
+import textwrap
 
 
 class FlagError(ValueError):
@@ -17,90 +31,322 @@ class FlagError(ValueError):
 
 _TRUE = {"1", "true", "yes", "on", "t", "y"}
 _FALSE = {"0", "false", "no", "off", "f", "n"}
+_TYPE_NAMES = {bool: "bool", int: "int", float: "float", str: "str"}
 
 
-def _convert(name, raw, default):
-    if isinstance(default, bool):
+class Flag:
+    """One flag: its name (a_b spelling), default, help text and optional choices / type / short alias."""
+
+    def __init__(self, name, default, help, choices=None, type=None, short=None, positional=False, required=False,
+                 hidden=False, check=None, many=False):
+        if not help or not help.strip():
+            raise ValueError(f"flag --{name} needs a help text (what it does, what its values mean)")
+        if type is None:
+            if default is None:
+                raise ValueError(f"flag --{name}: a None (auto) default needs an explicit type=int|float|str|bool")
+            type = builtin_type(default)
+        if type not in _TYPE_NAMES:
+            raise ValueError(f"flag --{name}: type must be one of bool, int, float, str, got {type!r}")
+        if short is not None and not (len(short) == 1 and short.isalpha() and short != "h"):
+            raise ValueError(f"flag --{name}: short alias must be one letter other than h, got {short!r}")
+        self.name, self.default, self.help, self.type = name, default, " ".join(help.split()), type
+        self.choices = list(choices) if choices is not None else None
+        self.short, self.positional, self.required, self.hidden = short, positional, required, hidden
+        self.check = check  # optional: check(value) raises ValueError with the message for a bad value
+        self.many = many  # a list of one or more values (`--val_paths a b`, nanochat.dataset import's PATHS)
+        if many and default is not None:
+            raise ValueError(f"flag --{name}: a flag of many values defaults to None (auto or none given)")
+        if self.choices is not None and default is not None and default not in self.choices:
+            raise ValueError(f"flag --{name}: default {default!r} is not among its choices {self.choices}")
+
+    def convert(self, raw):
+        """The typed value of the command-line text `raw` (FlagError naming the flag and what it expects)."""
+        name = self.display_name()
         low = raw.strip().lower()
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        raise FlagError(f"--{name} expects a boolean (1/0/true/false), got {raw!r}")
-    if isinstance(default, int):
-        try:
-            return int(raw)
-        except ValueError:
+        # auto: `auto`, or an empty value where that was the old spelling of auto (--device_type=); a free-form
+        # string keeps "" (chat_web's --api_key= means "no key", not "the key in the environment")
+        if self.default is None and (low == "auto" or (low == "" and self.choices is not None)):
+            if self.required:
+                raise FlagError(f"{name} is required: pass a value")
+            return None
+        if self.type is bool:
+            if low in _TRUE:
+                value = True
+            elif low in _FALSE:
+                value = False
+            else:
+                raise FlagError(f"{name} expects a boolean (1/0/true/false), got {raw!r}")
+        elif self.type is int:
             try:
-                f = float(raw)  # allow 1e6 style for integer flags when it is a whole number
+                value = int(raw)
             except ValueError:
-                raise FlagError(f"--{name} expects an integer, got {raw!r}") from None
-            if f != int(f):
-                raise FlagError(f"--{name} expects an integer, got {raw!r}")
-            return int(f)
-    if isinstance(default, float):
-        try:
-            return float(raw)
-        except ValueError:
-            raise FlagError(f"--{name} expects a number, got {raw!r}") from None
-    return raw  # str or None default: keep the string
-
-
-def parse_flags(defaults, argv=None, prog=None, description=None):
-    """Return a new dict: `defaults` overridden by the flags in argv (sys.argv[1:] by default)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    config = dict(defaults)
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--":  # `torchrun -m scripts.x -- --flag=v` may hand the separator through
-            i += 1
-            continue
-        if arg in ("-h", "--help"):
-            lines = [description or "", "flags (default):"]
-            lines += [f"  --{k}={v!r}" for k, v in defaults.items()]
-            print("\n".join(lines))
-            sys.exit(0)
-        if not arg.startswith("--"):
-            raise FlagError(f"unexpected argument {arg!r}: flags look like --name=value or --name value")
-        body = arg[2:]
-        if "=" in body:
-            key, raw = body.split("=", 1)
+                try:
+                    f = float(raw)  # allow 1e6 style for integer flags when it is a whole number
+                except ValueError:
+                    raise FlagError(f"{name} expects an integer, got {raw!r}") from None
+                if f != int(f):
+                    raise FlagError(f"{name} expects an integer, got {raw!r}")
+                value = int(f)
+        elif self.type is float:
+            try:
+                value = float(raw)
+            except ValueError:
+                raise FlagError(f"{name} expects a number, got {raw!r}") from None
         else:
-            key = body
-            if i + 1 >= len(argv):
-                raise FlagError(f"flag --{key} needs a value (--{key}=VALUE)")
-            raw = argv[i + 1]
+            value = raw
+        if self.choices is not None and value not in self.choices:
+            raise FlagError(f"{name} must be one of {'|'.join(map(str, self.choices))}, got {raw!r}")
+        if self.check is not None:
+            try:
+                self.check(value)
+            except ValueError as e:
+                raise FlagError(str(e)) from None
+        return value
+
+    def display_name(self):
+        return self.name.upper() if self.positional else f"--{self.name}"
+
+    def help_lines(self, width=100):
+        if self.positional:
+            head = f"  {self.name.upper()}"
+        else:
+            head = f"  {'-' + self.short + ', ' if self.short else ''}--{self.name}"
+            head += " (required)" if self.required else f"={format_value(self.default)}"
+        if self.choices:
+            auto = ["auto"] if self.default is None and not self.required else []
+            kind = " | ".join(auto + [format_value(c) for c in self.choices])
+        else:
+            kind = _TYPE_NAMES[self.type]
+        lines = [f"{head}  [{kind}{' ...' if self.many else ''}]"]
+        lines += textwrap.wrap(self.help, width=width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        return lines
+
+
+def builtin_type(value):
+    for t in (bool, int, float, str):  # bool before int: True is an int too
+        if isinstance(value, t):
+            return t
+    raise ValueError(f"flag defaults must be bool, int, float, str or None, got {value!r}")
+
+
+def format_value(value):
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if value == "":
+        return '""'
+    return str(value)
+
+
+class Config(dict):
+    """The parsed flags: a plain dict (config["depth"]; checkpoints store dict(config)), also read as config.depth."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(f"no flag named {key!r}") from None
+
+    def __setattr__(self, key, value):
+        self[key] = value
+
+
+class Flags:
+    """
+    An ordered set of Flag. Items: Flag, a string (a heading for the flags after it in --help), or a list of those
+    (so shared lists such as nanochat.training.run_flags() splice in).
+    """
+
+    def __init__(self, *items, description=None, prog=None):
+        self.description, self.prog = description, prog
+        self.items = []  # Flag or heading str, in order
+        self.by_name, self.by_short = {}, {}
+        self._add(items)
+
+    def _add(self, items):
+        for item in items:
+            if isinstance(item, (list, tuple)):
+                self._add(item)
+            elif isinstance(item, str):
+                self.items.append(item)
+            elif isinstance(item, Flag):
+                if item.name in self.by_name:
+                    raise ValueError(f"flag --{item.name} is declared twice")
+                if item.short and item.short in self.by_short:
+                    raise ValueError(f"short flag -{item.short} is declared twice")
+                self.items.append(item)
+                self.by_name[item.name] = item
+                if item.short:
+                    self.by_short[item.short] = item
+            else:
+                raise TypeError(f"Flags takes Flag, a heading string or a list of them, got {item!r}")
+
+    @classmethod
+    def from_defaults(cls, defaults):
+        """The old style, a dict of defaults: every flag typed by its default (help: its default only)."""
+        return cls(*[Flag(k, v, f"(default {format_value(v)})", type=None if v is not None else str)
+                     for k, v in defaults.items()])
+
+    def flags(self):
+        return [f for f in self.items if isinstance(f, Flag)]
+
+    def defaults(self):
+        """{name: default}: what a run with no flags gets (None = auto)."""
+        return {f.name: f.default for f in self.flags() if not f.positional}
+
+    def __contains__(self, name):
+        return name in self.by_name
+
+    def __getitem__(self, name):
+        return self.by_name[name]
+
+    # ------------------------------------------------------------------ help
+
+    def usage(self, prog=None):
+        prog = prog or self.prog or _prog_name()
+        positional = " ".join(f.name.upper() for f in self.flags() if f.positional)
+        required = " ".join(f"--{f.name}=VALUE" for f in self.flags() if f.required and not f.positional)
+        return "usage: " + " ".join(p for p in (prog, positional, required, "[--flag=value ...]") if p)
+
+    def help_text(self, prog=None, description=None):
+        description = description if description is not None else self.description
+        lines = [self.usage(prog), ""]
+        if description:
+            lines += [description.strip("\n"), ""]
+        lines.append("Flags: --name=value or --name value; --a_b and --a-b are the same flag; auto = worked out by "
+                     "the script. Booleans: 1/0/true/false.")
+        for item in self.items:
+            if isinstance(item, str):
+                lines += ["", f"{item}:"]
+            elif not item.hidden:
+                lines += item.help_lines()
+        return "\n".join(lines) + "\n"
+
+    def error(self, message, prog=None):
+        """argparse's parser.error: usage and `error: message` on stderr, exit status 2."""
+        print(f"{self.usage(prog)}\n{_prog_name(prog or self.prog)}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    # ------------------------------------------------------------------ parsing
+
+    def parse(self, argv=None, prog=None, description=None):
+        """A Config of every flag: defaults overridden by argv (sys.argv[1:] by default). FlagError on a bad flag;
+        --help/-h prints the help and exits with status 0."""
+        argv = list(sys.argv[1:] if argv is None else argv)
+        config = Config()
+        for f in self.flags():
+            config[f.name] = f.default
+        positionals = [f for f in self.flags() if f.positional]
+        given = set()
+        i = 0
+        while i < len(argv):
+            arg = argv[i]
             i += 1
-        key = key.replace("-", "_")
-        if key not in defaults:
-            close = difflib.get_close_matches(key, list(defaults), n=3)
-            hint = f" Did you mean: {', '.join('--' + c for c in close)}?" if close else ""
-            raise FlagError(f"unknown flag --{key}.{hint} Run with --help to list the flags.")
-        config[key] = _convert(key, raw, defaults[key])
-        i += 1
-    return config
+            if arg == "--":  # `torchrun -m scripts.x -- --flag=v` may hand the separator through
+                continue
+            if arg in ("-h", "--help"):
+                sys.stdout.write(self.help_text(prog, description))
+                sys.exit(0)
+            if arg.startswith("--"):
+                key, eq, raw = arg[2:].partition("=")
+                key = key.replace("-", "_")
+                flag = self.by_name.get(key)
+                if flag is None or flag.positional:
+                    raise FlagError(f"unknown flag --{key}.{self._suggest(key)} Run with --help to list the flags.")
+            elif arg.startswith("-") and len(arg) > 1 and not _is_number(arg):
+                flag = self.by_short.get(arg[1])
+                if flag is None:
+                    raise FlagError(f"unknown flag {arg[:2]}.{self._suggest(arg[1:].lstrip('-'))} Run with --help to "
+                                    f"list the flags.")
+                rest = arg[2:]
+                eq, raw = ("=", rest[1:] if rest.startswith("=") else rest) if rest else ("", "")
+            else:
+                if not positionals:
+                    raise FlagError(f"unexpected argument {arg!r}: flags look like --name=value or --name value")
+                flag = positionals[0]
+                if flag.many:  # takes every positional value from here on, wherever it stands between flags
+                    config[flag.name] = (config[flag.name] if flag.name in given else []) + [flag.convert(arg)]
+                else:
+                    positionals.pop(0)
+                    config[flag.name] = flag.convert(arg)
+                given.add(flag.name)
+                continue
+            if flag.many:  # --val_paths a b c: the values up to the next flag
+                values = [raw] if eq else []
+                while not eq and i < len(argv) and not (argv[i].startswith("-") and not _is_number(argv[i])):
+                    values.append(argv[i])
+                    i += 1
+                if not values:
+                    raise FlagError(f"flag --{flag.name} needs one or more values (--{flag.name} A B ...)")
+                config[flag.name] = [flag.convert(v) for v in values]
+                given.add(flag.name)
+                continue
+            if not eq:
+                nxt = argv[i] if i < len(argv) else None
+                if flag.type is bool:  # `--fp8` alone means on; `--fp8 0` still reads the value
+                    if nxt is not None and nxt.strip().lower() in _TRUE | _FALSE:
+                        raw = nxt
+                        i += 1
+                    else:
+                        raw = "1"
+                elif nxt is None:
+                    raise FlagError(f"flag --{flag.name} needs a value (--{flag.name}=VALUE)")
+                else:
+                    raw = nxt
+                    i += 1
+            config[flag.name] = flag.convert(raw)
+            given.add(flag.name)
+        missing = [f.display_name() for f in self.flags() if f.required and f.name not in given]
+        if missing:
+            raise FlagError(f"missing required {', '.join(missing)} (run with --help for what each means)")
+        return config
+
+    def parse_args(self, argv=None, prog=None, description=None):
+        """argparse's contract, for the CLIs that were argparse: a bad flag prints usage + the error, exit status 2."""
+        try:
+            return self.parse(argv, prog=prog, description=description)
+        except FlagError as e:
+            self.error(str(e), prog)
+
+    def _suggest(self, key):
+        names = [f.name for f in self.flags() if not f.positional and not f.hidden]
+        close = difflib.get_close_matches(key, names, n=3)
+        return f" Did you mean: {', '.join('--' + c for c in close)}?" if close else ""
 
 
-def parse_flags_or_exit(defaults, argv=None, description=None):
-    """parse_flags for entrypoints: a bad flag prints the message and exits with status 2."""
+def _is_number(text):
     try:
-        return parse_flags(defaults, argv, description=description)
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _prog_name(prog=None):
+    if prog:
+        return prog
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return f"python -m {spec.name}"
+    return f"python {sys.argv[0]}" if sys.argv and sys.argv[0] else "python"
+
+
+def _as_flags(flags):
+    return flags if isinstance(flags, Flags) else Flags.from_defaults(flags)
+
+
+def parse_flags(flags, argv=None, prog=None, description=None):
+    """A Config (a dict) of `flags` (a Flags, or a dict of defaults) overridden by argv (sys.argv[1:] by default)."""
+    return _as_flags(flags).parse(argv, prog=prog, description=description)
+
+
+def parse_flags_or_exit(flags, argv=None, description=None, prog=None):
+    """parse_flags for entrypoints: a bad flag prints the message and exits with status 2."""
+    flags = _as_flags(flags)
+    try:
+        return flags.parse(argv, prog=prog, description=description)
     except FlagError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-
-
-def add_dashed_aliases(parser: argparse.ArgumentParser):
-    """For argparse-based scripts: accept --a-b as well as --a_b for every long option."""
-    for action in list(parser._actions):
-        extra = []
-        for opt in action.option_strings:
-            if opt.startswith("--") and "_" in opt[2:]:
-                alias = "--" + opt[2:].replace("_", "-")
-                if alias not in parser._option_string_actions:
-                    extra.append(alias)
-        for alias in extra:
-            action.option_strings.append(alias)
-            parser._option_string_actions[alias] = action
-    return parser

@@ -227,13 +227,13 @@ def _sft_batches(dataset, tokenizer, B, device, rank, world_size, max_tokens):
 # loading the previous stage, saving this one
 
 
-def load_stage_model(source, device, model_tag="", model_step=-1, phase="train"):
-    """checkpoint_manager.load_model with flags as the scripts take them ("" / -1 = latest), and an error that says
+def load_stage_model(source, device, model_tag=None, model_step=None, phase="train"):
+    """checkpoint_manager.load_model with flags as the scripts take them (None, "" or -1 = the latest), and an error that says
     which command makes the missing checkpoint."""
     from nanochat.checkpoint_manager import checkpoint_root, load_model
 
     try:
-        return load_model(source, device, phase, model_tag=model_tag or None, step=None if model_step < 0 else model_step)
+        return load_model(source, device, phase, model_tag=model_tag or None, step=None if model_step is None or model_step < 0 else model_step)
     except FileNotFoundError as e:
         raise FileNotFoundError(
             f"cannot load the {source} model ({e}). Checkpoints are looked for in {checkpoint_root(source)}; "

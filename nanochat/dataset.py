@@ -14,14 +14,13 @@ nanochat/corpus_import.py; the tokenizing, rank-sharded, resumable loader built 
 nanochat/dataloader.py.
 """
 
-import argparse
 import importlib
 import os
 import sys
 
 import pyarrow.parquet as pq
 
-from nanochat.configurator import add_dashed_aliases
+from nanochat.configurator import Flag, Flags
 
 # -----------------------------------------------------------------------------
 # Where the shards live
@@ -104,15 +103,15 @@ def check_text_column(pf, path):
 def download_main(argv):
     from nanochat.download import BASE_URL, MAX_SHARD, download_shards, refuse_imported_corpus
 
-    parser = argparse.ArgumentParser(
+    parser = Flags(
+        Flag("num_files", -1, f"number of shards to download, shards 0..N-1; -1 = all {MAX_SHARD + 1}", short="n"),
+        Flag("num_workers", 4, "parallel download processes", short="w"),
+        Flag("base_url", None, f"mirror to fetch from; auto = $NANOCHAT_DATA_URL or {BASE_URL}", type=str),
+        Flag("max_attempts", 5, "attempts per shard"),
         prog="python -m nanochat.dataset",
-        description="Download FineWeb-Edu 100B shuffled pretraining shards (or: `python -m nanochat.dataset import --help`).",
+        description="Download FineWeb-Edu 100B shuffled pretraining shards (or: `python -m nanochat.dataset import "
+                    "--help`).",
     )
-    parser.add_argument("-n", "--num_files", type=int, default=-1, help=f"number of shards to download, shards 0..N-1 (default: -1 = all {MAX_SHARD + 1})")
-    parser.add_argument("-w", "--num_workers", type=int, default=4, help="parallel download processes (default: 4)")
-    parser.add_argument("--base_url", default=None, help=f"mirror to fetch from (default: $NANOCHAT_DATA_URL or {BASE_URL})")
-    parser.add_argument("--max_attempts", type=int, default=5, help="attempts per shard (default: 5)")
-    add_dashed_aliases(parser)
     args = parser.parse_args(argv)
     if args.num_files == 0 or args.num_files < -1:
         parser.error(f"-n must be a positive number of shards or -1 for all {MAX_SHARD + 1}, got {args.num_files}")
@@ -146,29 +145,30 @@ def download_main(argv):
 def import_main(argv):
     from nanochat.corpus_import import SUPPORTED_FORMATS, TXT_SPLITS, import_corpus
 
-    parser = argparse.ArgumentParser(
+    parser = Flags(
+        Flag("paths", None, "files or directories: .txt, .jsonl, .json, .parquet (optionally .gz)", type=str,
+             positional=True, required=True, many=True),
+        Flag("out", None, "output directory; auto = $NANOCHAT_BASE_DIR/base_data", type=str),
+        Flag("overwrite", False, "replace the shards already in the output directory"),
+        Flag("format", None, "force the input format; auto = by extension", type=str, choices=list(SUPPORTED_FORMATS)),
+        Flag("text_field", "text", "JSON field / parquet column holding the text"),
+        Flag("txt_split", "auto", "how .txt files become documents: blank-line paragraphs, one per line, whole file, "
+             "WikiText articles; auto = <|endoftext|> if present, else wikitext/blank/line", choices=list(TXT_SPLITS)),
+        Flag("separator", None, "literal document separator for .txt, e.g. '<|endoftext|>'; auto = none (--txt_split "
+             "decides)", type=str),
+        Flag("split_on", None, "regex (multiline) splitting .txt into documents; a lookahead such as '(?=^# )' keeps "
+             "the match; auto = none", type=str),
+        Flag("val_paths", None, "files whose documents form the validation shard; auto = documents held out of PATHS",
+             type=str, many=True),
+        Flag("val_docs", None, "number of documents held out for validation; auto = --val_fraction of them", type=int),
+        Flag("val_fraction", 0.01, "fraction held out when --val_docs is not given"),
+        Flag("rows_per_group", 1024, "documents per parquet row group"),
+        Flag("docs_per_shard", 65536, "documents per train shard"),
+        Flag("seed", 42, "seed of the document shuffle"),
+        Flag("no_shuffle", False, "keep input order and stream (low memory); validation = the last documents"),
         prog="python -m nanochat.dataset import",
         description="Import local text into pretraining shards (train shards + the last shard as validation).",
     )
-    parser.add_argument("paths", nargs="+", help="files or directories: .txt, .jsonl, .json, .parquet (optionally .gz)")
-    parser.add_argument("--out", default=None, help="output directory (default: $NANOCHAT_BASE_DIR/base_data)")
-    parser.add_argument("--overwrite", action="store_true", help="replace the shards already in the output directory")
-    parser.add_argument("--format", choices=SUPPORTED_FORMATS, default=None, help="force the input format (default: by extension)")
-    parser.add_argument("--text_field", default="text", help="JSON field / parquet column holding the text (default: text)")
-    parser.add_argument("--txt_split", choices=TXT_SPLITS, default="auto",
-                        help="how .txt files become documents: blank-line paragraphs, one per line, whole file, "
-                             "WikiText articles; auto = <|endoftext|> if present, else wikitext/blank/line (default: auto)")
-    parser.add_argument("--separator", default=None, help="literal document separator for .txt, e.g. '<|endoftext|>'")
-    parser.add_argument("--split_on", default=None,
-                        help="regex (multiline) splitting .txt into documents; a lookahead such as '(?=^# )' keeps the match")
-    parser.add_argument("--val_paths", nargs="+", default=None, help="files whose documents form the validation shard")
-    parser.add_argument("--val_docs", type=int, default=None, help="number of documents held out for validation")
-    parser.add_argument("--val_fraction", type=float, default=0.01, help="fraction held out when --val_docs is not given (default: 0.01)")
-    parser.add_argument("--rows_per_group", type=int, default=1024, help="documents per parquet row group (default: 1024)")
-    parser.add_argument("--docs_per_shard", type=int, default=65536, help="documents per train shard (default: 65536)")
-    parser.add_argument("--seed", type=int, default=42, help="seed of the document shuffle (default: 42)")
-    parser.add_argument("--no_shuffle", action="store_true", help="keep input order and stream (low memory); validation = the last documents")
-    add_dashed_aliases(parser)
     args = parser.parse_args(argv)
     if args.val_paths and args.val_docs is not None:
         parser.error("give either --val_paths or --val_docs, not both")

@@ -21,6 +21,8 @@ eager FP8 is slower than bf16 (the casts are separate kernels). torchao is the o
 (pip install -e '.[fp8]').
 """
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 
@@ -51,14 +53,18 @@ def _import_torchao():
     return float8
 
 
-def fp8_config(recipe, fsdp=False):
-    """torchao's Float8LinearConfig for `recipe`; FP8 all-gather under FSDP2 where torchao supports it (tensorwise)."""
+def fp8_config(recipe, fsdp=False, emulate=False):
+    """
+    torchao's Float8LinearConfig for `recipe`; FP8 all-gather under FSDP2 where torchao supports it (tensorwise).
+    emulate=True: the same casts and scales, with the matmul done in high precision instead of torch._scaled_mm, so
+    FP8 numerics run on any device (tests/test_fp8.py trains with it on CPU). No speedup; not a training option.
+    """
     if recipe not in FP8_RECIPES:
         raise ValueError(f"--fp8_recipe must be one of {'|'.join(FP8_RECIPES)}, got {recipe!r}")
     float8 = _import_torchao()
     if recipe == "tensorwise":
-        return float8.Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp)
-    return float8.Float8LinearConfig.from_recipe_name("rowwise")
+        return float8.Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp, emulate=emulate)
+    return dataclasses.replace(float8.Float8LinearConfig.from_recipe_name("rowwise"), emulate=emulate)
 
 
 def fp8_eligible(module, fqn):
@@ -68,15 +74,14 @@ def fp8_eligible(module, fqn):
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def convert_to_fp8(model, recipe="tensorwise", fsdp=False):
+def convert_to_fp8(model, recipe="tensorwise", fsdp=False, emulate=False):
     """
     Swap the eligible block Linears of `model` (a GPT, before FSDP wrapping and compile; any device, meta included)
     for Float8Linear in place. Runs nothing. Returns (converted names, skipped block Linear names).
+    emulate: see fp8_config (tests only).
     """
-    import torch.nn as nn
-
     float8 = _import_torchao()
-    config = fp8_config(recipe, fsdp)
+    config = fp8_config(recipe, fsdp, emulate)
     block_linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("transformer.h.")]
     skipped = [n for n in block_linears if not fp8_eligible(model.get_submodule(n), n)]
     float8.convert_to_float8_training(model, module_filter_fn=fp8_eligible, config=config)

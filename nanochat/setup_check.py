@@ -17,7 +17,6 @@ repository root `import nanochat` finds the source directory and `import rustbpe
 Only the standard library is imported at the top: on a fresh machine this runs before torch exists.
 """
 
-import argparse
 import importlib.util
 import os
 import re
@@ -186,13 +185,15 @@ def gpu_problem():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m nanochat.setup_check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="check", required=True)
-    p_inst = sub.add_parser("installed", help="is nanochat installed in this interpreter?")
-    p_inst.add_argument("--extras", default="", help="comma-separated optional dependency groups, e.g. dev")
-    p_inst.add_argument("--quiet", action="store_true", help="print nothing, only the exit status")
-    sub.add_parser("gpu", help="can torch use the GPUs nvidia-smi lists?")
+    from nanochat.configurator import Flag, Flags
+
+    parser = Flags(
+        Flag("check", None, "installed: is nanochat installed in this interpreter? gpu: can torch use the GPUs "
+             "nvidia-smi lists?", type=str, choices=["installed", "gpu"], positional=True, required=True),
+        Flag("extras", "", "installed: comma-separated optional dependency groups, e.g. dev"),
+        Flag("quiet", False, "installed: print nothing, only the exit status"),
+        prog="python -m nanochat.setup_check", description=__doc__,
+    )
     args = parser.parse_args(argv)
     if args.check == "installed":
         extras = tuple(e for e in args.extras.split(",") if e)

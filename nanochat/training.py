@@ -24,7 +24,7 @@ import torch
 
 from nanochat.batching import batch_arithmetic  # noqa: F401  (the scripts import it from here)
 from nanochat.checkpoint_manager import load_checkpoint, save_checkpoint
-from nanochat.common import peak_flops_for, print0
+from nanochat.common import device_type_flag, peak_flops_for, print0
 from nanochat.dist import all_reduce_mean, compute_init, gather_objects, get_dist_info
 from nanochat.parallel import DataParallel
 
@@ -94,11 +94,8 @@ def build_model(config, device, init="normal", attn="auto"):
 
 
 def check_model_options(config, device):
-    """Early (before the tokenizer and the model): refuse --fp8=1 where it cannot run, a bad --activation_checkpointing."""
-    from nanochat.gpt import AC_MODES
-
-    if config.get("activation_checkpointing", "none") not in AC_MODES:
-        raise ValueError(f"--activation_checkpointing must be one of {'|'.join(AC_MODES)}, got {config['activation_checkpointing']!r}")
+    """Early (before the tokenizer and the model): refuse --fp8=1 where it cannot run. (Values with a fixed set, such as
+    --activation_checkpointing, were checked by the flag parser: memory_flags' choices.)"""
     if config.get("fp8"):
         from nanochat.fp8 import check_fp8_supported
 
@@ -371,16 +368,23 @@ def save_stage_model(checkpoint_dir, step, model, meta, parallel=None):
 
 # On CPU the default eval sizes mean hours of evaluation before the first training step.
 CPU_EVAL_STEPS = 4
+DEFAULT_EVAL_TOKENS = 20 * 524288  # nanochat's --eval_tokens: 20 batches of 524288 tokens
 
 
-def eval_steps_for(eval_tokens, default_eval_tokens, tokens_per_fwdbwd, device_type, enabled=True, flag="eval_tokens"):
-    """Batches per bpb evaluation; on CPU a default that would take long is cut to CPU_EVAL_STEPS with a note."""
+def eval_steps_for(eval_tokens, tokens_per_fwdbwd, device_type, enabled=True, flag="eval_tokens",
+                   default_tokens=DEFAULT_EVAL_TOKENS):
+    """
+    Batches per bpb evaluation. eval_tokens=None (auto): default_tokens, cut to CPU_EVAL_STEPS batches on CPU (with a
+    note). A number the user passed is always honoured, on any device, even when it equals the default.
+    """
     if not enabled:
         return 0
-    steps = max(1, eval_tokens // tokens_per_fwdbwd)
-    if device_type == "cpu" and eval_tokens == default_eval_tokens and steps > CPU_EVAL_STEPS:
-        print0(f"Note: on CPU the default --{flag}={default_eval_tokens} would take {steps} eval batches; "
-               f"using {CPU_EVAL_STEPS}. Set --{flag} explicitly to override.")
+    if eval_tokens is not None:
+        return max(1, eval_tokens // tokens_per_fwdbwd)
+    steps = max(1, default_tokens // tokens_per_fwdbwd)
+    if device_type == "cpu" and steps > CPU_EVAL_STEPS:
+        print0(f"Note: on CPU --{flag}=auto evaluates {CPU_EVAL_STEPS} batches, not the {steps} of "
+               f"{default_tokens:,} tokens; pass --{flag}=N to choose.")
         steps = CPU_EVAL_STEPS
     return steps
 
@@ -388,3 +392,72 @@ def eval_steps_for(eval_tokens, default_eval_tokens, tokens_per_fwdbwd, device_t
 def assert_finite(loss, step):
     if not math.isfinite(loss):
         raise FloatingPointError(f"loss became {loss} at step {step}: lower the learning rates or check the data")
+
+
+# -----------------------------------------------------------------------------
+# flags that several training scripts share, declared once (nanochat/configurator.py)
+
+
+def dtype_flag():
+    """--dtype of the training scripts and benchmarks (resolve_dtype)."""
+    from nanochat.configurator import Flag
+
+    return Flag("dtype", "auto", "compute dtype: auto = bfloat16 autocast on CUDA, float32 elsewhere (bf16 matmuls on "
+                "CPU are ~10x slower)", choices=["auto", "bfloat16", "float32", "bf16", "fp32"])
+
+
+def run_flags():
+    """Every training script's: wandb run, device, compute dtype, seed."""
+    from nanochat.configurator import Flag
+
+    return [
+        Flag("run", "dummy", "wandb run name; dummy = no wandb logging"),
+        device_type_flag(),
+        dtype_flag(),
+        Flag("seed", 42, "random seed (model init, data order, sampling)"),
+    ]
+
+
+def optimizer_flags():
+    """The learning rates and weight decay of every training stage (nanochat's values; fine-tuning scales them by
+    its --init_lr_frac)."""
+    from nanochat.configurator import Flag
+
+    return [
+        Flag("embedding_lr", 0.2, "learning rate of the token embedding (AdamW)"),
+        Flag("unembedding_lr", 0.004, "learning rate of the lm_head (AdamW)"),
+        Flag("matrix_lr", 0.02, "learning rate of the transformer's matrices (Muon; AdamW with --use_muon=0)"),
+        Flag("weight_decay", 0.0, "weight decay of the AdamW groups"),
+    ]
+
+
+def memory_flags():
+    """Activation checkpointing and FSDP, for the scripts that train the whole model in place (base, mid, SFT)."""
+    from nanochat.configurator import Flag
+    from nanochat.gpt import AC_MODES
+
+    return [
+        Flag("activation_checkpointing", "none", "recompute block activations in the backward instead of keeping them "
+             "(less memory, ~1/3 more compute): none, full (every block) or selective (every --ac_every-th block)",
+             choices=list(AC_MODES)),
+        Flag("ac_every", 2, "selective activation checkpointing: checkpoint blocks 0, k, 2k, ... for k = ac_every"),
+        Flag("use_fsdp", False, "shard parameters, gradients and optimizer state over the ranks (FSDP2; "
+             "nanochat/parallel.py) instead of replicating the model on every rank"),
+        Flag("fsdp_reduce_dtype", "float32", "FSDP: dtype of the gradient reduce-scatter",
+             choices=["float32", "bfloat16"]),
+        Flag("tp_size", 1, "tensor parallelism over this many ranks (attention heads and the MLP split across them; "
+             "nanochat/tensor_parallel.py), FSDP over the rest; must divide the world size"),
+    ]
+
+
+def source_flags(source=None, choices=None):
+    """The checkpoint a post-training script starts from: --source (when it has a choice), --model_tag, --model_step."""
+    from nanochat.configurator import Flag
+
+    flags = []
+    if source is not None:
+        flags.append(Flag("source", source, "the stage whose checkpoint to load", choices=choices))
+    return flags + [
+        Flag("model_tag", None, "checkpoint tag, e.g. d20; auto = the largest model", type=str),
+        Flag("model_step", None, "checkpoint step; auto = the last", type=int),
+    ]

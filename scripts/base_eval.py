@@ -9,7 +9,6 @@ Data: --bundle_dir, else $NANOCHAT_DATA_DIR/core_eval, else <base_dir>/eval_bund
 eval_bundle.zip there. Writes <base_dir>/base_eval/<model>.csv and the "Base model evaluation" report section.
 """
 
-import argparse
 import contextlib
 import csv
 import io
@@ -18,8 +17,10 @@ import os
 import torch
 
 from nanochat.atomic import atomic_write
-from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, get_base_dir, print0
-from nanochat.configurator import add_dashed_aliases
+from nanochat.common import (
+    autodetect_device_type, compute_cleanup, compute_init, device_type_flag, get_base_dir, print0
+)
+from nanochat.configurator import Flag, Flags
 from nanochat.core_eval import evaluate_model, get_bundle_dir
 
 
@@ -37,16 +38,20 @@ def write_results_csv(path, out):
     atomic_write(path, lambda f: f.write(buf.getvalue().encode("utf-8")))
 
 
+FLAGS = Flags(
+    Flag("model_tag", None, "base checkpoint tag, e.g. d20; auto = the largest model", type=str, short="g"),
+    Flag("step", None, "checkpoint step; auto = the last", type=int, short="s"),
+    Flag("max_per_task", -1, "examples per task, -1 = all (fewer for quick checks)"),
+    Flag("bundle_dir", None, "a local eval bundle dir (core.yaml, eval_data/...); auto = $NANOCHAT_DATA_DIR/core_eval, "
+         "else <base_dir>/eval_bundle, else nanochat's eval_bundle.zip is downloaded there", type=str),
+    device_type_flag(),
+    Flag("dtype", "bfloat16", "autocast dtype on CUDA (CPU always runs float32)", choices=["bfloat16", "float32"]),
+    description=__doc__,
+)
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="CORE evaluation of a base model")
-    parser.add_argument("--model_tag", "-g", type=str, default=None, help="checkpoint tag (default: the largest model)")
-    parser.add_argument("--step", "-s", type=int, default=None, help="checkpoint step (default: the last)")
-    parser.add_argument("--max_per_task", type=int, default=-1, help="examples per task, -1 = all (for quick checks)")
-    parser.add_argument("--bundle_dir", type=str, default=None, help="a local eval bundle dir (core.yaml, eval_data/...)")
-    parser.add_argument("--device_type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
-    parser.add_argument("--dtype", type=str, default="bfloat16", help="autocast dtype on CUDA: bfloat16|float32")
-    add_dashed_aliases(parser)
-    args = parser.parse_args(argv)
+    args = FLAGS.parse_args(argv)
 
     from nanochat.checkpoint_manager import load_model
 

@@ -7,26 +7,28 @@ Bits per byte of a saved base model on the train and val shards, plus a few gree
 
 import torch
 
-from nanochat.checkpoint_manager import load_model
-from nanochat.common import compute_cleanup, compute_init, print0
-from nanochat.configurator import parse_flags_or_exit
+from nanochat.checkpoint_manager import PHASE_DIRS, load_model
+from nanochat.common import compute_cleanup, compute_init, device_type_flag, print0
+from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes
-from nanochat.training import autocast_ctx, eval_steps_for, resolve_dtype
-
-DEFAULTS = dict(
-    device_type="",
-    source="base",  # base|mid|sft|rl
-    model_tag="",
-    model_step=-1,
-    device_batch_size=32,
-    split_tokens=20 * 524288,  # tokens evaluated per split
-    max_seq_len=-1,  # default: the model's sequence_len
-    dtype="auto",
-    num_samples_tokens=16,
+from nanochat.training import (
+    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, autocast_ctx, dtype_flag, eval_steps_for, resolve_dtype, source_flags
 )
+
+FLAGS = Flags(
+    device_type_flag(),
+    dtype_flag(),
+    source_flags("base", list(PHASE_DIRS)),
+    Flag("device_batch_size", 32, "rows per forward pass on each GPU"),
+    Flag("split_tokens", None, f"tokens evaluated per split; auto = {DEFAULT_EVAL_TOKENS:,} ({CPU_EVAL_STEPS} batches "
+         f"on CPU, where that would take hours)", type=int),
+    Flag("max_seq_len", None, "tokens per row; auto = the model's sequence_len", type=int),
+    Flag("num_samples_tokens", 16, "tokens of each greedy sample"),
+)
+DEFAULTS = FLAGS.defaults()
 
 PROMPTS = [
     "The capital of France is",
@@ -40,15 +42,15 @@ PROMPTS = [
 
 
 def main(argv=None):
-    config = parse_flags_or_exit(DEFAULTS, argv, description=__doc__)
+    config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     ddp, rank, local_rank, world_size, device = compute_init(config["device_type"] or None)
     dtype = resolve_dtype(config["dtype"], device.type)
+    step = config["model_step"] if config["model_step"] is not None and config["model_step"] >= 0 else None
     model, tokenizer, meta = load_model(config["source"], device, phase="eval", model_tag=config["model_tag"] or None,
-                                        step=config["model_step"] if config["model_step"] >= 0 else None)
-    T = config["max_seq_len"] if config["max_seq_len"] > 0 else model.config.sequence_len
+                                        step=step)
+    T = config["max_seq_len"] if (config["max_seq_len"] or 0) > 0 else model.config.sequence_len  # auto (or -1)
     B = config["device_batch_size"]
-    steps = eval_steps_for(config["split_tokens"], DEFAULTS["split_tokens"], B * T * world_size, device.type,
-                           flag="split_tokens")
+    steps = eval_steps_for(config["split_tokens"], B * T * world_size, device.type, flag="split_tokens")
     token_bytes = get_token_bytes(device=device)
     results = {}
     for split in ("train", "val"):

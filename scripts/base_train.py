@@ -16,10 +16,11 @@ import time
 import torch
 
 from nanochat.checkpoint_manager import checkpoint_root
-from nanochat.compile import maybe_compile
+from nanochat.compile import compile_flag, maybe_compile
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
-from nanochat.configurator import parse_flags_or_exit
+from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.dataloader import tokenizing_distributed_data_loader
+from nanochat.fp8 import FP8_RECIPES
 from nanochat.gpt import config_for_depth
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.metrics import MetricsLogger
@@ -27,62 +28,65 @@ from nanochat.parallel import parallel_from_config
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.training import (
-    MicroBatches, ProgressMeter, apply_schedule, assert_finite, batch_arithmetic, build_model, eval_steps_for,
-    every, format_duration, apply_model_options, check_model_options, load_train_state, lr_multiplier, muon_momentum, save_train_state, setup_run, train_step
+    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, ProgressMeter, apply_schedule, assert_finite, batch_arithmetic,
+    build_model, eval_steps_for, every, format_duration, apply_model_options, check_model_options, load_train_state,
+    lr_multiplier, memory_flags, muon_momentum, optimizer_flags, run_flags, save_train_state, setup_run, train_step
 )
 
-DEFAULTS = dict(
-    run="dummy",  # wandb run name; "dummy" = no wandb
-    device_type="",  # cuda|cpu|mps; empty = autodetect
-    # model
-    depth=20,
-    max_seq_len=2048,
-    init="normal",  # normal | nanochat
-    attn="auto",  # auto | sdpa | fa3
-    # horizon: the first one set wins
-    num_iterations=-1,
-    target_flops=-1.0,
-    target_param_data_ratio=20,  # Chinchilla: tokens = ratio * params
-    # batch
-    device_batch_size=32,
-    total_batch_size=524288,  # tokens per optimisation step
-    # optimisation
-    embedding_lr=0.2,
-    unembedding_lr=0.004,
-    matrix_lr=0.02,
-    weight_decay=0.0,
-    use_muon=True,
-    grad_clip=1.0,
-    warmup_ratio=0.0,
-    warmdown_ratio=0.2,
-    final_lr_frac=0.0,
-    # periodic actions (<= 0 turns one off)
-    eval_every=250,
-    eval_tokens=20 * 524288,
-    core_metric_every=2000,
-    core_metric_max_per_task=500,
-    sample_every=2000,
-    save_every=-1,  # intermediate checkpoints; the final step is always saved
-    resume_from_step=-1,
-    model_tag="",  # default: d{depth}
-    # systems
-    compile="auto",  # auto | 1 | 0: torch.compile wherever it works (nanochat/compile.py)
-    dtype="auto",  # auto | bfloat16 | float32
-    activation_checkpointing="none",  # none | full | selective: recompute block activations in the backward (less memory)
-    ac_every=2,  # selective: checkpoint every ac_every-th block (0, k, 2k, ...)
-    fp8=False,  # FP8 matmuls in the blocks via torchao (CUDA, compute capability >= 8.9; nanochat/fp8.py)
-    fp8_recipe="tensorwise",  # tensorwise | rowwise
-    use_fsdp=False,
-    fsdp_reduce_dtype="float32",
-    fsdp_defer_grad_sync=False,  # FSDP: reduce-scatter grads once per step, not per micro-step (more memory, less traffic)
-    tp_size=1,  # tensor parallelism over this many ranks (heads and MLP split), FSDP over the rest; must divide the world size
-    data_world_size=1,  # single process only: read data as W ranks would, to reproduce a W-rank run exactly
-    seed=42,
+CORE_MAX_PER_TASK = 500  # --core_metric_max_per_task=auto on GPU (nanochat's)
+CPU_CORE_MAX_PER_TASK = 16  # and on CPU
+
+FLAGS = Flags(
+    "run",
+    run_flags(),
+    "model",
+    Flag("depth", 20, "transformer blocks; width (64 x depth) and heads follow from it, as nanochat"),
+    Flag("max_seq_len", 2048, "context length in tokens (rows of the training batch)"),
+    Flag("init", "normal", "weight init: normal (arXiv 2310.17813's scaling), or nanochat's exact scheme "
+         "(nanochat/gpt.py)", choices=["normal", "nanochat"]),
+    Flag("attn", "auto", "attention kernel: auto = FlashAttention-3 where it runs (Hopper), else PyTorch SDPA",
+         choices=["auto", "sdpa", "fa3"]),
+    "horizon (the first one > 0 wins)",
+    Flag("num_iterations", -1, "optimisation steps"),
+    Flag("target_flops", -1.0, "train for this many FLOPs"),
+    Flag("target_param_data_ratio", 20, "train on ratio x parameters tokens (Chinchilla: 20)"),
+    "batch",
+    Flag("device_batch_size", 32, "rows per forward pass on each GPU; gradient accumulation makes up the rest of "
+         "--total_batch_size"),
+    Flag("total_batch_size", 524288, "tokens per optimisation step, over all ranks and micro-steps"),
+    "optimisation",
+    optimizer_flags(),
+    Flag("use_muon", True, "Muon for the matrices (0: AdamW for everything)"),
+    Flag("grad_clip", 1.0, "clip the gradient norm to this (<= 0: no clipping)"),
+    Flag("warmup_ratio", 0.0, "fraction of the steps spent warming the learning rate up from 0"),
+    Flag("warmdown_ratio", 0.2, "fraction of the steps at the end spent decaying the learning rate"),
+    Flag("final_lr_frac", 0.0, "learning rate at the end of the warmdown, as a fraction of the peak"),
+    "periodic actions (<= 0 turns one off)",
+    Flag("eval_every", 250, "validation bits per byte every this many steps"),
+    Flag("eval_tokens", None, f"tokens per validation; auto = {DEFAULT_EVAL_TOKENS:,} ({CPU_EVAL_STEPS} batches on "
+         f"CPU, where that would take hours)", type=int),
+    Flag("core_metric_every", 2000, "CORE metric (nanochat/core_eval.py) every this many steps"),
+    Flag("core_metric_max_per_task", None, f"examples per CORE task, -1 = all; auto = {CORE_MAX_PER_TASK} "
+         f"({CPU_CORE_MAX_PER_TASK} on CPU, where {CORE_MAX_PER_TASK} means ~11k forwards)", type=int),
+    Flag("sample_every", 2000, "print a few greedy samples every this many steps"),
+    Flag("save_every", -1, "intermediate checkpoint every this many steps (the final step is always saved)"),
+    Flag("resume_from_step", -1, "resume from this saved step of --model_tag (-1: start fresh)"),
+    Flag("model_tag", None, "checkpoint directory name under base_checkpoints/; auto = d<depth>", type=str),
+    "systems",
+    compile_flag(),
+    memory_flags(),
+    Flag("fsdp_defer_grad_sync", False, "FSDP: reduce-scatter gradients once per step, not per micro-step (more "
+         "memory, less traffic)"),
+    Flag("fp8", False, "FP8 matmuls in the blocks via torchao (CUDA, compute capability >= 8.9; nanochat/fp8.py)"),
+    Flag("fp8_recipe", "tensorwise", "FP8 scaling granularity", choices=list(FP8_RECIPES)),
+    Flag("data_world_size", 1, "single process only: read the data as W ranks would, to reproduce a W-rank run "
+         "exactly"),
 )
-CPU_CORE_MAX_PER_TASK = 16
+DEFAULTS = FLAGS.defaults()
+
 
 def main(argv=None):
-    config = parse_flags_or_exit(DEFAULTS, argv, description=__doc__)
+    config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
     print_banner()
 
@@ -132,19 +136,20 @@ def main(argv=None):
            f"(tokens:params = {num_iterations * total_batch / num_params:.2f}), "
            f"{flops_per_token * num_iterations * total_batch:.3e} FLOPs")
 
-    eval_steps = eval_steps_for(config["eval_tokens"], DEFAULTS["eval_tokens"], tokens_per_fwdbwd, device_type,
-                                enabled=config["eval_every"] > 0)
+    eval_steps = eval_steps_for(config["eval_tokens"], tokens_per_fwdbwd, device_type, enabled=config["eval_every"] > 0)
 
     # CORE needs the eval bundle: find (or download) it now, not hours into training
     core_bundle = None
     if config["core_metric_every"] > 0:
         from nanochat.core_eval import get_bundle_dir
 
-        if device_type == "cpu" and config["core_metric_max_per_task"] == DEFAULTS["core_metric_max_per_task"]:
-            config["core_metric_max_per_task"] = CPU_CORE_MAX_PER_TASK
-            print0(f"Note: on CPU CORE uses {CPU_CORE_MAX_PER_TASK} examples per task instead of "
-                   f"{DEFAULTS['core_metric_max_per_task']} (~11k forwards); set --core_metric_max_per_task to override, "
-                   f"or --core_metric_every=-1 to turn CORE off.")
+        if config["core_metric_max_per_task"] is None:  # auto: the user's number, when given, is used as is
+            cpu = device_type == "cpu"
+            config["core_metric_max_per_task"] = CPU_CORE_MAX_PER_TASK if cpu else CORE_MAX_PER_TASK
+            if cpu:
+                print0(f"Note: on CPU CORE uses {CPU_CORE_MAX_PER_TASK} examples per task, not {CORE_MAX_PER_TASK} "
+                       f"(~11k forwards); pass --core_metric_max_per_task=N to choose, or --core_metric_every=-1 to "
+                       f"turn CORE off.")
 
         try:
             core_bundle = get_bundle_dir()

@@ -8,30 +8,32 @@ Chat with a trained model in the terminal. Replies stream as they are generated.
 Interactive commands: `clear` starts a new conversation, `quit` (or `exit`, Ctrl-D) leaves; Ctrl-C stops a reply.
 """
 
-import argparse
 import sys
 from contextlib import nullcontext
 
 import torch
 
-from nanochat.common import autodetect_device_type, compute_init
-from nanochat.configurator import add_dashed_aliases
+from nanochat.common import autodetect_device_type, compute_init, device_type_flag
+from nanochat.checkpoint_manager import checkpoint_flags
+from nanochat.configurator import Flag, Flags
 from nanochat.engine import Engine, TextStreamer
 
 
+FLAGS = Flags(
+    checkpoint_flags("sft"),
+    Flag("prompt", "", "answer this one prompt and exit (for scripts); empty = interactive", short="p"),
+    Flag("temperature", 0.6, "sampling temperature (0 = greedy)", short="t"),
+    Flag("top_k", 50, "sample among the k most likely tokens (0 = all)", short="k"),
+    Flag("max_tokens", 256, "max tokens per reply", short="m"),
+    Flag("seed", 42, "sampling seed (turn i uses seed + i)"),
+    device_type_flag(),
+    Flag("dtype", "bfloat16", "autocast dtype on CUDA", choices=["bfloat16", "float32"]),
+    description=__doc__,
+)
+
+
 def build_arg_parser():
-    p = argparse.ArgumentParser(description="Chat with a nanochat model in the terminal")
-    p.add_argument("-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which checkpoints to load")
-    p.add_argument("-g", "--model_tag", type=str, default=None, help="model tag, e.g. d20 (default: the largest)")
-    p.add_argument("-s", "--step", type=int, default=None, help="checkpoint step (default: the last)")
-    p.add_argument("-p", "--prompt", type=str, default="", help="answer this one prompt and exit")
-    p.add_argument("-t", "--temperature", type=float, default=0.6, help="sampling temperature (0 = greedy)")
-    p.add_argument("-k", "--top_k", type=int, default=50, help="sample among the k most likely tokens (0 = all)")
-    p.add_argument("-m", "--max_tokens", type=int, default=256, help="max tokens per reply")
-    p.add_argument("--seed", type=int, default=42, help="sampling seed (turn i uses seed + i)")
-    p.add_argument("--device_type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
-    p.add_argument("--dtype", type=str, default="bfloat16", choices=["bfloat16", "float32"], help="autocast dtype on CUDA")
-    return add_dashed_aliases(p)
+    return FLAGS
 
 
 class Chat:

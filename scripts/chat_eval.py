@@ -10,16 +10,38 @@ tasks/suites.py. A task whose data cannot be found is skipped with a message nam
 every rank found its data (the ranks agree before evaluating it, so their counts are always summed for one task).
 """
 
-import argparse
 import contextlib
 
 import torch
 
 from nanochat.chat_eval import TASK_NAMES, chatcore, evaluate_task
-from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, print0
-from nanochat.configurator import add_dashed_aliases
+from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, device_type_flag, print0
+from nanochat.checkpoint_manager import checkpoint_flags
+from nanochat.configurator import Flag, Flags
 from nanochat.data_sources import TaskDataNotFound
 from tasks.suites import build_eval_task_on_every_rank
+
+
+FLAGS = Flags(
+    "model",
+    checkpoint_flags(required=True),
+    Flag("dtype", "bfloat16", "autocast dtype on CUDA (CPU always runs float32)", choices=["float32", "bfloat16"],
+         short="d"),
+    device_type_flag(),
+    "tasks",
+    Flag("task_name", "all", "a task, several joined by '|', or all: " + ", ".join(TASK_NAMES), short="a"),
+    Flag("max_problems", None, "evaluate at most this many problems per task; auto = all", type=int, short="x"),
+    Flag("data_dir", None, "local task data dir; auto = $NANOCHAT_DATA_DIR", type=str),
+    Flag("unsafe_sandbox", False, "run HumanEval's generated code even where the sandbox lacks its process, "
+         "filesystem or network layer (see README, 'Code sandbox')"),
+    "generation",
+    Flag("temperature", 0.0, "sampling temperature of generative tasks (0 = greedy)", short="t"),
+    Flag("max_new_tokens", 512, "most tokens per generated answer", short="m"),
+    Flag("num_samples", 1, "samples per generative problem (pass@n)", short="n"),
+    Flag("top_k", 50, "sample among the k most likely tokens", short="k"),
+    Flag("batch_size", 8, "batch size of categorical evaluation", short="b"),
+    description=__doc__,
+)
 
 
 def parse_task_names(spec):
@@ -33,28 +55,7 @@ def parse_task_names(spec):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Evaluate a chat model (ARC, MMLU, GSM8K, HumanEval, SpellingBee)")
-    parser.add_argument("-i", "--source", type=str, required=True, choices=["base", "mid", "sft", "rl"],
-                        help="which checkpoints to load")
-    parser.add_argument("-a", "--task_name", type=str, default=None,
-                        help="a task, several joined by '|', or all (default): " + ", ".join(TASK_NAMES))
-    parser.add_argument("-d", "--dtype", type=str, default="bfloat16", choices=["float32", "bfloat16"],
-                        help="autocast dtype on CUDA (CPU always runs float32)")
-    parser.add_argument("-t", "--temperature", type=float, default=0.0)
-    parser.add_argument("-m", "--max_new_tokens", type=int, default=512)
-    parser.add_argument("-n", "--num_samples", type=int, default=1, help="samples per generative problem (pass@n)")
-    parser.add_argument("-k", "--top_k", type=int, default=50)
-    parser.add_argument("-b", "--batch_size", type=int, default=8, help="batch size of categorical evaluation")
-    parser.add_argument("-g", "--model_tag", type=str, default=None)
-    parser.add_argument("-s", "--step", type=int, default=None)
-    parser.add_argument("-x", "--max_problems", type=int, default=None, help="evaluate at most this many per task")
-    parser.add_argument("--device_type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
-    parser.add_argument("--data_dir", type=str, default=None, help="local task data dir (default: $NANOCHAT_DATA_DIR)")
-    parser.add_argument("--unsafe_sandbox", action="store_true",
-                        help="run HumanEval's generated code even where the sandbox lacks its process, filesystem or "
-                             "network layer (see README, 'Code sandbox')")
-    add_dashed_aliases(parser)
-    args = parser.parse_args(argv)
+    args = FLAGS.parse_args(argv)
     task_names = parse_task_names(args.task_name)
     if "HumanEval" in task_names:  # before loading anything: can generated code be run safely here?
         from nanochat.execution import SandboxUnavailable, require_isolation
@@ -106,7 +107,7 @@ def main(argv=None):
     if rank == 0:
         from nanochat.report import get_report
 
-        get_report().log(section=f"Chat evaluation {args.source}", data=[vars(args), results, summary])
+        get_report().log(section=f"Chat evaluation {args.source}", data=[dict(args), results, summary])
     compute_cleanup()
     return {"results": results, "missing": missing, **summary}
 

@@ -21,43 +21,41 @@ import torch
 
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
-from nanochat.configurator import parse_flags_or_exit
+from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.conversation_data import collate_sft, load_stage_model, scale_initial_lr
 from nanochat.dist import all_reduce_sum, dist_world_size, get_dist_info
 from nanochat.engine import Engine
 from nanochat.metrics import MetricsLogger
 from nanochat.parallel import DataParallel
-from nanochat.training import apply_schedule, assert_finite, every, lr_multiplier, save_stage_model, setup_run, train_step
-
-DEFAULTS = dict(
-    run="dummy",  # wandb run name; "dummy" = no wandb
-    source="sft",  # the checkpoint to start from: sft | mid
-    device_type="",  # cuda|cpu|mps; empty = autodetect
-    dtype="auto",  # auto | bfloat16 | float32
-    model_tag="",  # empty = the largest
-    model_step=-1,  # -1 = the last
-    # sampling
-    num_samples=16,  # completions per question
-    max_new_tokens=256,
-    temperature=1.0,
-    top_k=50,
-    # horizon and batch
-    device_batch_size=8,  # sequences per forward pass (sampling and training)
-    examples_per_step=16,  # questions per optimisation step, over all ranks
-    num_epochs=1,
-    num_iterations=-1,  # -1 = num_epochs over GSM8K train
-    # optimisation
-    unembedding_lr=0.004,
-    embedding_lr=0.2,
-    matrix_lr=0.02,
-    weight_decay=0.0,
-    init_lr_frac=0.05,
-    # periodic actions (<= 0 turns one off)
-    eval_every=60,
-    eval_examples=400,  # GSM8K test questions for pass@k
-    save_every=60,  # the final step is always saved
-    seed=42,
+from nanochat.training import (
+    apply_schedule, assert_finite, every, lr_multiplier, optimizer_flags, run_flags, save_stage_model, setup_run,
+    source_flags, train_step
 )
+
+FLAGS = Flags(
+    "run",
+    run_flags(),
+    "input model (--model_tag also names the output checkpoint)",
+    source_flags("sft", ["sft", "mid"]),
+    "sampling",
+    Flag("num_samples", 16, "completions sampled per question"),
+    Flag("max_new_tokens", 256, "most tokens per completion"),
+    Flag("temperature", 1.0, "sampling temperature"),
+    Flag("top_k", 50, "sample among the k most likely tokens (0 = all)"),
+    "horizon and batch",
+    Flag("device_batch_size", 8, "sequences per forward pass (sampling and training)"),
+    Flag("examples_per_step", 16, "questions per optimisation step, over all ranks (a multiple of the world size)"),
+    Flag("num_epochs", 1, "passes over GSM8K train when --num_iterations is -1"),
+    Flag("num_iterations", -1, "optimisation steps; -1 = --num_epochs over GSM8K train"),
+    "optimisation",
+    optimizer_flags(),
+    Flag("init_lr_frac", 0.05, "train at this fraction of the learning rates above"),
+    "periodic actions (<= 0 turns one off)",
+    Flag("eval_every", 60, "pass@k on GSM8K test every this many steps"),
+    Flag("eval_examples", 400, "GSM8K test questions for pass@k"),
+    Flag("save_every", 60, "checkpoint every this many steps (the final step is always saved)"),
+)
+DEFAULTS = FLAGS.defaults()
 
 
 # -----------------------------------------------------------------------------
@@ -139,11 +137,9 @@ def evaluate_pass_at_k(task, engine, tokenizer, num_examples, num_samples, devic
 
 
 def main(argv=None):
-    config = parse_flags_or_exit(DEFAULTS, argv, description=__doc__)
+    config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
     print_banner()
-    if config["source"] not in ("sft", "mid"):
-        raise ValueError(f"--source must be sft or mid, got {config['source']!r}")
     if config["num_samples"] < 1 or config["device_batch_size"] < 1:
         raise ValueError("--num_samples and --device_batch_size must be >= 1")
 

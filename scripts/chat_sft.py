@@ -22,48 +22,39 @@ import torch
 from nanochat.batching import sft_batch_arithmetic
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
-from nanochat.configurator import parse_flags_or_exit
+from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.conversation_data import load_stage_model, scale_initial_lr, sft_batches
 from nanochat.dist import all_reduce_mean
 from nanochat.metrics import MetricsLogger
 from nanochat.parallel import parallel_from_config
 from nanochat.training import (
-    MicroBatches, ProgressMeter, apply_model_options, apply_schedule, assert_finite, every, lr_multiplier, save_stage_model,
-    setup_run, train_step
+    MicroBatches, ProgressMeter, apply_model_options, apply_schedule, assert_finite, every, lr_multiplier, memory_flags,
+    optimizer_flags, run_flags, save_stage_model, setup_run, source_flags, train_step
 )
 from tasks.suites import build_mixture, held_out_tasks
 
-DEFAULTS = dict(
-    run="dummy",  # wandb run name; "dummy" = no wandb
-    source="mid",  # the checkpoint to fine-tune: base | mid
-    device_type="",  # cuda|cpu|mps; empty = autodetect
-    dtype="auto",  # auto | bfloat16 | float32
-    model_tag="",  # empty = the largest
-    model_step=-1,  # -1 = the last
-    # horizon and batch
-    device_batch_size=4,  # conversations per forward pass (rows are padded to the longest, so keep it small)
-    num_epochs=1,
-    num_iterations=-1,  # -1 = num_epochs over the training mixture
-    target_examples_per_step=32,  # conversations per optimisation step, over all ranks
-    # optimisation
-    unembedding_lr=0.004,
-    embedding_lr=0.2,
-    matrix_lr=0.02,
-    weight_decay=0.0,
-    init_lr_frac=0.02,  # fine-tune at 2% of the pretraining learning rates
-    # evaluation (<= 0 turns one off)
-    eval_every=100,
-    eval_steps=100,  # validation batches per rank
-    eval_metrics_every=200,
-    eval_metrics_max_problems=1024,
-    # systems
-    activation_checkpointing="none",  # none | full | selective (base_train's flag; nanochat/gpt.py)
-    ac_every=2,  # selective: checkpoint every ac_every-th block
-    use_fsdp=False,
-    fsdp_reduce_dtype="float32",
-    tp_size=1,  # tensor parallelism over this many ranks (heads and MLP split), FSDP over the rest; must divide the world size
-    seed=42,
+FLAGS = Flags(
+    "run",
+    run_flags(),
+    "input model (--model_tag also names the output checkpoint)",
+    source_flags("mid", ["base", "mid"]),
+    "horizon and batch",
+    Flag("device_batch_size", 4, "conversations per forward pass (rows are padded to the longest, so keep it small)"),
+    Flag("num_epochs", 1, "passes over the training mixture when --num_iterations is -1"),
+    Flag("num_iterations", -1, "optimisation steps; -1 = --num_epochs over the training mixture"),
+    Flag("target_examples_per_step", 32, "conversations per optimisation step, over all ranks"),
+    "optimisation",
+    optimizer_flags(),
+    Flag("init_lr_frac", 0.02, "fine-tune at this fraction of the learning rates above"),
+    "evaluation (<= 0 turns one off)",
+    Flag("eval_every", 100, "validation loss every this many steps"),
+    Flag("eval_steps", 100, "validation batches per rank"),
+    Flag("eval_metrics_every", 200, "MMLU and ARC-Easy accuracy every this many steps"),
+    Flag("eval_metrics_max_problems", 1024, "problems per task for those accuracies"),
+    "systems",
+    memory_flags(),
 )
+DEFAULTS = FLAGS.defaults()
 
 METRIC_TASKS = ["MMLU", "ARC-Easy"]
 
@@ -109,11 +100,9 @@ def chat_metrics(model, tokenizer, batch_size, max_problems, autocast):
 
 
 def main(argv=None):
-    config = parse_flags_or_exit(DEFAULTS, argv, description=__doc__)
+    config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
     print_banner()
-    if config["source"] not in ("base", "mid"):
-        raise ValueError(f"--source must be base or mid, got {config['source']!r}")
     if config["eval_every"] > 0 and config["eval_steps"] < 1:
         raise ValueError("--eval_steps must be >= 1 (or turn the validation off with --eval_every=-1)")
 

@@ -20,7 +20,6 @@ of each row is sent only at UTF-8 character boundaries. When a client goes away 
 is free again after at most one more forward pass.
 """
 
-import argparse
 import asyncio
 import hmac
 import ipaddress
@@ -591,26 +590,33 @@ def create_app(
 
 
 def build_arg_parser():
-    from nanochat.configurator import add_dashed_aliases
+    from nanochat.checkpoint_manager import checkpoint_flags
+    from nanochat.common import device_type_flag
+    from nanochat.configurator import Flag, Flags
 
-    p = argparse.ArgumentParser(description="nanochat chat server: web UI + OpenAI-compatible API")
-    p.add_argument("-n", "--num_gpus", type=int, default=1, help="model replicas, one per GPU (1 on CPU/MPS)")
-    p.add_argument("-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which checkpoints to load")
-    p.add_argument("-g", "--model_tag", type=str, default=None, help="model tag, e.g. d20 (default: the largest)")
-    p.add_argument("-s", "--step", type=int, default=None, help="checkpoint step (default: the last)")
-    p.add_argument("-t", "--temperature", type=float, default=0.8, help="default temperature when a request sends none")
-    p.add_argument("-k", "--top_k", type=int, default=50, help="default top-k when a request sends none (0 = off)")
-    p.add_argument("-m", "--max_tokens", type=int, default=512, help="default max new tokens when a request sends none")
-    p.add_argument("-p", "--port", type=int, default=8000)
-    p.add_argument("--host", type=str, default="127.0.0.1", help="127.0.0.1 listens only locally; 0.0.0.0 on every interface (then set an API key)")
-    p.add_argument("--dtype", type=str, default="bfloat16", choices=["bfloat16", "float32"], help="autocast dtype on CUDA")
-    p.add_argument("--device_type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
-    p.add_argument("--cors_origins", type=str, default="", help="comma-separated browser origins allowed to call the API, e.g. https://a,https://b (default: none; * for any)")
-    p.add_argument("--max_queue", type=int, default=64, help="requests that may wait while every worker is busy; more get 429 + Retry-After")
-    p.add_argument("--api_key", type=str, default=None, help="require `Authorization: Bearer KEY` on every generation endpoint (default: $NANOCHAT_API_KEY; visible in ps: prefer the env or --api_key_file)")
-    p.add_argument("--api_key_file", type=str, default=None, help="read the API key from this file (its first line), so it shows in neither ps nor the environment")
-    p.add_argument("--model_name", type=str, default="nanochat", help="the model id served on /v1 (clients send it as `model`)")
-    return add_dashed_aliases(p)
+    return Flags(
+        "model",
+        checkpoint_flags("sft"),
+        Flag("num_gpus", 1, "model replicas, one per GPU (1 on CPU/MPS)", short="n"),
+        device_type_flag(),
+        Flag("dtype", "bfloat16", "autocast dtype on CUDA", choices=["bfloat16", "float32"]),
+        "generation defaults (when a request sends none)",
+        Flag("temperature", 0.8, "sampling temperature", short="t"),
+        Flag("top_k", 50, "sample among the k most likely tokens (0 = off)", short="k"),
+        Flag("max_tokens", 512, "max new tokens", short="m"),
+        "server",
+        Flag("port", 8000, "TCP port", short="p"),
+        Flag("host", "127.0.0.1", "127.0.0.1 listens only locally; 0.0.0.0 on every interface (then set an API key)"),
+        Flag("cors_origins", "", "comma-separated browser origins allowed to call the API, e.g. https://a,https://b "
+             "(empty: none; * for any)"),
+        Flag("max_queue", 64, "requests that may wait while every worker is busy; more get 429 + Retry-After"),
+        Flag("api_key", None, "require `Authorization: Bearer KEY` on every generation endpoint; auto = "
+             "$NANOCHAT_API_KEY (a flag is visible in ps: prefer the env or --api_key_file)", type=str),
+        Flag("api_key_file", None, "read the API key from this file (its first line), so it shows in neither ps nor "
+             "the environment", type=str),
+        Flag("model_name", "nanochat", "the model id served on /v1 (clients send it as `model`)"),
+        description=__doc__,
+    )
 
 
 def check_args(args):

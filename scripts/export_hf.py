@@ -9,7 +9,6 @@ The directory: config.json, generation_config.json, model.safetensors, tokenizer
 chat_template.jinja, README.md (a model card for the Hub). Needs the `hf` extra (pip install -e '.[hf]'). Mapping and limitations: docs/hf.md.
 """
 
-import argparse
 import os
 import shutil
 import tempfile
@@ -17,20 +16,23 @@ import tempfile
 import torch
 
 from nanochat.atomic import fsync_dir
-from nanochat.configurator import add_dashed_aliases
+from nanochat.checkpoint_manager import checkpoint_flags
+from nanochat.configurator import Flag, Flags
 from nanochat.hf_format import CHAT_TEMPLATE, build_hf_tokenizer, hf_config_dict, state_dict_to_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+FLAGS = Flags(
+    checkpoint_flags("sft"),
+    Flag("out", None, "output directory (must not exist, or be empty)", type=str, short="o", required=True),
+    Flag("dtype", "float32", "dtype of the saved weights", choices=list(DTYPES)),
+    description=__doc__,
+)
+
+
 def build_arg_parser():
-    p = argparse.ArgumentParser(description="Export a nanochat checkpoint to a Hugging Face transformers directory")
-    p.add_argument("-i", "--source", type=str, default="sft", choices=["base", "mid", "sft", "rl"], help="which checkpoints to export")
-    p.add_argument("-g", "--model_tag", type=str, default=None, help="model tag, e.g. d20 (default: the largest)")
-    p.add_argument("-s", "--step", type=int, default=None, help="checkpoint step (default: the last)")
-    p.add_argument("-o", "--out", type=str, required=True, help="output directory (must not exist, or be empty)")
-    p.add_argument("--dtype", type=str, default="float32", choices=list(DTYPES), help="dtype of the saved weights")
-    return add_dashed_aliases(p)
+    return FLAGS
 
 
 def _require_hf():

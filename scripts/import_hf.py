@@ -12,7 +12,6 @@ one it must be the same tokenizer). When DIR has none, base_dir/tokenizer must a
 Needs the `hf` extra (pip install -e '.[hf]'). Mapping and limitations: docs/hf.md.
 """
 
-import argparse
 import json
 import os
 
@@ -20,18 +19,24 @@ import torch
 
 from nanochat.checkpoint_manager import PHASE_DIRS, checkpoint_root, is_step_complete, save_checkpoint
 from nanochat.common import get_base_dir
-from nanochat.configurator import add_dashed_aliases
+from nanochat.configurator import Flag, Flags
 from nanochat.hf_format import VARIED_TEXT, encoding_from_hf_tokenizer, gpt_config_from_hf, model_meta, state_dict_from_hf
 from nanochat.tokenizer import RustBPETokenizer, compute_token_bytes, save_token_bytes
 
 
+FLAGS = Flags(
+    Flag("dir", None, "the transformers model directory (config.json, model.safetensors, ...)", type=str,
+         positional=True, required=True),
+    Flag("source", None, "which stage's checkpoints to write", type=str, choices=list(PHASE_DIRS), short="i",
+         required=True),
+    Flag("model_tag", None, "model tag; auto = d<number of layers>", type=str, short="g"),
+    Flag("step", 0, "step number of the written checkpoint", short="s"),
+    description=__doc__,
+)
+
+
 def build_arg_parser():
-    p = argparse.ArgumentParser(description="Import a Hugging Face transformers NanoChat directory as a nanochat checkpoint")
-    p.add_argument("dir", type=str, help="the transformers model directory (config.json, model.safetensors, ...)")
-    p.add_argument("-i", "--source", type=str, required=True, choices=list(PHASE_DIRS), help="which stage's checkpoints to write")
-    p.add_argument("-g", "--model_tag", type=str, default=None, help="model tag (default: d<number of layers>)")
-    p.add_argument("-s", "--step", type=int, default=0, help="step number of the written checkpoint")
-    return add_dashed_aliases(p)
+    return FLAGS
 
 
 def _read_json(path):

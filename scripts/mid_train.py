@@ -19,8 +19,8 @@ import torch
 
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
-from nanochat.compile import maybe_compile
-from nanochat.configurator import parse_flags_or_exit
+from nanochat.compile import compile_flag, maybe_compile
+from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.conversation_data import ConversationPacker, load_stage_model, scale_initial_lr
 from nanochat.dist import all_reduce_mean, any_rank
 from nanochat.loss_eval import evaluate_bpb
@@ -28,45 +28,38 @@ from nanochat.metrics import MetricsLogger
 from nanochat.parallel import parallel_from_config
 from nanochat.tokenizer import get_token_bytes
 from nanochat.training import (
-    MicroBatches, ProgressMeter, apply_model_options, apply_schedule, assert_finite, batch_arithmetic, eval_steps_for, every,
-    format_duration, muon_momentum, save_train_state, setup_run, train_step
+    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, ProgressMeter, apply_model_options, apply_schedule, assert_finite,
+    batch_arithmetic, eval_steps_for, every, format_duration, memory_flags, muon_momentum, optimizer_flags, run_flags,
+    save_train_state, setup_run, source_flags, train_step
 )
 from tasks.suites import build_mixture, held_out_tasks
 
-DEFAULTS = dict(
-    run="dummy",  # wandb run name; "dummy" = no wandb
-    device_type="",  # cuda|cpu|mps; empty = autodetect
-    dtype="auto",  # auto | bfloat16 | float32
-    # input model
-    model_tag="",  # base model tag to start from; empty = the largest
-    model_step=-1,  # its step; -1 = the last
-    # horizon and batch
-    num_iterations=-1,  # -1 = one epoch of the mixture
-    max_seq_len=2048,
-    device_batch_size=32,
-    total_batch_size=524288,  # tokens per optimisation step
-    # optimisation
-    unembedding_lr=0.004,
-    embedding_lr=0.2,
-    matrix_lr=0.02,
-    init_lr_frac=1.0,  # start at this fraction of the learning rates above
-    weight_decay=0.0,
-    grad_clip=1.0,
-    # evaluation (<= 0 turns it off)
-    eval_every=150,
-    eval_tokens=20 * 524288,
-    # systems
-    dry_run=False,  # train and evaluate, but save no checkpoint and log no report / wandb
-    compile="auto",  # auto | 1 | 0: torch.compile wherever it works (nanochat/compile.py)
-    activation_checkpointing="none",  # none | full | selective (base_train's flag; nanochat/gpt.py)
-    ac_every=2,  # selective: checkpoint every ac_every-th block
-    use_fsdp=False,
-    fsdp_reduce_dtype="float32",
-    tp_size=1,  # tensor parallelism over this many ranks (heads and MLP split), FSDP over the rest; must divide the world size
-    seed=42,
+FLAGS = Flags(
+    "run",
+    run_flags(),
+    Flag("dry_run", False, "train and evaluate, but save no checkpoint and log no report / wandb"),
+    "input model",
+    source_flags(),
+    "horizon and batch",
+    Flag("num_iterations", -1, "optimisation steps; -1 = one epoch of the mixture"),
+    Flag("max_seq_len", 2048, "tokens per packed row"),
+    Flag("device_batch_size", 32, "rows per forward pass on each GPU; gradient accumulation makes up the rest of "
+         "--total_batch_size"),
+    Flag("total_batch_size", 524288, "tokens per optimisation step, over all ranks and micro-steps"),
+    "optimisation",
+    optimizer_flags(),
+    Flag("init_lr_frac", 1.0, "start at this fraction of the learning rates above"),
+    Flag("grad_clip", 1.0, "clip the gradient norm to this (<= 0: no clipping)"),
+    "evaluation",
+    Flag("eval_every", 150, "validation bits per byte every this many steps (<= 0: off)"),
+    Flag("eval_tokens", None, f"tokens per validation; auto = {DEFAULT_EVAL_TOKENS:,} ({CPU_EVAL_STEPS} batches on "
+         f"CPU, where that would take hours)", type=int),
+    "systems",
+    compile_flag(),
+    memory_flags(),
 )
+DEFAULTS = FLAGS.defaults()
 
-# On CPU the default --eval_tokens means hours of evaluation; scale it down unless set explicitly (as base_train).
 WARMDOWN_RATIO = 0.2  # the last 20% of the run decays the LR linearly to 0
 
 
@@ -98,7 +91,7 @@ def lr_multiplier(progress):
 
 
 def main(argv=None):
-    config = parse_flags_or_exit(DEFAULTS, argv, description=__doc__)
+    config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
     print_banner()
 
@@ -126,8 +119,7 @@ def main(argv=None):
     grad_accum, tokens_per_fwdbwd = batch_arithmetic(config["total_batch_size"], B, Tlen, data_world)
     total_batch = tokens_per_fwdbwd * grad_accum
     print0(f"Batch: {B} x {Tlen} x {data_world} rank(s) x {grad_accum} accumulation = {total_batch:,} tokens/step")
-    eval_steps = eval_steps_for(config["eval_tokens"], DEFAULTS["eval_tokens"], tokens_per_fwdbwd, device_type,
-                                enabled=config["eval_every"] > 0)
+    eval_steps = eval_steps_for(config["eval_tokens"], tokens_per_fwdbwd, device_type, enabled=config["eval_every"] > 0)
 
     optimizers = parallel.setup_optimizers(
         orig_model, unembedding_lr=config["unembedding_lr"],

@@ -11,12 +11,12 @@ without a cache, they are reported as unavailable and only ours is shown.
 import threading
 
 from nanochat.common import print0
-from nanochat.configurator import parse_flags_or_exit
+from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.tokenizer import get_tokenizer
 
-defaults = dict(
-    reference_timeout=15.0,  # seconds to wait for tiktoken to load (download) a reference vocabulary
-    max_shard_chars=2_000_000,  # characters of train/val shard text to measure
+FLAGS = Flags(
+    Flag("reference_timeout", 15.0, "seconds to wait for tiktoken to load (download) a reference vocabulary"),
+    Flag("max_shard_chars", 2_000_000, "characters of train/val shard text to measure"),
 )
 
 # Short texts of different kinds, written for this script.
@@ -112,8 +112,8 @@ def shard_texts(max_chars):
     return out
 
 
-def main():
-    config = parse_flags_or_exit(defaults, description=__doc__)
+def main(argv=None):
+    config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     ours = get_tokenizer()
     encoders = {"ours": lambda t: ours.encode(t)}
     vocab_sizes = {"ours": ours.get_vocab_size()}

@@ -13,15 +13,15 @@ import os
 import time
 
 from nanochat.common import get_base_dir, print0
-from nanochat.configurator import parse_flags_or_exit
+from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.dataset import list_parquet_files, parquets_iter_batched
 from nanochat.report import get_report
 from nanochat.tokenizer import RustBPETokenizer, compute_token_bytes, save_token_bytes
 
-defaults = dict(
-    max_chars=10_000_000_000,  # train on at most this many characters
-    doc_cap=10_000,  # characters kept from the start of each document
-    vocab_size=65536,  # including the 9 special tokens
+FLAGS = Flags(
+    Flag("max_chars", 10_000_000_000, "train on at most this many characters"),
+    Flag("doc_cap", 10_000, "characters kept from the start of each document"),
+    Flag("vocab_size", 65536, "tokens in the vocabulary, including the 9 special tokens"),
 )
 
 
@@ -37,8 +37,8 @@ def text_iterator(max_chars, doc_cap):
                 return
 
 
-def main():
-    config = parse_flags_or_exit(defaults, description=__doc__)
+def main(argv=None):
+    config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     max_chars, doc_cap, vocab_size = config["max_chars"], config["doc_cap"], config["vocab_size"]
     if max_chars < 1 or doc_cap < 1:
         raise SystemExit(f"error: --max_chars and --doc_cap must be positive, got {max_chars} and {doc_cap}")

@@ -4,7 +4,8 @@ Activation checkpointing (--activation_checkpointing, GPT.set_activation_checkpo
 - full and selective give the same loss and gradients as none (one process), and only the chosen blocks checkpoint
 - the peak memory of a forward+backward on CPU is lower with it (allocations recorded by torch.profiler)
 - a compiled model (torch.compile, backend aot_eager) with it matches eager
-- under FSDP2 on 2 gloo ranks (eager and nanochat.compile's per-block compile): same losses as without
+- under FSDP2 and on the DDP path, 2 gloo ranks each (eager and with nanochat.compile's compile, per block under
+  FSDP, whole model on DDP): same losses as without
 """
 
 import importlib.util
@@ -84,12 +85,14 @@ def peak_bytes(mode):
     return peak
 
 
+@pytest.mark.slow  # profiles a model big enough to show the saving
 def test_peak_memory_is_lower():
     none, full, selective = peak_bytes("none"), peak_bytes("full"), peak_bytes("selective")
     assert full < 0.5 * none, (none, full)
     assert full < selective < 0.8 * none, (none, full, selective)
 
 
+@pytest.mark.slow  # compiles forward and backward
 def test_compiled_matches_eager():
     torch._dynamo.reset()
     ref_loss, ref_grads = loss_and_grads(model_with("none")[0])
@@ -112,13 +115,33 @@ def test_no_checkpointing_without_grad():
 
 @pytest.mark.dist
 @pytest.mark.timeout(600)
-def test_fsdp_same_losses():
+def test_fsdp_and_ddp_same_losses():
     spec = importlib.util.spec_from_file_location("nanochat_test_launch", HERE / "dist_scripts" / "launch.py")
     launch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launch)
     out = launch.json_lines(launch.torchrun("ac_check.py", timeout=500))[-1]
-    assert out["calls"] == {"none": 12, "full": 24, "selective": 18}  # 4 blocks x 3 steps, + the recomputed ones
-    for mode in ("full", "selective", "full+compile"):
-        assert len(out[mode]) == 3
-        for a, b in zip(out[mode], out["none"]):
-            assert abs(a - b) < 1e-5, (mode, out)
+    for strategy in ("fsdp", "ddp"):
+        res = out[strategy]
+        assert res["calls"] == {"none": 12, "full": 24, "selective": 18}, strategy  # 4 blocks x 3 steps + recomputed
+        for mode in ("full", "selective", "full+compile"):
+            assert len(res[mode]) == 3
+            for a, b in zip(res[mode], res["none"]):
+                assert abs(a - b) < 1e-5, (strategy, mode, out)
+    # and the two paths train alike (tests/test_dist_train.py compares them to one process in detail)
+    for a, b in zip(out["ddp"]["none"], out["fsdp"]["none"]):
+        assert abs(a - b) < 1e-4, out
+
+
+def test_train_bench_takes_the_flag(capsys):
+    """bench/train_bench.py's --activation_checkpointing (the docs/benchmarks.md GPU commands use it)."""
+    import json
+
+    from bench.train_bench import main
+
+    main(["--depth=2", "--max_seq_len=32", "--device_batch_size=2", "--vocab_size=256", "--steps=1", "--warmup=0",
+          "--device_type=cpu", "--attn=sdpa", "--compile=0", "--activation_checkpointing=selective", "--ac_every=2"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0] == "Activation checkpointing (selective): 1 of 2 blocks recompute their activations in the backward"
+    assert "| AC | FP8 |" in out[1]
+    r = json.loads(out[-1])
+    assert r["activation_checkpointing"] == "selective (every 2)" and r["fp8"] == "off" and r["tok_per_s"] > 0

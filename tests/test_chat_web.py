@@ -737,6 +737,7 @@ def _chat_requests():
     return anything | one_change("/chat/completions", {"messages": hi}) | one_change("/v1/chat/completions", {"model": "nanochat", "messages": hi})
 
 
+@pytest.mark.slow  # hundreds of HTTP round trips
 def test_fuzzed_bodies_never_get_a_5xx(quick_server):
     hypothesis = pytest.importorskip("hypothesis")
 
@@ -764,6 +765,7 @@ def test_fuzzed_bodies_never_get_a_5xx(quick_server):
 # The bounded queue
 
 
+@pytest.mark.slow  # a slow model holds the worker for seconds
 def test_a_full_queue_is_a_429_with_retry_after_and_frees_up(tok):
     """One worker, --max_queue=2: three requests are admitted (one runs, two wait); the fourth gets 429 at once."""
     slow = ScriptedModel(tok.get_vocab_size(), script=[], filler=tok.encode("a")[0], delay=0.25)  # 2 s a request: time to look

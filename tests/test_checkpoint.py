@@ -151,6 +151,7 @@ print(json.dumps({"peak": status("VmHWM") - base, "model_bytes": sum(p.numel() *
 """
 
 
+@pytest.mark.slow  # writes and loads a model of a few hundred MB
 def test_loading_peaks_near_one_model_size(tmp_path):
     """Peak process memory (RSS, file-backed pages included) while loading stays <= 1.3x the model's size;
     a load that materialises the model and then copies the checkpoint in would peak at ~2x."""

@@ -92,6 +92,7 @@ def test_maybe_compile_is_what_the_scripts_call(monkeypatch):
     assert len(backend.graphs) == 1 and len(logs) == 1 and "cold compile" in logs[0]  # compiled by the warm-up
 
 
+@pytest.mark.slow  # compiles a model (inductor: seconds of CPU)
 def test_ddp_path_is_one_graph_without_breaks():
     backend = CountingBackend()
     model = tiny_model()
@@ -111,6 +112,7 @@ def test_ddp_path_is_one_graph_without_breaks():
     assert any("matmul" in backend.calls(g) or "bmm" in backend.calls(g) for g in backend.graphs[1:])
 
 
+@pytest.mark.slow  # compiles every block and the head
 def test_fsdp_path_compiles_blocks_and_the_head(tmp_path):
     import torch.distributed as dist
 
@@ -199,6 +201,7 @@ def test_fa3_loader_tries_kernels_first_and_caches_a_failure(monkeypatch):
     assert gpt._load_fa3() is None and calls == [] and "NANOCHAT_FA3=0" in gpt._FA3_ERROR
 
 
+@pytest.mark.slow  # compiles forward and backward: the slowest test on CPU
 def test_compiled_training_step_matches_eager():
     """A real inductor compile on CPU: two training steps (model and Newton-Schulz compiled) match eager."""
     from nanochat import training as T

@@ -1,6 +1,7 @@
 """
-FP8 training (nanochat/fp8.py), on CPU: the conversion is inspected without running the model, and the refusal is
-checked through base_train's own entry point.
+FP8 training (nanochat/fp8.py), on CPU: the conversion is inspected without running the model, the refusal is
+checked through base_train's own entry point, and the converted model trains with torchao's emulated FP8 (the same
+e4m3/e5m2 casts and scales, the matmul in fp32 instead of on FP8 tensor cores), eager and under torch.compile.
 """
 
 import pytest
@@ -80,3 +81,131 @@ def test_base_train_refuses_fp8_on_cpu(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="use --fp8=0") as e:
         base_train.main(["--fp8=1", "--device_type=cpu", "--depth=2", "--num_iterations=1"])
     assert "cpu" in str(e.value)
+
+
+# -----------------------------------------------------------------------------
+# training with emulated FP8 (torchao's emulate=True runs the casts and scales on any device)
+
+TRAIN_CONFIG = GPTConfig(sequence_len=64, vocab_size=256, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
+
+
+def cpu_model(recipe=None):
+    """The same weights every call; recipe: convert with emulated FP8 (None: plain)."""
+    torch.manual_seed(0)
+    model = GPT(TRAIN_CONFIG, attn="sdpa")
+    model.init_weights("nanochat")
+    with torch.no_grad():  # the nanochat init zeroes c_proj, which would make the blocks' FP8 matmuls moot
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    if recipe is not None:
+        convert_to_fp8(model, recipe, emulate=True)
+    return model
+
+
+def train_batch():
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, TRAIN_CONFIG.vocab_size, (4, TRAIN_CONFIG.sequence_len + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def train(model, steps, call=None):
+    """Losses of `steps` full steps with the training's optimizers (Muon for the block matrices, AdamW the rest)."""
+    x, y = train_batch()
+    opts = model.setup_optimizers(use_muon=True)
+    losses, grads = [], None
+    for step in range(steps):
+        loss = (model if call is None else call)(x, y)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        for opt in opts:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, grads
+
+
+# Tolerances. FP8 rounds each cast element by up to 2^-4 (e4m3: weights and activations, forward) or 2^-3 (e5m2:
+# output gradients, backward), relative. Over a dot product of independent roundings the errors average out, so the
+# loss (a mean over 256 tokens) moves far less: measured |loss_fp8 - loss_bf16| <= 6.4e-4 at the first step and
+# <= 2.6e-3 after 4 Muon steps for both recipes (torch 2.15, torchao 0.18), against a loss that falls from 5.56 to
+# 3.29. 1e-2 leaves room for other library versions and is still 1/40 of one step's decrease (~0.7): a wrong scale
+# or a layer that stops learning is an error of order 1. Gradients: each block weight's gradient goes through one
+# e5m2 cast of its output gradient (<= 12.5% per element); measured relative error 7-12%, bound 2 x 12.5%.
+LOSS_ATOL = 1e-2
+GRAD_RTOL = 0.25
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_emulated_fp8_trains_like_the_unconverted_model(recipe):
+    ref_losses, ref_grads = train(cpu_model(), 4)
+    model = cpu_model(recipe)
+    assert type(model.transformer.h[0].mlp.c_fc) is Float8Linear and type(model.lm_head) is nn.Linear
+    losses, grads = train(model, 4)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 1.0, losses  # it trains
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) < LOSS_ATOL, (recipe, losses, ref_losses)
+    for name, g in ref_grads.items():
+        assert g.abs().sum() > 0, name
+        rel = ((grads[name] - g).norm() / g.norm()).item()
+        assert rel < GRAD_RTOL, (name, rel)
+        if not name.startswith("transformer.h."):  # not FP8 layers: their gradients are only perturbed downstream
+            assert rel < GRAD_RTOL / 2, (name, rel)
+
+
+def test_emulated_fp8_checkpoint_is_the_plain_models():
+    """The state dict of a converted (and trained) model has the plain model's keys, shapes and dtypes, and loads
+    into either model strictly: checkpoints of an FP8 run load anywhere and resume FP8 training."""
+    fp8, plain = cpu_model("tensorwise"), cpu_model()
+    train(fp8, 1)
+    sd, plain_sd = fp8.state_dict(), plain.state_dict()
+    assert {k: (v.shape, v.dtype) for k, v in sd.items()} == {k: (v.shape, v.dtype) for k, v in plain_sd.items()}
+    assert all(type(v) is torch.Tensor for v in sd.values())  # no torchao tensor subclass in a checkpoint
+    plain.load_state_dict(sd, strict=True)
+    again = cpu_model("tensorwise")
+    again.load_state_dict(plain.state_dict(), strict=True)
+    x, _ = train_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), fp8(x), rtol=0, atol=0)
+
+
+@pytest.mark.slow  # one aot_eager compile of the converted model: ~10 s on 2 cores
+def test_emulated_fp8_under_compile_matches_eager():
+    torch._dynamo.reset()
+    eager, _ = train(cpu_model("tensorwise"), 2)
+    model = cpu_model("tensorwise")
+    compiled, _ = train(model, 2, call=torch.compile(model, backend="aot_eager", dynamic=False))
+    for a, b in zip(compiled, eager):
+        assert abs(a - b) < 1e-5, (compiled, eager)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_emulated_fp8_under_fsdp_trains_like_the_unconverted_model():
+    """FSDP2 on 2 gloo ranks (tests/dist_scripts/fp8_fsdp_check.py: the weights are gathered in fp32 and cast after
+    the gather; the FP8 all-gather itself needs NCCL's float8 dtypes, gloo has none)."""
+    import importlib.util
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    spec = importlib.util.spec_from_file_location("nanochat_test_launch", here / "dist_scripts" / "launch.py")
+    launch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launch)
+    out = launch.json_lines(launch.torchrun("fp8_fsdp_check.py", timeout=500))[-1]
+    single, _ = train(cpu_model(), 3)
+    for a, b in zip(out["none"], single):  # FSDP over 2 ranks = one process on the whole batch
+        assert abs(a - b) < 1e-4, (out, single)
+    for recipe in ("tensorwise", "rowwise"):
+        assert len(out[recipe]) == 3
+        for a, b in zip(out[recipe], out["none"]):
+            assert abs(a - b) < LOSS_ATOL, (recipe, out)
+
+
+def test_train_bench_refuses_fp8_on_cpu(capsys):
+    from bench.train_bench import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--depth=1", "--device_type=cpu", "--fp8=1"])
+    assert e.value.code == 2
+    assert "use --fp8=0" in capsys.readouterr().err

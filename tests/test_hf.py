@@ -267,6 +267,7 @@ def test_tokenizer_matches_on_varied_text(env):
     assert hf_tok.decode(tok.encode("Hi", prepend="<|bos|>", append="<|assistant_end|>")) == "<|bos|>Hi<|assistant_end|>"
 
 
+@pytest.mark.slow  # encodes every shared corpus twice
 def test_tokenizer_matches_on_the_shared_corpora(env):
     if not SHARED_DATA.exists():
         pytest.skip(f"../shared/data not found at {SHARED_DATA}; the built-in varied text is checked by the test above")

@@ -359,6 +359,36 @@ def test_depth_presets(tmp_path, depth):
     assert args[:2] == [f"--depth={depth}", f"--device_batch_size={dbs}"]
     assert ("--use_fsdp=1" in args) == fsdp
     assert settings["use_fsdp"] == ("1" if fsdp else "0")
+    # activation checkpointing and TP: the preset's, passed on only when not the scripts' defaults (none, 1)
+    ac, tp = PRESETS[depth].activation_checkpointing, PRESETS[depth].tp_size
+    assert settings["activation_checkpointing"] == ac and settings["tp_size"] == str(tp)
+    assert ("--activation_checkpointing=" + ac in args) == (ac != "none")
+    assert any(a.startswith("--tp_size=") for a in args) == (tp > 1)
+
+
+def test_activation_checkpointing_and_tp_overrides(tmp_path):
+    """--activation_checkpointing / --ac_every / --tp_size on pretrain.sh reach every training stage."""
+    env = base_env(tmp_path, NPROC_PER_NODE=4)
+    p = run_pretrain(tmp_path, "--fullrun", "--activation-checkpointing", "selective", "--ac_every=3", "--tp_size=2",
+                     env=env)
+    settings, commands, _ = parse(p.stdout)
+    assert settings["activation_checkpointing"] == "selective (ac_every=3)" and settings["tp_size"] == "2"
+    calls = torchrun_calls(commands)
+    model_args = ["--activation_checkpointing=selective", "--ac_every=3", "--tp_size=2"]
+    assert calls["scripts.base_train"][1] == ["--depth=20", f"--device_batch_size={D20}", *model_args, "--run=dummy"]
+    assert calls["scripts.mid_train"][1] == ["--run=dummy", f"--device_batch_size={D20}", *model_args]
+    assert calls["scripts.chat_sft"][1][-3:] == model_args
+    # 4 processes in TP pairs = 2 data-parallel ranks: 32 x 2048 x 2 = 131072 tokens a micro-step, 4 accumulated
+    assert settings["grad_accum"] == "4"
+    # the override also changes the memory estimate printed with the settings
+    full = parse(run_pretrain(tmp_path, "--activation_checkpointing=full").stdout)[0]
+    assert float(full["est_gb_per_gpu"].split()[0]) == round(presets.estimate_gb(20, D20, activation_checkpointing="full"), 1)
+    assert float(parse(run_pretrain(tmp_path).stdout)[0]["est_gb_per_gpu"].split()[0]) == round(presets.estimate_gb(20, D20), 1)
+    # bad values stop before any work, naming the flag
+    p = run_pretrain(tmp_path, "--activation_checkpointing=some", check=False)
+    assert p.returncode != 0 and "--activation_checkpointing" in p.stderr and "RUN:" not in p.stdout
+    p = run_pretrain(tmp_path, "--tp_size=3", env=env, check=False)
+    assert p.returncode != 0 and "--tp_size" in p.stderr and "RUN:" not in p.stdout
 
 
 def test_overrides_and_pass_through(tmp_path):
@@ -720,9 +750,15 @@ def test_gpu_node_stops_when_torch_cannot_use_the_gpus(tmp_path):
 
 
 def test_presets_agree_with_the_training_scripts_defaults():
-    from scripts import base_train, chat_sft
+    from nanochat.gpt import AC_MODES
+    from scripts import base_train, chat_sft, mid_train
 
     assert base_train.DEFAULTS["total_batch_size"] == presets.TOTAL_BATCH_SIZE
+    # pretrain.sh leaves out --activation_checkpointing=none (and --tp_size=1): the scripts' defaults must be those
+    assert presets.AC_MODES == AC_MODES
+    for script in (base_train, mid_train, chat_sft):
+        assert script.DEFAULTS["activation_checkpointing"] == "none", script.__name__
+        assert script.DEFAULTS.get("tp_size", 1) == 1, script.__name__
     assert base_train.DEFAULTS["max_seq_len"] == presets.MAX_SEQ_LEN
     assert chat_sft.DEFAULTS["device_batch_size"] == presets.SFT_DEVICE_BATCH_SIZE
     assert chat_sft.DEFAULTS["target_examples_per_step"] == presets.SFT_TARGET_EXAMPLES
@@ -752,6 +788,56 @@ def test_preset_device_batches_follow_the_stated_rule():
         assert rows & (rows - 1) == 0
         assert presets.estimate_gb(depth, rows) <= budget < presets.estimate_gb(depth, 2 * rows), depth
     assert (PRESETS[20].device_batch_size, PRESETS[32].device_batch_size) == (32, 8)  # nanochat's measured values
+
+
+def test_preset_activation_checkpointing_and_tp_follow_the_stated_reasoning():
+    """The AC and TP columns (reasoned in the comment above PRESETS): off at every depth, because every preset
+    fits the budget without them; AC's estimate counts what GPT.set_activation_checkpointing really checkpoints."""
+    import torch
+
+    from nanochat.gpt import GPT, GPTConfig
+
+    for depth, p in PRESETS.items():
+        assert p.activation_checkpointing in presets.AC_MODES and p.tp_size >= 1
+        est = presets.estimate_gb(depth, p.device_batch_size, state_shards=8 if p.use_fsdp else 1,
+                                  activation_checkpointing=p.activation_checkpointing)
+        assert est <= presets.BUDGET_GB, depth
+        if p.activation_checkpointing == "none":  # AC would only be bought for a batch that does not fit without it
+            assert p.tp_size == 1
+    # the estimate falls with AC: full < selective < none, and full keeps ~1/17 of the block activations
+    for depth in PRESETS:
+        none, sel, full = (presets.estimate_gb(depth, 1, activation_checkpointing=m) for m in ("none", "selective", "full"))
+        assert full < sel < none
+    # the count of checkpointed blocks is the model's own
+    with torch.device("meta"):
+        model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=7, n_head=1, n_kv_head=1, n_embd=64), attn="sdpa")
+    for mode, every in [("none", 2), ("full", 2), ("selective", 2), ("selective", 3), ("selective", 7)]:
+        assert len(model.set_activation_checkpointing(mode, every)) == presets.checkpointed_blocks(7, mode, every)
+
+
+def test_resolve_with_tp_and_the_memory_note():
+    # TP divides the data-parallel width: 16 processes in TP groups of 2 batch like 8 DDP ranks
+    plain, tp = presets.resolve(20, world_size=8), presets.resolve(20, world_size=16, tp_size=2)
+    assert (plain.device_batch_size, plain.grad_accum) == (tp.device_batch_size, tp.grad_accum) == (32, 1)
+    assert (tp.tp_size, tp.activation_checkpointing) == (2, "none")
+    with pytest.raises(ValueError, match="--tp_size must .* divides the world size 6, got 4"):
+        presets.resolve(20, world_size=6, tp_size=4)
+    # more data-parallel ranks than rows in the total batch (256 rows of 2048): TP or a bigger total, named
+    with pytest.raises(ValueError, match=r"--total_batch_size=1048576 or --tp_size=2 "):
+        presets.resolve(64, world_size=512)
+    assert presets.resolve(64, world_size=512, tp_size=2).grad_accum == 1
+    # an FSDP depth on too few GPUs: a note with the estimate (an upper bound, so not a refusal)
+    few = presets.resolve(64, world_size=2)
+    assert any("126 GB per GPU exceeds" in n and "use more GPUs" in n for n in few.notes), few.notes
+    four = presets.resolve(64, world_size=4)
+    assert four.est_gb == round(presets.estimate_gb(64, 1, state_shards=4), 1) and not any("exceeds" in n for n in four.notes)
+    # where full AC is the fix, the note says so
+    long = presets.resolve(20, world_size=1, device_batch_size=32, max_seq_len=4096, total_batch_size=4096 * 32)
+    assert any("--activation_checkpointing=full brings it to" in n for n in long.notes), long.notes
+    assert not presets.resolve(20, world_size=1, device_batch_size=32, max_seq_len=4096, total_batch_size=4096 * 32,
+                               activation_checkpointing="full").notes
+    with pytest.raises(ValueError, match="--activation_checkpointing must be one of none|full|selective"):
+        presets.resolve(20, activation_checkpointing="some")
 
 
 def test_docs_show_the_preset_table():

@@ -1,8 +1,10 @@
 """
-Activation checkpointing under FSDP2 (tests/test_ac.py): the same tiny GPT trained for 3 steps with
---activation_checkpointing none, full and selective (every 2nd block), eager and with nanochat.compile's per-block
-compile (backend aot_eager: no C++ compiler needed, fast). Rank 0 prints one JSON line {"<mode>": [losses]} and
-"calls": how many times the eager runs ran a block's body (a checkpointed block runs it again in the backward).
+Activation checkpointing on the two data-parallel paths (tests/test_ac.py): the same tiny GPT trained for 3 steps
+with --activation_checkpointing none, full and selective (every 2nd block), under FSDP2 and on the DDP path (the whole
+model on each rank, DistAdamW/DistMuon average the gradients), eager and with nanochat.compile's compile (FSDP: per
+block; DDP: the whole model; backend aot_eager: no C++ compiler needed, fast). Rank 0 prints one JSON line
+{"<strategy>": {"<mode>": [losses], "calls": ...}}, calls being how many times the eager runs ran a block's body (a
+checkpointed block runs it again in the backward).
 
     torchrun --nproc_per_node=2 ac_check.py
 """
@@ -27,7 +29,7 @@ def batch(step, rank, world):
     return rows[:, :-1], rows[:, 1:]
 
 
-def run(mode, compiled, rank, world):
+def run(strategy, mode, compiled, rank, world):
     from nanochat.compile import compile_model
 
     torch.manual_seed(0)
@@ -36,10 +38,13 @@ def run(mode, compiled, rank, world):
     model.to_empty(device="cpu")
     model.init_weights("nanochat")
     model.set_activation_checkpointing(mode, every=2)
-    apply_fsdp(model)
-    opts = setup_fsdp_optimizers(model, matrix_lr=0.02, use_muon=True)
+    if strategy == "fsdp":
+        apply_fsdp(model)
+        opts = setup_fsdp_optimizers(model, matrix_lr=0.02, use_muon=True)
+    else:  # the DDP path (nanochat.parallel.DataParallel): no wrapper, the distributed optimizers communicate
+        opts = model.setup_optimizers(matrix_lr=0.02, use_muon=True)
     if compiled:
-        model = compile_model(model, per_block=True, backend="aot_eager")
+        model = compile_model(model, per_block=strategy == "fsdp", backend="aot_eager")
     losses = []
     for step in range(STEPS):
         x, y = batch(step, rank, world)
@@ -57,19 +62,22 @@ def run(mode, compiled, rank, world):
 def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    out, calls = {}, {}
+    out = {"fsdp": {}, "ddp": {}}
     body, count = Block._forward, [0]
 
     def counted(self, *args):
         count[0] += 1
         return body(self, *args)
 
-    for mode in ("none", "full", "selective"):
-        Block._forward, count[0] = counted, 0
-        out[mode] = run(mode, False, rank, world)
-        Block._forward, calls[mode] = body, count[0]
-    out["calls"] = calls
-    out["full+compile"] = run("full", True, rank, world)
+    for strategy, res in out.items():
+        res["calls"] = {}
+        for mode in ("none", "full", "selective"):
+            Block._forward, count[0] = counted, 0
+            res[mode] = run(strategy, mode, False, rank, world)
+            Block._forward, res["calls"][mode] = body, count[0]
+    # compiled last: compile_model turns on Muon's compile for the rest of the process
+    for strategy, res in out.items():
+        res["full+compile"] = run(strategy, "full", True, rank, world)
     if rank == 0:
         print(json.dumps(out))
     dist.destroy_process_group()

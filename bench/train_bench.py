@@ -28,7 +28,9 @@ if str(REPO) not in sys.path:
 
 from nanochat.training import apply_model_options, autocast_ctx, build_model, check_model_options, dtype_flag, resolve_dtype, train_step  # noqa: E402
 from nanochat.common import autodetect_device_type, device_type_flag, peak_flops_for  # noqa: E402
-from nanochat.compile import compile_flag, maybe_compile  # noqa: E402
+from nanochat.dist import compute_cleanup, compute_init, dist_world_size, is_ddp_initialized  # noqa: E402
+from nanochat.parallel import parallel_from_config  # noqa: E402
+from nanochat.compile import compile_flag, maybe_compile, resolve_compile  # noqa: E402
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit  # noqa: E402
 from nanochat.gpt import config_for_depth  # noqa: E402
 
@@ -48,6 +50,8 @@ FLAGS = Flags(
     dtype_flag(),
     Flag("use_muon", True, "Muon for the matrices (0: AdamW for everything)"),
     Flag("grad_clip", 1.0, "clip the gradient norm to this (<= 0: no clipping)"),
+    Flag("use_fsdp", False, "the FSDP2 path instead of the DDP path (launch under torchrun, as base_train: "
+         "`torchrun --nproc_per_node=1 -m bench.train_bench --use_fsdp=1 ...`); under torchrun without it: the DDP path"),
     Flag("activation_checkpointing", "none", "recompute block activations in the backward (as base_train)",
          choices=["none", "full", "selective"]),
     Flag("ac_every", 2, "selective activation checkpointing: every ac_every-th block"),
@@ -68,18 +72,20 @@ def sync(device):
         torch.mps.synchronize()
 
 
-def bench_one(cfg, attn, device):
+def bench_one(cfg, attn, device, parallel):
     device_type = device.type
     torch.manual_seed(cfg["seed"])
     dtype = resolve_dtype(cfg["dtype"], device_type)
     model_config = config_for_depth(cfg["depth"], cfg["vocab_size"], cfg["max_seq_len"])
     model = build_model(model_config, device, cfg["init"], attn)
-    apply_model_options(model, cfg, device)  # --activation_checkpointing, --fp8: before compile, as base_train
+    # --activation_checkpointing, --fp8, then the strategy's wrap and compile: in base_train's order
+    model = parallel.wrap(apply_model_options(model, cfg, device, parallel), device)
     orig_model = model
-    optimizers = orig_model.setup_optimizers(use_muon=cfg["use_muon"])  # one process: the DDP path's optimizers
+    optimizers = parallel.setup_optimizers(orig_model, use_muon=cfg["use_muon"])
     autocast = lambda: autocast_ctx(device_type, dtype)  # noqa: E731
-    model = maybe_compile(model, cfg["compile"], device, cfg["device_batch_size"], cfg["max_seq_len"], autocast=autocast)
-    compiled = model is not orig_model
+    model = maybe_compile(model, cfg["compile"], device, cfg["device_batch_size"], cfg["max_seq_len"],
+                          parallel.compile_per_block, autocast)
+    compiled = resolve_compile(cfg["compile"], device_type, log=lambda *a: None)  # the FSDP path compiles in place
 
     B, L = cfg["device_batch_size"], cfg["max_seq_len"]
     g = torch.Generator().manual_seed(cfg["seed"])
@@ -120,6 +126,7 @@ def bench_one(cfg, attn, device):
         "compile": compiled,
         "attn": orig_model.attn_backend,
         "optimizer": "AdamW+Muon" if cfg["use_muon"] else "AdamW",
+        "parallel": f"{parallel.name} x{dist_world_size()}" if is_ddp_initialized() else "one process",
         "activation_checkpointing": cfg["activation_checkpointing"] + (f" (every {cfg['ac_every']})" if cfg["activation_checkpointing"] == "selective" else ""),
         "fp8": cfg["fp8_recipe"] if cfg["fp8"] else "off",
         "step_ms_median": 1000 * dt_med,
@@ -136,9 +143,9 @@ def bench_one(cfg, attn, device):
 
 
 HEADER = (
-    "| device | model | B x T | dtype | compile | attn | optimizer | AC | FP8 | step (ms, median) | tok/s | TFLOP/s | MFU "
-    "| peak GiB |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| device | model | B x T | dtype | compile | attn | optimizer | parallel | AC | FP8 | step (ms, median) | tok/s "
+    "| TFLOP/s | MFU | peak GiB |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -147,7 +154,8 @@ def markdown_row(r):
     peak = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
     return (
         f"| {r['device']} | d{r['depth']} ({r['params'] / 1e6:.1f}M) | {r['batch']} x {r['seq_len']} | {r['dtype']} | "
-        f"{'yes' if r['compile'] else 'no'} | {r['attn']} | {r['optimizer']} | {r['activation_checkpointing']} | "
+        f"{'yes' if r['compile'] else 'no'} | {r['attn']} | {r['optimizer']} | {r['parallel']} | "
+        f"{r['activation_checkpointing']} | "
         f"{r['fp8']} | {r['step_ms_median']:.1f} | {r['tok_per_s']:,.0f} | {r['achieved_tflops']:.3g} | {mfu} | {peak} |"
     )
 
@@ -160,15 +168,16 @@ def main(argv=None):
     if cfg["threads"] > 0:
         torch.set_num_threads(cfg["threads"])
     device_type = cfg["device_type"] or autodetect_device_type()
-    if device_type == "cuda":
-        if not torch.cuda.is_available():
-            print("error: --device_type=cuda but torch sees no CUDA device; use --device_type=cpu", file=sys.stderr)
-            sys.exit(2)
-        # the same matmul settings as training (compute_init)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        torch.set_float32_matmul_precision("high")
-    device = torch.device(device_type)
+    try:
+        # seeds, TF32 matmuls on CUDA and, under torchrun, the process group: as the training scripts
+        _, rank, _, _, device = compute_init(device_type, cfg["seed"])
+        parallel = parallel_from_config(cfg)
+    except (RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if cfg["use_fsdp"] and not is_ddp_initialized():
+        print("error: --use_fsdp=1 needs torchrun (torchrun --nproc_per_node=1 -m bench.train_bench ...)", file=sys.stderr)
+        sys.exit(2)
     try:
         check_model_options(cfg, device)  # --fp8=1 without FP8 hardware, a bad --activation_checkpointing: say so now
     except (RuntimeError, ValueError) as e:
@@ -178,17 +187,19 @@ def main(argv=None):
     results = []
     for attn in attns:
         try:
-            results.append(bench_one(cfg, attn, device))
+            results.append(bench_one(cfg, attn, device, parallel))
         except (RuntimeError, ValueError) as e:
             if len(attns) == 1:
                 print(f"error: {e}", file=sys.stderr)
                 sys.exit(1)
             print(f"attn={attn}: skipped ({e})", file=sys.stderr)
-    print(HEADER)
-    for r in results:
-        print(markdown_row(r))
-    for r in results:
-        print(json.dumps(r))
+    if rank == 0:
+        print(HEADER)
+        for r in results:
+            print(markdown_row(r))
+        for r in results:
+            print(json.dumps(r))
+    compute_cleanup()
 
 
 if __name__ == "__main__":

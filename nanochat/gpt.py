@@ -175,6 +175,9 @@ def resolve_attn_backend(attn, device_type):
 # Model
 
 
+HEAD_CHUNK_ELEMENTS = 2**28  # evaluation computes at most this many logits (1 GiB in fp32) at once: head()
+
+
 def head(x, lm_head_weight, vocab_size, targets=None, loss_reduction="mean"):
     """
     Final norm, lm_head, softcap and (with targets) cross-entropy: logits (B, T, vocab_size) or the loss.
@@ -182,14 +185,26 @@ def head(x, lm_head_weight, vocab_size, targets=None, loss_reduction="mean"):
     compile it on its own (nanochat.compile): the FSDP hooks around the whole model would otherwise leave it eager.
     """
     B, T, _ = x.shape
+    if targets is not None and loss_reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none', got {loss_reduction!r}")
+    if (targets is not None and B > 1 and B * T * vocab_size > HEAD_CHUNK_ELEMENTS and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()):
+        # Evaluation of a large batch, eager: d20's 32 x 2048 rows x 65536 vocab would be 16 GiB of fp32 logits (and
+        # as much again for the softcap), so compute the per-token losses a few rows at a time. Training keeps one
+        # pass (the backward needs every chunk's activations anyway) and compiled graphs fuse the head themselves.
+        rows = max(1, HEAD_CHUNK_ELEMENTS // (T * vocab_size))
+        loss = torch.cat([head(xc, lm_head_weight, vocab_size, tc, "none")
+                          for xc, tc in zip(x.split(rows), targets.split(rows))])
+        if loss_reduction == "none":
+            return loss
+        total = loss.sum()
+        return total if loss_reduction == "sum" else total / (targets != -1).sum()
     logits = F.linear(norm(x), lm_head_weight)
     softcap = 15.0
     logits = logits[..., :vocab_size].float()  # drop the padding columns, softcap in fp32
     logits = softcap * torch.tanh(logits / softcap)
     if targets is None:
         return logits
-    if loss_reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none', got {loss_reduction!r}")
     loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=loss_reduction)
     if loss_reduction == "none":
         loss = loss.view(B, T)  # per-token losses, 0 where target == -1

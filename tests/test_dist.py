@@ -1,6 +1,7 @@
 """nanochat/dist.py alone: the process-group timeout reaches init_process_group; the helpers in one process."""
 
 import datetime
+import os
 
 import pytest
 import torch
@@ -66,3 +67,26 @@ def test_nanochat_compat_imports():
 
     assert compute_init is ndist.compute_init and get_dist_info() == (False, 0, 0, 1)
     assert torch.device(ndist.autodetect_device_type()).type in ("cuda", "mps", "cpu")
+
+
+def test_compute_init_on_cuda_sets_expandable_segments_unless_the_user_chose(monkeypatch):
+    """On an H100, d20 ran out of memory at its first eager evaluation with 46 GiB reserved but unallocated: CUDA runs
+    get expandable segments (before the first allocation); a user's PYTORCH_CUDA_ALLOC_CONF is left alone; CPU runs and
+    refused CUDA runs do not touch it."""
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    ndist.compute_init("cpu")
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="torch sees no CUDA device"):
+            ndist.compute_init("cuda")
+        assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+        # as on a GPU machine: compute_init touches no CUDA memory in one process (seeding is queued lazily)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _, _, _, _, device = ndist.compute_init("cuda")
+    assert device.type == "cuda"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    ndist.compute_init("cuda")
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"

@@ -248,6 +248,39 @@ def test_loss_reductions_and_ignore_index():
         model(idx, tgt, loss_reduction="avg")
 
 
+def test_eval_head_in_row_chunks_gives_the_same_losses(monkeypatch):
+    """Without gradients a large batch's head runs a few rows at a time (an H100 ran out of memory on d20's 16 GiB of
+    eager fp32 eval logits): same per-token, summed and mean losses, ignored targets included; training is one pass."""
+    import nanochat.gpt as gpt
+
+    model = make_model()
+    g = torch.Generator().manual_seed(6)
+    idx = torch.randint(0, 97, (5, 10), generator=g)
+    tgt = torch.randint(0, 97, (5, 10), generator=g)
+    tgt[0, :4] = -1
+    tgt[3] = -1  # a whole row ignored
+    with torch.no_grad():
+        whole = {r: model(idx, tgt, loss_reduction=r) for r in ("none", "sum", "mean")}
+    calls = []
+    real_linear = gpt.F.linear
+    monkeypatch.setattr(gpt.F, "linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real_linear(*a, **kw))
+    monkeypatch.setattr(gpt, "HEAD_CHUNK_ELEMENTS", 2 * 10 * 97)  # two rows of logits at a time
+    with torch.no_grad():
+        chunked = {r: model(idx, tgt, loss_reduction=r) for r in ("none", "sum", "mean")}
+    head_calls = [n for n in calls if n <= 5]  # the head's lm_head calls see (rows, T, C); the blocks' see (B, T, C) too
+    assert head_calls.count(2) == 3 * 2 and head_calls.count(1) == 3, calls  # 5 rows -> 2 + 2 + 1, for each reduction
+    for r in whole:
+        torch.testing.assert_close(chunked[r], whole[r], atol=1e-5, rtol=1e-5)
+    assert torch.all(chunked["none"][tgt == -1] == 0)
+    calls.clear()
+    loss = model(idx, tgt)  # gradients on: one pass, so the backward has what it needs
+    loss.backward()
+    assert 5 in calls and 2 not in calls
+    with pytest.raises(ValueError, match="loss_reduction"):
+        with torch.no_grad():
+            model(idx, tgt, loss_reduction="avg")
+
+
 def test_padded_vocab_is_sliced_off():
     model = make_model(vocab_size=97)
     assert model.padded_vocab_size == 128
@@ -552,6 +585,30 @@ def test_train_bench_runs(capsys):
     assert r["depth"] == 1 and r["attn"] == "sdpa" and r["mfu_pct"] is None and r["tok_per_s"] > 0
     # d1: 64 wide, 1 head; 6 x (matrices + lm_head) + attention term
     assert r["flops_per_token"] == 6 * (12 * 64 * 64 + 256 * 64) + 12 * 1 * 1 * 64 * 32
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_train_bench_under_torchrun_takes_the_ddp_and_fsdp_paths(capsys):
+    """`torchrun -m bench.train_bench --use_fsdp=0|1` (the DDP-vs-FSDP MFU rows of docs/benchmarks.md): each rank
+    trains on the same synthetic batches, so every step's loss equals one process's; one process refuses --use_fsdp=1."""
+    import json
+
+    from bench.train_bench import main
+    from conftest import run_torchrun
+
+    tiny = ["--depth=1", "--max_seq_len=32", "--device_batch_size=2", "--vocab_size=256", "--steps=2", "--warmup=1",
+            "--device_type=cpu", "--attn=sdpa", "--compile=0"]
+    main(tiny)
+    ref = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for use_fsdp, name in ((0, "ddp"), (1, "fsdp")):
+        p = run_torchrun(["-m", "bench.train_bench", *tiny, f"--use_fsdp={use_fsdp}"])
+        r = json.loads(p.stdout.strip().splitlines()[-1])  # rank 0 alone prints
+        assert r["parallel"] == f"{name} x2" and p.stdout.count('"parallel"') == 1
+        assert abs(r["first_loss"] - ref["first_loss"]) < 1e-5 and abs(r["last_loss"] - ref["last_loss"]) < 1e-4, (r, ref)
+    with pytest.raises(SystemExit):
+        main([*tiny, "--use_fsdp=1"])
+    assert "needs torchrun" in capsys.readouterr().err
 
 
 # -----------------------------------------------------------------------------

@@ -587,6 +587,22 @@ def test_train_bench_runs(capsys):
     assert r["flops_per_token"] == 6 * (12 * 64 * 64 + 256 * 64) + 12 * 1 * 1 * 64 * 32
 
 
+@pytest.mark.slow
+def test_step_breakdown_accounts_for_the_step(capsys):
+    """bench/step_breakdown.py (the issue-13 roofline): its Newton-Schulz FLOP count by hand, and one tiny run of this
+    tree whose parts are positive and whose table row adds them up."""
+    from bench.step_breakdown import main, ns_flops
+
+    # 5 iterations of X X^T (2*m*m*n), A A (2*m^3), B X (2*m*m*n), m the smaller side
+    assert ns_flops([(4, 8), (8, 4)]) == 2 * 5 * (2 * 16 * 8 + 2 * 64 + 2 * 16 * 8)
+    main(["--depth=1", "--max_seq_len=32", "--device_batch_size=2", "--vocab_size=256", "--steps=2", "--warmup=1"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| ours |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    fb, clip, adamw, muon, step = (float(cells[i].split()[0]) for i in (2, 3, 4, 5, 6))
+    assert min(fb, clip, adamw, muon) > 0 and abs(fb + clip + adamw + muon - step) <= 2, row
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 def test_train_bench_under_torchrun_takes_the_ddp_and_fsdp_paths(capsys):

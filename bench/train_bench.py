@@ -72,6 +72,19 @@ def sync(device):
         torch.mps.synchronize()
 
 
+def synthetic_batches(cfg, device, n=4):
+    """n (inputs, targets) pairs made up front, so host-side data work is not part of the timing. Contiguous (B, L)
+    tensors, as the data loader yields and the compile warm-up traces: strided views of one (B, L + 1) tensor fail
+    dynamo's stride guard and recompile the whole model at the first step (on an H100 that second compile of the FP8
+    model pushed the run past its time limit)."""
+    g = torch.Generator().manual_seed(cfg["seed"])
+    batches = []
+    for _ in range(n):
+        b = torch.randint(0, cfg["vocab_size"], (cfg["device_batch_size"], cfg["max_seq_len"] + 1), generator=g)
+        batches.append((b[:, :-1].contiguous().to(device), b[:, 1:].contiguous().to(device)))
+    return batches
+
+
 def bench_one(cfg, attn, device, parallel):
     device_type = device.type
     torch.manual_seed(cfg["seed"])
@@ -88,14 +101,11 @@ def bench_one(cfg, attn, device, parallel):
     compiled = resolve_compile(cfg["compile"], device_type, log=lambda *a: None)  # the FSDP path compiles in place
 
     B, L = cfg["device_batch_size"], cfg["max_seq_len"]
-    g = torch.Generator().manual_seed(cfg["seed"])
-    # a few batches made up front so host-side data work is not part of the timing
-    batches = [torch.randint(0, cfg["vocab_size"], (B, L + 1), generator=g).to(device) for _ in range(4)]
+    batches = synthetic_batches(cfg, device)
     it = iter(range(10**9))
 
     def next_batch():
-        b = batches[next(it) % len(batches)]
-        return b[:, :-1], b[:, 1:]
+        return batches[next(it) % len(batches)]
 
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

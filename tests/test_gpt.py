@@ -588,6 +588,30 @@ def test_train_bench_runs(capsys):
 
 
 @pytest.mark.slow
+def test_train_bench_batches_do_not_recompile_the_warmed_up_model():
+    """The compile warm-up traces contiguous (B, T) tensors; train_bench's synthetic batches must hit that graph. Its
+    earlier strided views of a (B, T + 1) tensor recompiled the model at the first step (an H100 FP8 run spent its
+    time limit on that second compile)."""
+    from torch._dynamo.utils import counters
+
+    from bench.train_bench import synthetic_batches
+    from nanochat.compile import maybe_compile
+    from nanochat.training import build_model
+
+    cfg = {"vocab_size": 256, "device_batch_size": 2, "max_seq_len": 32, "seed": 0}
+    model = build_model(config_for_depth(1, 256, 32), "cpu")
+    compiled = maybe_compile(model, True, "cpu", 2, 32, log=lambda *a: None)
+    graphs = counters["stats"]["unique_graphs"]
+    for x, y in synthetic_batches(cfg, "cpu"):
+        compiled(x, y).backward()
+    assert counters["stats"]["unique_graphs"] == graphs
+    x, y = synthetic_batches(cfg, "cpu")[0]
+    b = torch.cat([x, y[:, -1:]], dim=1)  # the old layout: views of one (B, T + 1) tensor
+    compiled(b[:, :-1], b[:, 1:]).backward()
+    assert counters["stats"]["unique_graphs"] > graphs  # the guard this test relies on still exists
+
+
+@pytest.mark.slow
 def test_step_breakdown_accounts_for_the_step(capsys):
     """bench/step_breakdown.py (the issue-13 roofline): its Newton-Schulz FLOP count by hand, and one tiny run of this
     tree whose parts are positive and whose table row adds them up."""

@@ -3,7 +3,8 @@ One OpenAI-client round trip against the real chat server: start `python -m scri
 user would, loading a checkpoint) on a free local port, then ask it one question with the `openai` package, plain
 and streaming, and print the answers, their token counts and times.
 
-    python -m bench.gpu_openai_check -i base        # the base checkpoint base_train wrote; flags go to chat_web
+    python -m bench.gpu_openai_check -i base        # the base checkpoint base_train wrote
+    python -m bench.gpu_openai_check -i sft -g d20 --device_type=cpu
 """
 
 import os
@@ -14,10 +15,32 @@ import time
 import urllib.request
 
 
+def build_flags():
+    from nanochat.checkpoint_manager import checkpoint_flags
+    from nanochat.common import device_type_flag
+    from nanochat.configurator import Flag, Flags
+
+    return Flags(
+        "the served checkpoint (passed on to scripts.chat_web)",
+        checkpoint_flags("sft"),
+        device_type_flag(),
+        "the check",
+        Flag("max_tokens", 64, "tokens to generate in each of the two requests"),
+        Flag("startup_timeout", 180.0, "seconds to wait for chat_web's /health"),
+        description=__doc__,
+    )
+
+
 def main(argv=None):
+    from nanochat.configurator import parse_flags_or_exit
+
+    args = parse_flags_or_exit(build_flags(), argv, description=__doc__)
     import openai
 
-    argv = sys.argv[1:] if argv is None else argv
+    argv = [f"--source={args['source']}"]
+    for key in ("model_tag", "step", "device_type"):
+        if args[key] not in (None, ""):
+            argv.append(f"--{key}={args[key]}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -35,20 +58,21 @@ def main(argv=None):
                         break
             except OSError:
                 time.sleep(0.5)
-            if time.perf_counter() - t0 > 180:
-                raise SystemExit("chat_web did not answer /health within 180 s")
+            if time.perf_counter() - t0 > args["startup_timeout"]:
+                raise SystemExit(f"chat_web did not answer /health within {args['startup_timeout']:.0f} s")
         print(f"chat_web up in {time.perf_counter() - t0:.1f} s", flush=True)
         client = openai.OpenAI(base_url=base + "/v1", api_key="bench-key", max_retries=0)
         question = [{"role": "user", "content": "What is the capital of France?"}]
         t0 = time.perf_counter()
-        reply = client.chat.completions.create(model="nanochat", messages=question, max_tokens=64, temperature=0.0)
+        reply = client.chat.completions.create(model="nanochat", messages=question, max_tokens=args["max_tokens"],
+                                               temperature=0.0)
         dt = time.perf_counter() - t0
         text = reply.choices[0].message.content
         print(f"openai round trip (plain): {reply.usage.completion_tokens} tokens in {dt:.2f} s, "
               f"finish_reason={reply.choices[0].finish_reason}: {text[:120]!r}", flush=True)
         t0 = time.perf_counter()
         first, pieces = None, []
-        for chunk in client.chat.completions.create(model="nanochat", messages=question, max_tokens=64,
+        for chunk in client.chat.completions.create(model="nanochat", messages=question, max_tokens=args["max_tokens"],
                                                     temperature=0.0, stream=True):
             if chunk.choices and chunk.choices[0].delta.content:
                 first = first or time.perf_counter() - t0

@@ -605,6 +605,25 @@ def test_workers_from_a_factory_and_several_workers(tok, model):
 # The real entry point: python -m scripts.chat_web loading a checkpoint
 
 
+@pytest.mark.slow  # two interpreter start-ups with torch
+def test_bench_openai_check_round_trips_through_the_real_server(base_dir):
+    """bench/gpu_openai_check.py (the GPU suite's chat_web check) on CPU: it starts scripts.chat_web on a checkpoint,
+    and the openai client's plain and streamed replies at temperature 0 are the same text."""
+    from conftest import subprocess_env
+
+    from nanochat.checkpoint_manager import save_checkpoint
+    from nanochat.tokenizer import get_tokenizer
+
+    tok = get_tokenizer()
+    m = tiny_model(tok.get_vocab_size(), depth=1, sequence_len=64)
+    save_checkpoint(str(base_dir / "chatsft_checkpoints" / "d1"), 3, m.state_dict(), None, {"model_config": asdict(m.config)})
+    p = subprocess.run([sys.executable, "-m", "bench.gpu_openai_check", "-i", "sft", "--device_type=cpu", "--max_tokens=6"],
+                       env=subprocess_env(base_dir), capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert re.search(r"openai round trip \(plain\): \d+ tokens", p.stdout), p.stdout
+    assert "same text as plain at temperature 0: True" in p.stdout
+
+
 @pytest.mark.slow  # three interpreter start-ups with torch
 def test_cli_serves_a_checkpoint(base_dir):
     from conftest import subprocess_env

@@ -78,17 +78,30 @@ ensure_venv() {
     run_cmd "$uv" venv --seed --python "$(command -v python3)" "$venv"
 }
 
-# have_cargo: cargo on PATH or in ~/.cargo/bin (then put on PATH); no install.
+# have_cargo: a cargo that runs, on PATH or in ~/.cargo/bin (then put on PATH); no install. A rustup proxy with no
+# default toolchain is on PATH but cannot build anything: that is not a cargo (cargo_problem says what to do).
 have_cargo() {
-    command -v cargo >/dev/null 2>&1 && return 0
-    [[ -x "$HOME/.cargo/bin/cargo" ]] || return 1
-    export PATH="$HOME/.cargo/bin:$PATH"
+    if ! command -v cargo >/dev/null 2>&1; then
+        [[ -x "$HOME/.cargo/bin/cargo" ]] || return 1
+        export PATH="$HOME/.cargo/bin:$PATH"
+    fi
+    cargo --version >/dev/null 2>&1
+}
+
+# cargo_problem: why have_cargo failed, with the fix, for a die message.
+cargo_problem() {
+    if command -v cargo >/dev/null 2>&1; then
+        echo "cargo is on PATH ($(command -v cargo)) but does not run ('cargo --version' fails: $(cargo --version 2>&1 | head -n 1)); with rustup, 'rustup default stable' sets a toolchain"
+    else
+        echo "cargo not found: install Rust (https://rustup.rs, or: curl https://sh.rustup.rs -sSf | sh -s -- -y)"
+    fi
 }
 
 # ensure_rust: cargo on PATH, installing Rust with rustup (as nanochat's speedrun does) when there is none.
 # maturin needs it to build the rustbpe extension.
 ensure_rust() {
     have_cargo && return 0
+    command -v cargo >/dev/null 2>&1 && die "$(cargo_problem) to build the rustbpe tokenizer"
     log "cargo not found: installing Rust with rustup into $HOME/.cargo (needed to build the rustbpe tokenizer)"
     run_sh "curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y"
     export PATH="$HOME/.cargo/bin:$PATH"

@@ -16,7 +16,7 @@ VENV="${NANOCHAT_VENV:-.venv}"
 
 ensure_venv "$VENV"
 # Rust toolchain for the rustbpe extension (maturin calls cargo); installing one is speedrun.sh's business, not this.
-have_cargo || die "cargo not found: install Rust (https://rustup.rs, or: curl https://sh.rustup.rs -sSf | sh -s -- -y) to build rustbpe"
+have_cargo || die "$(cargo_problem) to build rustbpe"
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
 log "installing nanochat[dev] (builds rustbpe)"
 "$VENV/bin/python" -m pip install -q -e ".[dev]"

@@ -31,6 +31,11 @@ def clean_env(tmp_path, **extra):
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "VIRTUAL_ENV", "CUDA_VISIBLE_DEVICES") and not k.startswith("NANOCHAT_")}
     env["HOME"] = str(tmp_path / "home")
+    # a rustup-managed cargo on PATH finds its toolchains through RUSTUP_HOME (default ~/.rustup): keep the real one, or
+    # the changed HOME would make the caller's cargo a proxy without a toolchain (which the launchers refuse)
+    rustup_home = os.environ.get("RUSTUP_HOME") or os.path.expanduser("~/.rustup")
+    if os.path.isdir(rustup_home):
+        env["RUSTUP_HOME"] = rustup_home
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -107,6 +112,27 @@ def test_no_cargo_installs_rust_with_rustup_and_says_so(tmp_path):
     steps = ["-m venv", "sh.rustup.rs", "pip install -q -e .", "setup_check gpu", "scripts.base_train"]
     assert [out.index(s) for s in steps] == sorted(out.index(s) for s in steps)
     assert not (tmp_path / "fresh-venv").exists() and not (tmp_path / "home" / ".cargo").exists()
+
+
+def test_cargo_that_does_not_run_is_named_with_the_fix(tmp_path):
+    """A rustup proxy with no default toolchain is on PATH but cannot build rustbpe (seen on a machine whose HOME had
+    no ~/.rustup): tests/run.sh and speedrun.sh stop before pip with the reason and `rustup default stable`; speedrun
+    does not reinstall Rust over it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    make_exe(bin_dir / "cargo", 'echo "error: rustup could not choose a version of cargo to run" >&2; exit 1\n')
+    for tool in ("bash", "dirname", "head", "uname", "python3"):
+        if shutil.which(tool):
+            (bin_dir / tool).symlink_to(shutil.which(tool))
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    make_exe(venv / "bin" / "python", "exit 0\n")
+    env = clean_env(tmp_path, NANOCHAT_VENV=venv, PATH=str(bin_dir))
+    p = subprocess.run(["bash", str(REPO / "tests" / "run.sh")], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "does not run" in p.stderr and "rustup could not choose" in p.stderr and "rustup default stable" in p.stderr
+    assert "installing nanochat" not in p.stdout + p.stderr
 
 
 def test_missing_venv_module_falls_back_or_names_the_package(tmp_path):

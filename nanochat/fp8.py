@@ -12,7 +12,10 @@ model's compute, run up to ~2x faster (less in practice: casts and scale computa
 
 Recipes: 'tensorwise' = one scale per tensor (fastest; under FSDP2 the weights are all-gathered in FP8, halving that
 traffic); 'rowwise' = one scale per row (more accurate with outliers, a bit slower; FSDP2 gathers bf16 then casts,
-torchao supports FP8 all-gather for tensorwise only).
+torchao supports FP8 all-gather for tensorwise only). With the FP8 all-gather, each weight's scale needs the amax of
+the whole weight, i.e. one all-reduce per weight per all-gather (forward and backward); `precompute_fp8_scales` after
+the optimizer step computes all of them in one all-reduce instead (training.train_step calls it through the FSDP
+strategy, as torchtitan does).
 
 Limits: needs CUDA and compute capability >= 8.9 (H100, L4, RTX 4090...); `check_fp8_supported` refuses anything else
 with the fix (--fp8=0). torch._scaled_mm needs both dims of a weight divisible by 16: Linears that are not are left
@@ -22,6 +25,7 @@ eager FP8 is slower than bf16 (the casts are separate kernels). torchao is the o
 """
 
 import dataclasses
+import sys
 
 import torch
 import torch.nn as nn
@@ -98,3 +102,24 @@ def apply_fp8(model, recipe, device, fsdp=False, log=print):
     if skipped:
         log(f"FP8: left in bf16 (a dim not divisible by 16): {', '.join(skipped)}")
     return model
+
+
+def uses_fp8_all_gather(model):
+    """True when `model` has Float8Linear layers whose weights FSDP2 all-gathers in FP8 (tensorwise, fsdp=True)."""
+    if "torchao.float8" not in sys.modules:  # torchao never imported: no Float8Linear can exist (and none is imported)
+        return False
+    from torchao.float8.float8_linear import Float8Linear
+
+    return any(isinstance(m, Float8Linear) and m.config.enable_fsdp_float8_all_gather for m in model.modules())
+
+
+def precompute_fp8_scales(model):
+    """
+    After the optimizer step, under FSDP2 with the FP8 all-gather: compute the FP8 scale of every weight (max of |W|
+    over the whole, sharded, weight) in one all-reduce, for the next forward's and backward's all-gathers to use.
+    Without it each weight's pre-all-gather hook all-reduces its own amax: two small blocking collectives per weight per
+    micro-step. A scale holds until the weights change, so call this after every optimizer step (train_step does).
+    """
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

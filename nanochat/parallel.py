@@ -7,6 +7,7 @@ operations the training loop needs. The loop never asks which strategy it has.
     model = parallel.wrap(model, device)                    # after init_weights / loading the weights
     optimizers = parallel.setup_optimizers(model, matrix_lr=..., ...)
     parallel.set_grad_sync(model, micro_step, grad_accum)  # before each micro-step's forward (training.train_step)
+    parallel.after_optimizer_step(model)                    # after all optimizers stepped (training.train_step)
     state = parallel.model_state_dict(model)                # every rank calls; rank 0 gets the full single-file state
     parallel.load_model_state_dict(model, state)            # a full state dict (any strategy's checkpoint)
     parallel.collective_forward                             # True: every forward is a collective (sample on all ranks)
@@ -33,6 +34,7 @@ import torch
 
 from nanochat.checkpoint_manager import clean_state_dict
 from nanochat.dist import is_ddp_initialized
+from nanochat.fp8 import precompute_fp8_scales, uses_fp8_all_gather
 
 REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -62,6 +64,9 @@ class DataParallel:
 
     def set_grad_sync(self, model, micro_step, grad_accum_steps):
         pass  # gradients stay local until the optimizer step averages them
+
+    def after_optimizer_step(self, model):
+        pass  # the weights are plain tensors: nothing is derived from them between steps
 
     def model_state_dict(self, model):
         """The full model state, nanochat's single-file format (every rank has it; rank 0 saves it)."""
@@ -94,6 +99,7 @@ class FSDP(DataParallel):
             raise ValueError(f"--fsdp_reduce_dtype must be float32 or bfloat16, got {reduce_dtype!r}")
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
         self.defer_grad_sync = defer_grad_sync
+        self.fp8_all_gather = False  # set by wrap: weights all-gathered in FP8 (--fp8=1, tensorwise)
 
     def wrap(self, model, device):
         from nanochat.fsdp import apply_fsdp
@@ -102,7 +108,9 @@ class FSDP(DataParallel):
             raise RuntimeError("--use_fsdp=1 needs torch.distributed: launch with torchrun (even --nproc_per_node=1)")
         # bf16 all-gathered weights for compute on CUDA (the sharded masters stay fp32), fp32 on CPU
         param_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else None
-        return apply_fsdp(model, param_dtype=param_dtype, reduce_dtype=self.reduce_dtype)
+        model = apply_fsdp(model, param_dtype=param_dtype, reduce_dtype=self.reduce_dtype)
+        self.fp8_all_gather = uses_fp8_all_gather(model)
+        return model
 
     def setup_optimizers(self, model, **kwargs):
         from nanochat.fsdp import setup_fsdp_optimizers
@@ -114,6 +122,11 @@ class FSDP(DataParallel):
         # one unsharded gradient per rank). torch.compile wraps the FSDP module: the setter is on the original.
         if self.defer_grad_sync:
             getattr(model, "_orig_mod", model).set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
+
+    def after_optimizer_step(self, model):
+        # --fp8=1 (tensorwise): the weights are all-gathered in FP8; their scales for the next step in one all-reduce
+        if self.fp8_all_gather:
+            precompute_fp8_scales(getattr(model, "_orig_mod", model))
 
     def model_state_dict(self, model):
         """Gathered one tensor at a time; rank 0 gets the full state on the CPU, the other ranks {}."""

@@ -233,6 +233,7 @@ def train_step(model, optimizers, batches, grad_accum_steps, grad_clip=1.0, auto
         grad_norm = clip_grad_norm(model, grad_clip)
     for opt in optimizers:
         opt.step()
+    parallel.after_optimizer_step(model)
     model.zero_grad(set_to_none=True)
     mean_loss = all_reduce_mean(loss_sum.item() / grad_accum_steps, device)
     return mean_loss, grad_norm, extras

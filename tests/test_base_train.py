@@ -128,6 +128,7 @@ def test_next_micro_batch_is_fetched_after_backward_is_queued():
     launched (not before the forward), and a MicroBatches kept across steps fetches the next step's first batch
     before the optimizer step. The losses are the same as fetching on demand."""
     from nanochat.gpt import GPTConfig
+    from nanochat.parallel import DataParallel
 
     config = GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=64)
 
@@ -150,17 +151,22 @@ def test_next_micro_batch_is_fetched_after_backward_is_queued():
             loss.register_hook(lambda grad: events.append("backward"))  # runs when backward starts
             return loss
 
+        class Recorded(DataParallel):
+            def after_optimizer_step(self, model):  # FSDP's FP8 scale precomputation hangs here
+                events.append("after")
+
         source = training.MicroBatches(fetch, on_take=taken.append) if across_steps else fetch
-        losses = [training.train_step(model, optimizers, source, accum, loss_fn=loss_fn)[0] for _ in range(steps)]
+        losses = [training.train_step(model, optimizers, source, accum, loss_fn=loss_fn, parallel=Recorded())[0]
+                  for _ in range(steps)]
         return events, losses, taken
 
     events, losses, taken = run(across_steps=True)
-    step = ["backward", "fetch"] * 3 + ["opt", "opt"]
+    step = ["backward", "fetch"] * 3 + ["opt", "opt", "after"]
     assert events == ["fetch"] + step + step
     assert len(taken) == 6  # 7 fetched: on_take sees only what was trained on
     plain_events, plain_losses, _ = run(across_steps=False)
     # a plain callable: prefetch within the step only, so nothing is fetched that the step does not use
-    step = ["fetch", "backward", "fetch", "backward", "fetch", "backward", "opt", "opt"]
+    step = ["fetch", "backward", "fetch", "backward", "fetch", "backward", "opt", "opt", "after"]
     assert plain_events == step + step
     assert losses == plain_losses  # bit-identical
 

@@ -184,7 +184,8 @@ def test_emulated_fp8_under_compile_matches_eager():
 @pytest.mark.timeout(600)
 def test_emulated_fp8_under_fsdp_trains_like_the_unconverted_model():
     """FSDP2 on 2 gloo ranks (tests/dist_scripts/fp8_fsdp_check.py: the weights are gathered in fp32 and cast after
-    the gather; the FP8 all-gather itself needs NCCL's float8 dtypes, gloo has none)."""
+    the gather; the FP8 all-gather itself needs NCCL's float8 dtypes, gloo has none, but its scale precomputation
+    runs)."""
     import importlib.util
     from pathlib import Path
 
@@ -200,6 +201,11 @@ def test_emulated_fp8_under_fsdp_trains_like_the_unconverted_model():
         assert len(out[recipe]) == 3
         for a, b in zip(out[recipe], out["none"]):
             assert abs(a - b) < LOSS_ATOL, (recipe, out)
+    # the FP8 all-gather's scales, one all-reduce after each optimizer step (parallel.FSDP.after_optimizer_step)
+    scales = out["scales"]
+    assert scales["detected"] == {"none": False, "tensorwise": True, "rowwise": False}
+    assert scales["linears"] == 2 * len(BLOCK_LINEARS) and scales["unset_before"]
+    assert scales["max_rel_error"] < 1e-6, scales
 
 
 def test_train_bench_refuses_fp8_on_cpu(capsys):

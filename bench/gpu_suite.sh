@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU rows of docs/benchmarks.md on one GPU, in three parts that each fit a 10-minute slot:
+# The GPU rows of docs/benchmarks.md on one GPU, in parts that each fit a 10-minute slot:
 #   bash bench/gpu_suite.sh train    # d20 bf16 + compile: sdpa vs fa3, batch 16 vs 32, DDP vs FSDP under torchrun
-#   bash bench/gpu_suite.sh options  # d20 activation checkpointing and FP8 rows
+#   bash bench/gpu_suite.sh options  # d20 activation checkpointing rows
+#   bash bench/gpu_suite.sh fp8      # d20 FP8 tensorwise and rowwise (each: a ~2-minute cold compile, then the steps)
+#   bash bench/gpu_suite.sh fp8ac    # d20 FP8 tensorwise with full activation checkpointing
 #   bash bench/gpu_suite.sh serve    # short real base_train (data, eval, checkpoint), Engine decode, chat_web + the
 #                                    # openai client, then the largest device batch for d26/d32/d40
 # Settings: PY (default python3), OUT (logs; default /tmp/gpu_suite), NANOCHAT_BASE_DIR (for `serve`: holds
@@ -11,7 +13,7 @@
 # them all; on an offline GPU box, put their wheels on PYTHONPATH). FA3 rows need `kernels` or flash_attn_interface.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART="${1:?usage: bash bench/gpu_suite.sh train|options|serve}"
+PART="${1:?usage: bash bench/gpu_suite.sh train|options|fp8|fp8ac|serve}"
 PY="${PY:-python3}"
 OUT="${OUT:-/tmp/gpu_suite}"
 mkdir -p "$OUT"
@@ -43,8 +45,13 @@ train)
 options)
     step d20_ac_full 200 "$PY" -m bench.train_bench $D20 --device_batch_size=32 --attn=sdpa --activation_checkpointing=full
     step d20_ac_sel2 200 "$PY" -m bench.train_bench $D20 --device_batch_size=32 --attn=sdpa --activation_checkpointing=selective --ac_every=2
-    step d20_fp8_tensorwise 330 "$PY" -m bench.train_bench $D20 --device_batch_size=32 --attn=sdpa --fp8=1
-    step d20_fp8_rowwise 330 "$PY" -m bench.train_bench $D20 --device_batch_size=32 --attn=sdpa --fp8=1 --fp8_recipe=rowwise
+    ;;
+fp8)
+    step d20_fp8_tensorwise 285 "$PY" -m bench.train_bench $D20 --device_batch_size=32 --attn=sdpa --fp8=1
+    step d20_fp8_rowwise 285 "$PY" -m bench.train_bench $D20 --device_batch_size=32 --attn=sdpa --fp8=1 --fp8_recipe=rowwise
+    ;;
+fp8ac)
+    step d20_fp8_ac_full 330 "$PY" -m bench.train_bench $D20 --device_batch_size=32 --attn=sdpa --fp8=1 --activation_checkpointing=full
     ;;
 serve)
     : "${NANOCHAT_BASE_DIR:?serve needs NANOCHAT_BASE_DIR with tokenizer/ and base_data/}"
@@ -56,7 +63,7 @@ serve)
     step chat_web_openai 100 "$PY" -m bench.gpu_openai_check -i base
     step memory_probe 140 "$PY" -m bench.memory_probe --depths=40,32,26 --batches=1,2,4,8,16 --json_out="$OUT/memory_probe.json"
     ;;
-*) echo "unknown part $PART (train|options|serve)" >&2; exit 2 ;;
+*) echo "unknown part $PART (train|options|fp8|fp8ac|serve)" >&2; exit 2 ;;
 esac
 if ((${#FAILED[@]})); then echo "FAILED: ${FAILED[*]}"; exit 1; fi
 echo "all steps passed"

@@ -46,17 +46,25 @@ def _max_positions(model):
 
 
 @torch.no_grad()
-def run_categorical_eval(task, tokenizer, model, batch_size, max_problems=None):
-    """Accuracy by letter logits at the position after <|assistant_start|>. Problems are strided over ranks."""
+def run_categorical_eval(task, tokenizer, model, batch_size, max_problems=None, lockstep=False):
+    """
+    Accuracy by letter logits at the position after <|assistant_start|>. Problems are strided over ranks.
+    lockstep: every rank runs the same number of forwards, for a model whose forward is a collective (FSDP, TP): a
+    rank with fewer problems than data rank 0 runs one-token forwards whose output it ignores.
+    """
     rank, world, _ = data_rank_world()  # strided over data ranks (tp ranks of a group run the same problems)
     device = model.get_device()
     bos = tokenizer.get_bos_token_id()
     max_len = _max_positions(model)
     n = len(task) if max_problems is None else min(len(task), max_problems)
     indices = list(range(rank, n, world))
+    most = len(range(0, n, world)) if lockstep else len(indices)  # data rank 0 has the most problems
     letter_ids = {}
     passed = total = cropped = 0
-    for b in range(0, len(indices), batch_size):
+    for b in range(0, most, batch_size):
+        if b >= len(indices):
+            model(torch.full((1, 1), bos, dtype=torch.long, device=device))  # this rank's part in the collective
+            continue
         convs = [task[i] for i in indices[b : b + batch_size]]
         prompts = [tokenizer.render_for_completion(c) for c in convs]
         if max_len is not None and any(len(p) > max_len for p in prompts):
@@ -112,12 +120,16 @@ def run_generative_eval(task, tokenizer, model, engine, num_samples, max_new_tok
 
 
 def evaluate_task(task, model, tokenizer, engine, batch_size=1, num_samples=1, max_new_tokens=512,
-                  temperature=0.0, top_k=50, max_problems=None):
+                  temperature=0.0, top_k=50, max_problems=None, lockstep=False):
     """Accuracy of the model on one task, by the task's eval_type. Used by scripts.chat_eval and by chat_sft's periodic
     evals. Under torchrun every rank must call it for the same tasks in the same order (the counts are summed across
-    ranks)."""
+    ranks). lockstep: the model's forward is a collective (FSDP, TP; see run_categorical_eval)."""
     if task.eval_type == "categorical":
-        return run_categorical_eval(task, tokenizer, model, batch_size, max_problems)
+        return run_categorical_eval(task, tokenizer, model, batch_size, max_problems, lockstep)
+    if lockstep:
+        raise ValueError(f"{type(task).__name__} is generative: its samples stop at different lengths on each rank, so "
+                         f"it cannot run on a model whose forward is a collective (FSDP, TP); evaluate the saved "
+                         f"model with scripts.chat_eval")
     if task.eval_type == "generative":
         return run_generative_eval(task, tokenizer, model, engine, num_samples, max_new_tokens, temperature, top_k,
                                    max_problems)

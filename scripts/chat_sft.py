@@ -78,8 +78,9 @@ def train_tasks():
     ]
 
 
-def chat_metrics(model, tokenizer, batch_size, max_problems, autocast):
-    """{task: accuracy} for METRIC_TASKS (nanochat.chat_eval); a task whose data is missing is left out with a note."""
+def chat_metrics(model, tokenizer, batch_size, max_problems, autocast, lockstep=False):
+    """{task: accuracy} for METRIC_TASKS (nanochat.chat_eval); a task whose data is missing is left out with a note.
+    lockstep: the model's forward is a collective (FSDP, TP)."""
     from nanochat.chat_eval import evaluate_task
     from nanochat.data_sources import TaskDataNotFound
     from nanochat.engine import Engine
@@ -95,7 +96,7 @@ def chat_metrics(model, tokenizer, batch_size, max_problems, autocast):
                 print0(f"Note: skipping the {task_name} accuracy: {e}")
                 continue
             metrics[task_name] = evaluate_task(task, model, tokenizer, engine, batch_size=batch_size,
-                                               max_problems=max_problems)
+                                               max_problems=max_problems, lockstep=lockstep)
     return metrics
 
 
@@ -181,17 +182,15 @@ def main(argv=None):
             metrics_log.log(step, {"val/loss": val_loss}, console=f"step {step:05d} | validation loss: {val_loss:.6f}")
 
         if every(step, config["eval_metrics_every"], last_step):
-            if parallel.collective_forward:
-                # each rank evaluates different problems, but every FSDP/TP forward is collective: they would deadlock
-                print0(f"Note: skipping the MMLU / ARC-Easy accuracy evaluation under {parallel.flag} (run scripts.chat_eval on the saved model)")
-            else:
-                model.eval()
-                out = chat_metrics(model, tokenizer, 2 * B, config["eval_metrics_max_problems"], autocast)
-                model.train()
-                if out:
-                    metrics = out
-                    metrics_log.log(step, {f"eval/{k}_acc": v for k, v in metrics.items()},
-                                    console=f"step {step:05d} | " + " | ".join(f"{k} acc: {v:.4f}" for k, v in metrics.items()))
+            model.eval()
+            # FSDP/TP: every forward is a collective, so ranks with fewer problems run filler forwards (lockstep)
+            out = chat_metrics(model, tokenizer, 2 * B, config["eval_metrics_max_problems"], autocast,
+                               lockstep=parallel.collective_forward)
+            model.train()
+            if out:
+                metrics = out
+                metrics_log.log(step, {f"eval/{k}_acc": v for k, v in metrics.items()},
+                                console=f"step {step:05d} | " + " | ".join(f"{k} acc: {v:.4f}" for k, v in metrics.items()))
 
         if last_step:
             break

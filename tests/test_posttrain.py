@@ -277,6 +277,21 @@ def test_sft_and_rl_two_ranks_match_one_process(chat_env, capsys):
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-5), k
 
+    # FSDP: every forward is a collective, so the accuracy evals run in lockstep. 5 problems: data rank 0 has 3 (two
+    # batches of 2), rank 1 has 2 (one batch) and runs a filler forward; without it rank 0 would wait forever.
+    def odd(args):
+        return [a.replace("--eval_metrics_max_problems=4", "--eval_metrics_max_problems=5") for a in args]
+
+    shutil.copytree(chat_env / "base_checkpoints" / "d1", chat_env / "base_checkpoints" / "fsdp")
+    shutil.copytree(chat_env / "base_checkpoints" / "d1", chat_env / "base_checkpoints" / "one5")
+    chat_sft.main(odd(sft_args("one5", 2)))
+    p = run_torchrun(["-m", "scripts.chat_sft", *odd(sft_args("fsdp", 1)), "--use_fsdp=1"], env=subprocess_env(chat_env))
+    assert "skipping" not in p.stdout
+    one5, fsdp = root / "one5" / "metrics.jsonl", root / "fsdp" / "metrics.jsonl"
+    assert_same_series(series(fsdp, "train/loss"), series(one5, "train/loss"), abs=1e-5)
+    for key in ("eval/MMLU_acc", "eval/ARC-Easy_acc"):
+        assert len(series(one5, key)) == 2 and series(fsdp, key) == series(one5, key)
+
     rl_args = ["--device_type=cpu", "--model_tag=one", "--num_samples=2", "--device_batch_size=2",
                "--examples_per_step=2", "--max_new_tokens=12", "--num_iterations=2", "--eval_every=2",
                "--eval_examples=2", "--save_every=-1"]

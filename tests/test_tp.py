@@ -238,12 +238,14 @@ def test_mid_and_sft_tp2_match_one_process(tmp_path, monkeypatch):
 
     def sft_args(tag):
         return ["--source=base", "--device_type=cpu", "--device_batch_size=1", "--target_examples_per_step=2",
-                "--num_iterations=3", "--eval_every=3", "--eval_steps=2", "--eval_metrics_every=-1", f"--model_tag={tag}"]
+                "--num_iterations=3", "--eval_every=3", "--eval_steps=2", "--eval_metrics_every=3",
+                "--eval_metrics_max_problems=3", f"--model_tag={tag}"]
 
     chat_sft.main(sft_args("one"))
     p = run_torchrun(["-m", "scripts.chat_sft", *sft_args("tp"), "--tp_size=2"], env=subprocess_env(base))
     assert "x 1 rank(s) x 2 accumulation" in p.stdout
-    compare("chatsft", [("train/loss", 1e-5), ("val/loss", 1e-5), ("train/num_tokens", 0)], 3)
+    compare("chatsft", [("train/loss", 1e-5), ("val/loss", 1e-5), ("train/num_tokens", 0), ("eval/MMLU_acc", 0),
+                        ("eval/ARC-Easy_acc", 0)], 3)  # the accuracy evals run on the TP model (lockstep)
 
 
 @pytest.mark.dist

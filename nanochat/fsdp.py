@@ -23,6 +23,8 @@ API (every function is collective: call it on every rank, in the same order):
                                                  # the sharded model; every rank passes the full dict (each loads the file)
     opt.state_dict() / opt.load_state_dict(sd)   # per rank, plain local tensors (one optim file per rank); loading
                                                  # checks the rank and world size match
+    with full_weights(model): ...                # every rank holds the whole model (compute dtype) and its forwards
+                                                 # are local: ranks may run different forwards (RL sampling)
 
 Evaluation and sampling during FSDP training: call the model as usual (`model(x)`, `model(x, y)`,
 `model.generate(...)`, the KV-cache engine) -- FSDP's hooks all-gather each block's weights for its forward, so
@@ -30,6 +32,9 @@ the weights code sees inside forward are ordinary full tensors. Two rules:
   * every rank must run the same sequence of forward calls (each forward is a collective): sample on every rank with
     the same seed and print on rank 0; an eval loop that splits examples across ranks must give every rank the same
     number of forward calls (pad with a dummy example). Rank-0-only sampling under FSDP deadlocks.
+  * or, for a long stretch of forwards that differ across ranks (chat_rl's sampling with the Engine), hold the whole
+    model on every rank with `full_weights(model)`: one all-gather on entry, no collective in any forward inside, and
+    the gathered copy freed on exit. It costs what DDP holds anyway: the full weights in param_dtype.
   * outside forward, `model.<module>.weight` is a DTensor shard: `.shape`, `.numel()`, `.device`, `.dtype` are the
     global/full ones, but arithmetic on it is DTensor arithmetic. After a forward without backward (eval), the root's
     wte/lm_head and the last block stay gathered until the next backward; `model.reshard()` frees them. For a plain
@@ -47,10 +52,12 @@ communication overlaps the previous group's compute. docs/distributed.md compare
 FSDP+AdamW.
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP2 (public here since torch 2.6)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # FSDP2 (public here since torch 2.6)
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private; the one helper that knows FSDP x TP (_StridedShard) layouts
 
@@ -85,11 +92,42 @@ def apply_fsdp(model, mesh=None, param_dtype=None, reduce_dtype=torch.float32):
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = list(model.transformer.h)
     for i, block in enumerate(blocks):
-        # The last block's weights would be all-gathered again right away by backward: keep them gathered.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=_reshards_after_forward(i, len(blocks)))
     # the root group holds wte and lm_head
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def _reshards_after_forward(block_index, num_blocks):
+    """apply_fsdp's rule: free a block's gathered weights after its forward, except the last block's, which backward
+    would all-gather again right away. (FSDP2 never reshards the root, wte and lm_head, after forward.)"""
+    return block_index < num_blocks - 1
+
+
+@contextlib.contextmanager
+def full_weights(model):
+    """
+    Inside: every rank holds the whole model in the compute dtype (FSDP2's unsharded parameters) and a forward makes
+    no collective, so ranks may run different numbers of forwards (sampling with the KV-cache Engine: each rank's rows
+    stop at different lengths). Entry all-gathers every group once (collective: all ranks, same point); exit frees the
+    gathered copies and restores apply_fsdp's reshard-after-forward rule. For forwards without backward only.
+    """
+    blocks = list(model.transformer.h)
+    if not isinstance(model, FSDPModule) or not all(isinstance(b, FSDPModule) for b in blocks):
+        raise TypeError("full_weights needs a model sharded by apply_fsdp (every Block and the root fully_shard-ed)")
+    groups = [*blocks, model]
+    for m in groups:
+        m.set_reshard_after_forward(False, recurse=False)  # or each forward would free what we gathered
+    try:
+        for m in groups:
+            m.unshard()
+        yield model
+    finally:
+        for m in groups:
+            m.reshard()
+        for i, b in enumerate(blocks):
+            b.set_reshard_after_forward(_reshards_after_forward(i, len(blocks)), recurse=False)
+        model.set_reshard_after_forward(False, recurse=False)  # FSDP2's own choice for the root
 
 
 def _dim0_rows(dtensor):

@@ -11,6 +11,7 @@ operations the training loop needs. The loop never asks which strategy it has.
     state = parallel.model_state_dict(model)                # every rank calls; rank 0 gets the full single-file state
     parallel.load_model_state_dict(model, state)            # a full state dict (any strategy's checkpoint)
     parallel.collective_forward                             # True: every forward is a collective (sample on all ranks)
+    with parallel.full_weights(model): ...                  # forwards inside are local (chat_rl's sampling)
 
 Three strategies (docs/distributed.md compares them):
 
@@ -29,6 +30,8 @@ may use either strategy on an earlier stage's model; resuming a run's optimizer 
 with (`check_resume`). Another strategy (HSDP, pipeline parallelism) is one more class here plus a line in
 `parallel_from_config`.
 """
+
+import contextlib
 
 import torch
 
@@ -67,6 +70,10 @@ class DataParallel:
 
     def after_optimizer_step(self, model):
         pass  # the weights are plain tensors: nothing is derived from them between steps
+
+    def full_weights(self, model):
+        """A context in which every rank holds the whole model and its forwards are local: here, always."""
+        return contextlib.nullcontext(model)
 
     def model_state_dict(self, model):
         """The full model state, nanochat's single-file format (every rank has it; rank 0 saves it)."""
@@ -123,6 +130,12 @@ class FSDP(DataParallel):
         if self.defer_grad_sync:
             getattr(model, "_orig_mod", model).set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
 
+    def full_weights(self, model):
+        # one all-gather of every group, then forwards without collectives; freed on exit (nanochat/fsdp.py)
+        from nanochat.fsdp import full_weights
+
+        return full_weights(model)
+
     def after_optimizer_step(self, model):
         # --fp8=1 (tensorwise): the weights are all-gathered in FP8; their scales for the next step in one all-reduce
         if self.fp8_all_gather:
@@ -174,6 +187,11 @@ class TensorParallel(FSDP):
             raise RuntimeError(f"--tp_size={self.tp_size} needs torch.distributed: launch with torchrun --nproc_per_node={self.tp_size} (or a multiple)")
         param_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else None
         return apply_tp(model, self.tp_size, param_dtype=param_dtype, reduce_dtype=self.reduce_dtype)
+
+    def full_weights(self, model):
+        raise ValueError(f"{self.flag}: the blocks' matrices stay split over the tp ranks, so every forward is a "
+                         f"collective and ranks cannot sample on their own; use --tp_size=1 here (--use_fsdp=1 shards "
+                         f"the model and gathers it whole for sampling)")
 
     def setup_optimizers(self, model, **kwargs):
         from nanochat.tensor_parallel import setup_tp_optimizers

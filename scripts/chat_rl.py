@@ -10,6 +10,9 @@ completions with the engine (calculator tool included), rewards each one (1 for 
 advantage = reward - mean reward of that question. The loss is -(log p(token) * advantage) summed over the sampled
 tokens (the prompt and the tool outputs the engine forced are not trained) and divided by the number of those tokens.
 Every --eval_every steps: pass@k on GSM8K test. Loads the SFT model, saves to chatrl_checkpoints/<tag>/.
+
+--use_fsdp=1 (the d40+ presets' layout) shards the model for the update; for sampling each rank gathers the whole
+model once per phase (nanochat.fsdp.full_weights), so its rollouts run without collectives, as on the DDP path.
 """
 
 import itertools
@@ -26,10 +29,10 @@ from nanochat.conversation_data import collate_sft, load_stage_model, scale_init
 from nanochat.dist import all_reduce_sum, dist_world_size, get_dist_info
 from nanochat.engine import Engine
 from nanochat.metrics import MetricsLogger
-from nanochat.parallel import DataParallel
+from nanochat.parallel import parallel_from_config
 from nanochat.training import (
-    apply_schedule, assert_finite, every, lr_multiplier, optimizer_flags, run_flags, save_stage_model, setup_run,
-    source_flags, train_step
+    apply_model_options, apply_schedule, assert_finite, every, lr_multiplier, memory_flags, optimizer_flags, run_flags,
+    save_stage_model, setup_run, source_flags, train_step
 )
 
 FLAGS = Flags(
@@ -50,6 +53,8 @@ FLAGS = Flags(
     "optimisation",
     optimizer_flags(),
     Flag("init_lr_frac", 0.05, "train at this fraction of the learning rates above"),
+    "memory (--tp_size is refused: sampling needs whole weights on each rank)",
+    memory_flags(),
     "periodic actions (<= 0 turns one off)",
     Flag("eval_every", 60, "pass@k on GSM8K test every this many steps"),
     Flag("eval_examples", 400, "GSM8K test questions for pass@k"),
@@ -145,8 +150,11 @@ def main(argv=None):
 
     ctx = setup_run(config)
     rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
-    device_type = device.type
     master = ctx.master
+    parallel = parallel_from_config(config)  # the DDP path or FSDP2 (nanochat/parallel.py)
+    if parallel.name == "tp":
+        raise ValueError(f"chat_rl samples on each rank alone, which {parallel.flag} cannot do (the blocks' matrices "
+                         f"stay split over the tp ranks): use --tp_size=1, with --use_fsdp=1 for a model too big for DDP")
 
     if config["examples_per_step"] % world_size != 0:
         raise ValueError(f"--examples_per_step={config['examples_per_step']} must be divisible by the {world_size} ranks")
@@ -154,6 +162,7 @@ def main(argv=None):
 
     model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
     model_config = model.config
+    model = parallel.wrap(apply_model_options(model, config, device, parallel), device)  # --activation_checkpointing
     engine = Engine(model, tokenizer)
     pad_id = tokenizer.encode_special("<|assistant_end|>")
     print0(f"RL on the {config['source']} model (step {source_meta.get('step')}): {model_config}")
@@ -168,7 +177,6 @@ def main(argv=None):
     print0(f"Training for {num_iterations:,} steps of {config['examples_per_step']} questions x "
            f"{config['num_samples']} samples ({len(train_task):,} GSM8K train questions)")
 
-    parallel = DataParallel()  # RL samples with the engine on each rank's own questions: no FSDP here
     optimizers = parallel.setup_optimizers(
         model, unembedding_lr=config["unembedding_lr"], embedding_lr=config["embedding_lr"],
         matrix_lr=config["matrix_lr"], weight_decay=config["weight_decay"],
@@ -196,7 +204,7 @@ def main(argv=None):
 
         if every(step, config["eval_every"], last_step):
             model.eval()
-            with autocast():
+            with autocast(), parallel.full_weights(model):  # each rank samples its own questions
                 passk = evaluate_pass_at_k(val_task, engine, tokenizer, config["eval_examples"], config["device_batch_size"],
                                            device, seed=config["seed"], **sampling)
             model.train()
@@ -213,16 +221,18 @@ def main(argv=None):
         t0 = time.time()
         model.eval()
         batches, reward_sum, length_sum = [], 0.0, 0
-        for _ in range(examples_per_rank):
-            idx = next(example_indices)
-            conversation = train_task[idx]
-            with autocast():
-                seqs, masks, rewards = rollout(engine, tokenizer, train_task, conversation, config["num_samples"],
-                                               config["device_batch_size"], sample_seed(config["seed"], step, idx, 0), **sampling)
-            advantages = advantages_from_rewards(rewards)
-            batches.extend(micro_batches(seqs, masks, advantages, config["device_batch_size"], pad_id, device))
-            reward_sum += sum(rewards)
-            length_sum += sum(len(s) for s in seqs)
+        with parallel.full_weights(model):  # FSDP: gathered once; each rank's rollouts stop at their own lengths
+            for _ in range(examples_per_rank):
+                idx = next(example_indices)
+                conversation = train_task[idx]
+                with autocast():
+                    seqs, masks, rewards = rollout(engine, tokenizer, train_task, conversation, config["num_samples"],
+                                                   config["device_batch_size"], sample_seed(config["seed"], step, idx, 0),
+                                                   **sampling)
+                advantages = advantages_from_rewards(rewards)
+                batches.extend(micro_batches(seqs, masks, advantages, config["device_batch_size"], pad_id, device))
+                reward_sum += sum(rewards)
+                length_sum += sum(len(s) for s in seqs)
         model.train()
 
         # policy-gradient update: every micro-batch's loss is averaged over all of this step's micro-batches
@@ -230,7 +240,7 @@ def main(argv=None):
         apply_schedule(optimizers, lrm)
         it = iter(batches)
         loss, _, _ = train_step(model, optimizers, lambda: next(it), len(batches), grad_clip=0.0, autocast=autocast,
-                                loss_fn=lambda m, b: policy_gradient_loss(m, b[0], b[1], b[2]))
+                                loss_fn=lambda m, b: policy_gradient_loss(m, b[0], b[1], b[2]), parallel=parallel)
         dt = time.time() - t0
         assert_finite(loss, step)
         n_samples = examples_per_rank * config["num_samples"]

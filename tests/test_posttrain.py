@@ -212,6 +212,9 @@ def test_missing_checkpoint_names_the_command(chat_env):
         chat_sft.main(["--device_type=cpu"])
     with pytest.raises(FileNotFoundError, match=r"python -m scripts\.chat_sft"):
         chat_rl.main(["--device_type=cpu"])
+    # RL samples on each rank alone: tensor parallelism (every forward a collective) is refused before any loading
+    with pytest.raises(ValueError, match=r"use --tp_size=1, with --use_fsdp=1"):
+        chat_rl.main(["--device_type=cpu", "--tp_size=2"])
 
 
 def test_mid_one_epoch_mode_stops_after_one_pass(chat_env, monkeypatch, capsys):
@@ -298,7 +301,19 @@ def test_sft_and_rl_two_ranks_match_one_process(chat_env, capsys):
     rl_metrics = chat_env / "chatrl_checkpoints" / "one" / "metrics.jsonl"  # both runs write here: read it in between
     chat_rl.main(rl_args)
     single = {k: series(rl_metrics, k) for k in ("rl/reward", "rl/sequence_length", "eval/pass@1", "eval/pass@2")}
+    single_model, _, _ = load_checkpoint(str(chat_env / "chatrl_checkpoints" / "one"), 2, "cpu")
     run_torchrun(["-m", "scripts.chat_rl", *rl_args], env=subprocess_env(chat_env))
     assert [s for s, _ in single["rl/reward"]] == [1, 2] and [s for s, _ in single["eval/pass@1"]] == [0, 2]
     for key, values in single.items():
         assert_same_series(series(rl_metrics, key), values, abs=1e-9)
+
+    # FSDP (the d40+ layout): each rank gathers the whole model to sample (fsdp.full_weights), so rollouts of different
+    # lengths on the two ranks need no lockstep; same samples, rewards and updated model as one process
+    single_loss = series(rl_metrics, "train/loss")[-2:]
+    run_torchrun(["-m", "scripts.chat_rl", *rl_args, "--use_fsdp=1"], env=subprocess_env(chat_env))
+    for key, values in single.items():
+        assert_same_series(series(rl_metrics, key)[-len(values):], values, abs=1e-9)
+    assert_same_series(series(rl_metrics, "train/loss")[-2:], single_loss, abs=1e-5)
+    fsdp_model, _, _ = load_checkpoint(str(chat_env / "chatrl_checkpoints" / "one"), 2, "cpu")
+    for k in single_model:
+        assert torch.allclose(fsdp_model[k], single_model[k], atol=1e-5), k

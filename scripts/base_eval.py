@@ -4,9 +4,16 @@ Evaluate a base model on the CORE metric (DCLM's 22 in-context-learning tasks, c
     python -m scripts.base_eval                                   # latest base checkpoint, full CORE
     torchrun --nproc_per_node=8 -m scripts.base_eval              # same, examples split over 8 GPUs
     python -m scripts.base_eval --max_per_task=100 --device_type=cpu --bundle_dir=../shared/data/core_eval
+    python -m scripts.base_eval --hf_path=openai-community/gpt2    # a Hugging Face causal LM and its tokenizer
 
 Data: --bundle_dir, else $NANOCHAT_DATA_DIR/core_eval, else <base_dir>/eval_bundle, else it downloads nanochat's
 eval_bundle.zip there. Writes <base_dir>/base_eval/<model>.csv and the "Base model evaluation" report section.
+
+--hf_path (nanochat's --hf-path): a model id on the Hub or a local directory that transformers' AutoModelForCausalLM
+and AutoTokenizer load (the optional `hf` extra: pip install -e '.[hf]'), scored the same way: every prompt starts with
+the tokenizer's BOS token (its EOS when it has none, as GPT-2's <|endoftext|>); a model with learned positions (GPT-2)
+sees at most that many tokens (`context_length`). A nanochat model exported with scripts.export_hf gets the same CORE
+as its checkpoint.
 """
 
 import contextlib
@@ -38,7 +45,76 @@ def write_results_csv(path, out):
     atomic_write(path, lambda f: f.write(buf.getvalue().encode("utf-8")))
 
 
+def context_length(config):
+    """
+    The longest input CORE gives a transformers model (longer prompts lose their start, as for our GPT). A learned
+    position table (GPT-2's 1024) is a hard limit. Rotary models have none (nanochat crops only GPT-2), except a
+    nanochat export, which keeps our GPT's rotary table of 10 x sequence_len so it scores as its checkpoint.
+    """
+    positions = getattr(config, "max_position_embeddings", None)
+    if config.model_type == "nanochat":
+        return 10 * positions
+    if getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None):
+        return None
+    return positions
+
+
+class HFCausalLM:
+    """A transformers causal LM as core_eval calls a model: ids (B, T) -> logits (B, T, V), and its context length."""
+
+    def __init__(self, model):
+        self.model = model
+        self.max_seq_len = context_length(model.config)
+
+    @property
+    def training(self):
+        return self.model.training
+
+    def eval(self):
+        self.model.eval()
+        return self
+
+    def train(self, mode=True):
+        self.model.train(mode)
+        return self
+
+    def __call__(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+class HFTokenizer:
+    """A transformers tokenizer as core_eval calls one: tokenizer(texts, prepend=bos_id), no special tokens added."""
+
+    def __init__(self, tokenizer, name):
+        self.tokenizer = tokenizer
+        self.bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        if self.bos is None:
+            raise ValueError(f"the tokenizer of {name} has neither a BOS nor an EOS token: CORE starts every prompt "
+                             f"with one (nanochat's <|bos|>, GPT-2's <|endoftext|>)")
+
+    def get_bos_token_id(self):
+        return self.bos
+
+    def __call__(self, texts, prepend=None):
+        head = [] if prepend is None else [prepend]
+        return [head + self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def load_hf_model(hf_path, device):
+    """(model, tokenizer, name for the csv/report) for a Hub id or local directory, in float32 on `device`."""
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise RuntimeError(f"--hf_path needs transformers ({e}): pip install -e '.[hf]'") from None
+    model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(hf_path)
+    name = os.path.normpath(hf_path).strip(os.sep).replace(os.sep, "-")  # openai-community/gpt2 -> openai-community-gpt2
+    return HFCausalLM(model), HFTokenizer(tokenizer, hf_path), name
+
+
 FLAGS = Flags(
+    Flag("hf_path", None, "a Hugging Face causal LM (Hub id or local dir) to evaluate instead of a nanochat "
+         "checkpoint (needs the hf extra); auto = none, the base checkpoint", type=str),
     Flag("model_tag", None, "base checkpoint tag, e.g. d20; auto = the largest model", type=str, short="g"),
     Flag("step", None, "checkpoint step; auto = the last", type=int, short="s"),
     Flag("max_per_task", -1, "examples per task, -1 = all (fewer for quick checks)"),
@@ -52,6 +128,8 @@ FLAGS = Flags(
 
 def main(argv=None):
     args = FLAGS.parse_args(argv)
+    if args.hf_path is not None and (args.model_tag is not None or args.step is not None):
+        raise ValueError("--hf_path evaluates that model: leave out --model_tag/--step (they pick a nanochat checkpoint)")
 
     from nanochat.checkpoint_manager import load_model
 
@@ -71,8 +149,11 @@ def main(argv=None):
                              data=[{"CORE metric": "skipped (no eval bundle)", "Missing data": str(e).splitlines()[1:]}])
         compute_cleanup()
         return None
-    model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=args.model_tag, step=args.step)
-    model_name = f"base_model_{meta['step']:06d}" if "step" in meta else "base_model"
+    if args.hf_path is not None:
+        model, tokenizer, model_name = load_hf_model(args.hf_path, device)
+    else:
+        model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=args.model_tag, step=args.step)
+        model_name = f"base_model_{meta['step']:06d}" if "step" in meta else "base_model"
     autocast = (torch.amp.autocast(device_type="cuda", dtype=torch.bfloat16)
                 if device_type == "cuda" and args.dtype == "bfloat16" else contextlib.nullcontext())
     with autocast:

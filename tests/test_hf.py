@@ -394,3 +394,69 @@ def test_import_refuses_what_our_gpt_cannot_compute(env, tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         import_hf.import_model(str(tmp_path), "base")
     assert not (Path(env["base"]) / "base_checkpoints" / "d1").exists()
+
+
+# -----------------------------------------------------------------------------
+# base_eval --hf_path (nanochat's --hf-path): CORE of a transformers model
+
+
+def test_base_eval_hf_path_scores_the_export_as_our_checkpoint(env):
+    """The exported directory through --hf_path: the same prompt ids as our tokenizer and the same CORE accuracies,
+    task by task, as the checkpoint itself (the real bundle in ../shared/data, a few examples per task)."""
+    from conftest import require_shared
+    from nanochat.core_eval import evaluate_model
+    from scripts import base_eval
+
+    bundle = require_shared(SHARED_DATA / "core_eval")
+    model, tok, name = base_eval.load_hf_model(str(env["out"]), "cpu")
+    texts = VARIED_TEXT[:4]
+    assert tok(texts, prepend=tok.get_bos_token_id()) == env["tok"](texts, prepend=env["tok"].get_bos_token_id())
+    assert tok.get_bos_token_id() == env["tok"].get_bos_token_id()
+    args = ["--device_type=cpu", "--max_per_task=6", f"--bundle_dir={bundle}"]
+    got = base_eval.main(["--hf_path", str(env["out"]), *args])
+    ours = evaluate_model(env["model"], env["tok"], "cpu", max_per_task=6, bundle_dir=str(bundle), log=None)
+    assert got["results"] and got["results"] == ours["results"] and got["missing"] == ours["missing"]
+    csv = env["base"] / "base_eval" / f"{name}.csv"
+    assert name.endswith("export-d2") and csv.read_text().splitlines()[-1].startswith("CORE,")
+
+
+def test_base_eval_hf_path_takes_another_architecture(tmp_path):
+    """A GPT-2 written by transformers (EOS only, like openai-community/gpt2; 64 positions): its EOS starts every
+    prompt, long prompts are cropped to its positions, and the CORE table comes out."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    from scripts import base_eval
+    from test_core_eval import BASELINES, DATA, TASKS, write_bundle
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.train_from_iterator(VARIED_TEXT * 20, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
+    eos = hf_tok.eos_token_id
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=raw.get_vocab_size(), n_positions=64, n_embd=32, n_layer=1, n_head=2,
+                        bos_token_id=eos, eos_token_id=eos)
+    out = tmp_path / "gpt2-tiny"
+    GPT2LMHeadModel(config).save_pretrained(out)
+    hf_tok.save_pretrained(out)
+
+    model, tok, _ = base_eval.load_hf_model(str(out), "cpu")
+    assert hf_tok.bos_token_id is None and tok.get_bos_token_id() == eos  # no BOS: its EOS stands in
+    assert tok(["abc"], prepend=eos) == [[eos, *hf_tok.encode("abc", add_special_tokens=False)]]
+    assert model.max_seq_len == 64
+    bundle = write_bundle(tmp_path / "bundle", TASKS, BASELINES, DATA)
+    long_lm = {"context": "word " * 100, "continuation": "x"}  # ~200 tokens: must be cropped to the 64 positions
+    (bundle / "eval_data" / "cat" / "lm.jsonl").open("a").write(json.dumps(long_lm) + "\n")
+    got = base_eval.main(["--hf_path", str(out), "--device_type=cpu", f"--bundle_dir={bundle}"])
+    assert sorted(got["results"]) == sorted(t["label"] for t in TASKS)
+    assert all(0.0 <= a <= 1.0 for a in got["results"].values())
+
+
+def test_base_eval_hf_path_refuses_checkpoint_flags(env):
+    from scripts import base_eval
+
+    with pytest.raises(ValueError, match="leave out --model_tag/--step"):
+        base_eval.main(["--hf_path", str(env["out"]), "-g", "d2", "--device_type=cpu",
+                        f"--bundle_dir={env['root']}"])

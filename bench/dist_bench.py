@@ -39,6 +39,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from nanochat.configurator import Flag, Flags  # noqa: E402
+from nanochat.presets import PRESETS  # noqa: E402
 from nanochat.gpt import GPT, GPTConfig, config_for_depth  # noqa: E402
 
 MODES = ("ddp", "fsdp_adamw", "fsdp_muon", "tp2")
@@ -409,8 +410,8 @@ def main(argv=None):
     if args.worker:
         return worker(args.steps, args.warmup, tuple(args.modes.split(",")))
     depths = [int(d) for d in args.depths.split(",")]
-    # pretrain.sh's presets (issue 4): device batch per depth
-    device_batch = {20: 16, 22: 16, 26: 8, 32: 4, 40: 1, 44: 1, 48: 1, 56: 1, 64: 1}
+    # the presets' device batch per depth (nanochat/presets.py: the one table pretrain.sh uses)
+    device_batch = {d: p.device_batch_size for d, p in PRESETS.items()}
     print(analytic_section(depths, args.world, args.vocab_size, args.seq_len, args.total_batch, device_batch))
     if not args.no_run:
         print()

@@ -1,8 +1,8 @@
 """
 Import a Hugging Face transformers NanoChat model directory (model_type "nanochat": one written by scripts.export_hf,
 a transformers port of a nanochat checkpoint such as karpathy/nanochat-d32 downloaded from the Hub, or any
-NanoChatForCausalLM.save_pretrained) as a nanochat checkpoint that chat_cli, chat_web, chat_eval, mid_train and
-chat_sft load.
+NanoChatForCausalLM.save_pretrained) as a nanochat checkpoint that chat_cli, chat_web, chat_eval, mid_train,
+chat_sft and chat_rl load.
 
     python -m scripts.import_hf hf/d20 --source sft                      # -> chatsft_checkpoints/d20/model_000000.pt
     python -m scripts.import_hf ~/nanochat-d32 --source base --model_tag d32 --step 0

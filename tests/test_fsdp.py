@@ -7,6 +7,7 @@ The FSDP2 path (nanochat/fsdp.py) on 2 gloo ranks (torchrun) against one process
 - per-rank optimizer state round trip + full model state dict: resumed run == uninterrupted run
 - full_model_state_dict -> plain GPT in one process -> same logits as the sharded model
 - a single-file (DDP-format) checkpoint -> load_full_model_state_dict -> same logits as a plain model
+- full_weights: ranks run their own numbers of forwards on gathered weights, then train on as one process
 """
 
 import importlib.util
@@ -127,3 +128,16 @@ def test_fsdp_needs_a_process_group():
         apply_fsdp(model)
     with pytest.raises(RuntimeError, match="torchrun"):
         FSDPMuon([torch.nn.Parameter(torch.zeros(4, 4))])
+
+
+@pytest.mark.timeout(300)
+def test_full_weights_lets_ranks_run_their_own_forwards():
+    """fsdp.full_weights (chat_rl's sampling under FSDP): inside, plain full weights equal to the sharded masters and
+    no collective per forward (the ranks run 1 and 3 forwards); after, the sharded layout and apply_fsdp's
+    reshard-after-forward flags are back and training goes on exactly as one process's."""
+    out = launch.json_lines(launch.torchrun("full_weights_check.py", timeout=240))[-1]
+    assert out["plain"] and out["after"]
+    assert max(out["inside"]) == 0.0
+    assert max(out["logits"]) < 1e-5
+    assert out["reshard"][0] == out["reshard"][1] == [True, True, False, False]
+    assert out["moved"] > 1e-3 and out["max_diff"] < 1e-5, out

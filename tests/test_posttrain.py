@@ -240,9 +240,9 @@ def test_mid_one_epoch_mode_stops_after_one_pass(chat_env, monkeypatch, capsys):
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_sft_and_rl_two_ranks_match_one_process(chat_env, capsys):
-    """Examples are split over ranks: 2 ranks x 1 conversation == 1 process x 2 accumulated, step for step (SFT);
-    2 ranks x 1 question == 1 process x 2 questions, same samples (RL)."""
+def test_sft_and_rl_two_ranks_match_one_process(chat_env, capsys, monkeypatch):
+    """Examples are split over ranks: 2 ranks x 1 conversation == 1 process x 2 accumulated, step for step (SFT, on the
+    DDP path and under FSDP); 2 ranks x 1 question == 1 process x 2 questions, same samples and update (RL, both)."""
     import shutil
 
     from conftest import run_torchrun, subprocess_env
@@ -294,26 +294,43 @@ def test_sft_and_rl_two_ranks_match_one_process(chat_env, capsys):
     assert_same_series(series(fsdp, "train/loss"), series(one5, "train/loss"), abs=1e-5)
     for key in ("eval/MMLU_acc", "eval/ARC-Easy_acc"):
         assert len(series(one5, key)) == 2 and series(fsdp, key) == series(one5, key)
+    a, _, _ = load_checkpoint(str(root / "one5"), 3, "cpu")
+    b, _, _ = load_checkpoint(str(root / "fsdp"), 3, "cpu")
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6), k
 
-    rl_args = ["--device_type=cpu", "--model_tag=one", "--num_samples=2", "--device_batch_size=2",
-               "--examples_per_step=2", "--max_new_tokens=12", "--num_iterations=2", "--eval_every=2",
+    # RL: GSM8K's reward swapped for one this tiny model earns (tests/dist_scripts/rl_parity.py), so the update is
+    # not zero. One step on the DDP path and under FSDP (the d40+ layout: each rank gathers the whole model to sample,
+    # fsdp.full_weights, so rollouts of different lengths need no lockstep) gives the same samples, rewards, loss and
+    # updated model as 1 process. (One step: after an update, the ~1e-8 differences between the paths' weights can
+    # flip a sampled token, as any two numerically different runs can; tests/test_fsdp.py covers full_weights itself.)
+    import importlib.util
+
+    from tasks.gsm8k import GSM8K
+
+    script = Path(__file__).resolve().parent / "dist_scripts" / "rl_parity.py"
+    spec = importlib.util.spec_from_file_location("rl_parity", script)
+    rl_parity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rl_parity)
+    rl_args = ["--device_type=cpu", "--model_tag=one", "--num_samples=4", "--device_batch_size=2",
+               "--examples_per_step=2", "--max_new_tokens=12", "--num_iterations=1", "--eval_every=1",
                "--eval_examples=2", "--save_every=-1"]
-    rl_metrics = chat_env / "chatrl_checkpoints" / "one" / "metrics.jsonl"  # both runs write here: read it in between
-    chat_rl.main(rl_args)
-    single = {k: series(rl_metrics, k) for k in ("rl/reward", "rl/sequence_length", "eval/pass@1", "eval/pass@2")}
-    single_model, _, _ = load_checkpoint(str(chat_env / "chatrl_checkpoints" / "one"), 2, "cpu")
-    run_torchrun(["-m", "scripts.chat_rl", *rl_args], env=subprocess_env(chat_env))
-    assert [s for s, _ in single["rl/reward"]] == [1, 2] and [s for s, _ in single["eval/pass@1"]] == [0, 2]
-    for key, values in single.items():
-        assert_same_series(series(rl_metrics, key), values, abs=1e-9)
+    rl_dir = chat_env / "chatrl_checkpoints" / "one"  # every run writes here: read each one's results in between
+    keys = ("rl/reward", "rl/sequence_length", "train/loss", "eval/pass@1", "eval/pass@2")
 
-    # FSDP (the d40+ layout): each rank gathers the whole model to sample (fsdp.full_weights), so rollouts of different
-    # lengths on the two ranks need no lockstep; same samples, rewards and updated model as one process
-    single_loss = series(rl_metrics, "train/loss")[-2:]
-    run_torchrun(["-m", "scripts.chat_rl", *rl_args, "--use_fsdp=1"], env=subprocess_env(chat_env))
-    for key, values in single.items():
-        assert_same_series(series(rl_metrics, key)[-len(values):], values, abs=1e-9)
-    assert_same_series(series(rl_metrics, "train/loss")[-2:], single_loss, abs=1e-5)
-    fsdp_model, _, _ = load_checkpoint(str(chat_env / "chatrl_checkpoints" / "one"), 2, "cpu")
-    for k in single_model:
-        assert torch.allclose(fsdp_model[k], single_model[k], atol=1e-5), k
+    def rl_run(launch):
+        launch()
+        return {k: series(rl_dir / "metrics.jsonl", k)[-2:] for k in keys}, load_checkpoint(str(rl_dir), 1, "cpu")[0]
+
+    monkeypatch.setattr(GSM8K, "reward", rl_parity.parity_reward)
+    single, single_model = rl_run(lambda: chat_rl.main(rl_args))
+    assert [s for s, _ in single["rl/reward"]] == [1] and [s for s, _ in single["eval/pass@1"]] == [0, 1]
+    assert 0 < single["rl/reward"][0][1] < 1 and single["train/loss"][0][1] != 0
+    sft_model, _, _ = load_checkpoint(str(root / "one"), 3, "cpu")  # where RL started: the update moved it
+    assert any(not torch.equal(single_model[k], sft_model[k]) for k in single_model)
+    for extra in ([], ["--use_fsdp=1"]):
+        got, model = rl_run(lambda: run_torchrun([str(script), *rl_args, *extra], env=subprocess_env(chat_env)))
+        for key in keys:
+            assert_same_series(got[key], single[key], abs=1e-5 if key == "train/loss" else 1e-9)
+        for k in single_model:
+            assert torch.allclose(model[k], single_model[k], atol=1e-6), (extra, k)

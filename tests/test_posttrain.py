@@ -266,19 +266,24 @@ def test_sft_and_rl_two_ranks_match_one_process(chat_env, capsys, monkeypatch):
         assert [v for _, v in a] == pytest.approx([v for _, v in b], abs=abs)
 
     root = chat_env / "chatsft_checkpoints"
+
+    def assert_same_sft(one_tag, multi_tag):
+        """The multi-rank run's losses, accuracies and final model are the single process's."""
+        one, multi = root / one_tag / "metrics.jsonl", root / multi_tag / "metrics.jsonl"
+        assert [s for s, _ in series(one, "train/loss")] == [1, 2, 3] and [s for s, _ in series(one, "val/loss")] == [0, 3]
+        assert_same_series(series(multi, "train/loss"), series(one, "train/loss"), abs=1e-5)
+        assert_same_series(series(multi, "val/loss"), series(one, "val/loss"), abs=1e-6)
+        for key in ("eval/MMLU_acc", "eval/ARC-Easy_acc"):
+            assert len(series(one, key)) == 2 and series(multi, key) == series(one, key)
+        a, _, _ = load_checkpoint(str(root / one_tag), 3, "cpu")
+        b, _, _ = load_checkpoint(str(root / multi_tag), 3, "cpu")
+        for k in a:
+            assert torch.allclose(a[k], b[k], atol=1e-5), k
+
     single = chat_sft.main(sft_args("one", 2))
     run_torchrun(["-m", "scripts.chat_sft", *sft_args("two", 1)], env=subprocess_env(chat_env))
-    one, two = root / "one" / "metrics.jsonl", root / "two" / "metrics.jsonl"
-    assert single["step"] == 3 and [s for s, _ in series(one, "train/loss")] == [1, 2, 3]
-    assert_same_series(series(two, "train/loss"), series(one, "train/loss"), abs=1e-5)
-    assert [s for s, _ in series(one, "val/loss")] == [0, 3]
-    assert_same_series(series(two, "val/loss"), series(one, "val/loss"), abs=1e-6)
-    for key in ("eval/MMLU_acc", "eval/ARC-Easy_acc"):
-        assert len(series(one, key)) == 2 and series(two, key) == series(one, key)
-    a, _, _ = load_checkpoint(str(root / "one"), 3, "cpu")
-    b, _, _ = load_checkpoint(str(root / "two"), 3, "cpu")
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-5), k
+    assert single["step"] == 3
+    assert_same_sft("one", "two")
 
     # FSDP: every forward is a collective, so the accuracy evals run in lockstep. 5 problems: data rank 0 has 3 (two
     # batches of 2), rank 1 has 2 (one batch) and runs a filler forward; without it rank 0 would wait forever.
@@ -290,14 +295,7 @@ def test_sft_and_rl_two_ranks_match_one_process(chat_env, capsys, monkeypatch):
     chat_sft.main(odd(sft_args("one5", 2)))
     p = run_torchrun(["-m", "scripts.chat_sft", *odd(sft_args("fsdp", 1)), "--use_fsdp=1"], env=subprocess_env(chat_env))
     assert "skipping" not in p.stdout
-    one5, fsdp = root / "one5" / "metrics.jsonl", root / "fsdp" / "metrics.jsonl"
-    assert_same_series(series(fsdp, "train/loss"), series(one5, "train/loss"), abs=1e-5)
-    for key in ("eval/MMLU_acc", "eval/ARC-Easy_acc"):
-        assert len(series(one5, key)) == 2 and series(fsdp, key) == series(one5, key)
-    a, _, _ = load_checkpoint(str(root / "one5"), 3, "cpu")
-    b, _, _ = load_checkpoint(str(root / "fsdp"), 3, "cpu")
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-6), k
+    assert_same_sft("one5", "fsdp")
 
     # RL: GSM8K's reward swapped for one this tiny model earns (tests/dist_scripts/rl_parity.py), so the update is
     # not zero. One step on the DDP path and under FSDP (the d40+ layout: each rank gathers the whole model to sample,

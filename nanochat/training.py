@@ -352,11 +352,18 @@ def load_train_state(checkpoint_dir, step, model, optimizers, device, parallel=N
         )
     parallel.check_resume(meta, step)
     check_resume_model_config(meta, model, checkpoint_dir, step)
-    parallel.load_model_state_dict(model, model_sd)
+    optim_path = os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank:d}.pt")
+    saved_muon = (meta.get("user_config") or {}).get("use_muon")
+    fix = (f"resume with the optimizer flags of the run that saved step {step}"
+           + (f" (--use_muon={int(saved_muon)})" if isinstance(saved_muon, bool) else ""))
     if len(optim_sd) != len(optimizers):
-        raise ValueError(f"checkpoint has {len(optim_sd)} optimizer states but the run built {len(optimizers)}")
+        raise ValueError(f"{optim_path} holds {len(optim_sd)} optimizer states but this run built {len(optimizers)}: {fix}")
+    parallel.load_model_state_dict(model, model_sd)
     for opt, sd in zip(optimizers, optim_sd):
-        opt.load_state_dict(sd)
+        try:
+            opt.load_state_dict(sd)
+        except (ValueError, KeyError) as e:  # torch: "loaded state dict contains a parameter group that doesn't match"
+            raise ValueError(f"{optim_path} does not fit this run's {type(opt).__name__} ({e}): {fix}") from e
     loader_states = meta.get("loader_state") or [meta.get("dataloader_state_dict")]
     return meta, loader_states[rank] if rank < len(loader_states) else None
 

@@ -7,7 +7,8 @@ Saving and loading checkpoints, in nanochat's layout so its checkpoints load her
 
 Writes are atomic (temp file, fsync, rename) and meta is written last, after every rank has written its optimizer
 file, so a step "exists" only when it is complete. A crash mid-save leaves the previous step loadable; loading skips
-incomplete steps with a warning.
+incomplete steps with a warning. A complete step whose files were damaged later (a truncated copy) is not skipped:
+loading it names the file and the previous complete step to fall back to.
 """
 
 import glob
@@ -15,6 +16,7 @@ import json
 import logging
 import os
 import re
+import zipfile
 
 import torch
 
@@ -103,19 +105,94 @@ def is_step_complete(checkpoint_dir, step):
     return os.path.exists(model_path) and os.path.exists(meta_path)
 
 
+def complete_steps(checkpoint_dir):
+    """The complete steps (model and meta both present) in a checkpoint directory, sorted."""
+    steps = set()
+    for path in glob.glob(os.path.join(checkpoint_dir, "model_*.pt")):
+        m = re.fullmatch(r"model_(\d+)\.pt", os.path.basename(path))
+        if m:
+            steps.add(int(m.group(1)))
+    return sorted(s for s in steps if is_step_complete(checkpoint_dir, s))
+
+
+def _move_aside_hint(checkpoint_dir, step):
+    """What to do about a step whose files cannot be read: the earlier complete step, if there is one."""
+    files = f"model_{step:06d}.pt, meta_{step:06d}.json, optim_{step:06d}_rank*.pt"
+    earlier = [s for s in complete_steps(checkpoint_dir) if s < step]
+    if earlier:
+        return (
+            f"copy it again if it came from elsewhere; or, to go back to the previous complete step {earlier[-1]}, "
+            f"move step {step}'s files ({files}) out of {checkpoint_dir} and load step {earlier[-1]} "
+            f"(--resume_from_step={earlier[-1]} to resume training; loading without a step then takes it)"
+        )
+    return f"copy it again if it came from elsewhere; there is no earlier complete step in {checkpoint_dir} to fall back to"
+
+
+def _short(e):
+    lines = str(e).strip().splitlines()
+    first = lines[0].split(". ")[0][:200] if lines else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _torch_load_file(path, what, checkpoint_dir, step, **kwargs):
+    """torch.load that names the file and the way out when it is truncated or not a torch file at all."""
+    try:
+        return torch.load(path, **kwargs)
+    except (PermissionError, IsADirectoryError, MemoryError):
+        raise
+    except Exception as e:
+        size = os.path.getsize(path)
+        if size == 0:
+            why = "is empty (0 bytes)"
+        elif not zipfile.is_zipfile(path):  # torch.save writes a zip archive whose directory is at the end
+            why = f"is truncated or not a torch file ({size:,} bytes, no zip directory at its end)"
+        else:
+            why = f"cannot be read ({_short(e)})"
+        also = (f" (the model of step {step} does not need it: later stages still load it)"
+                if what == "optimizer state" else "")
+        raise ValueError(f"checkpoint {what} {path} {why}: {_move_aside_hint(checkpoint_dir, step)}{also}") from e
+
+
+def read_meta(meta_path, checkpoint_dir, step):
+    """The meta dict of a step; a truncated or non-JSON file is named with the way out."""
+    try:
+        with open(meta_path, "r", encoding="utf-8") as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"checkpoint meta {meta_path} is truncated, empty or not JSON ({_short(e)}): "
+            f"{_move_aside_hint(checkpoint_dir, step)}"
+        ) from e
+    if not isinstance(meta, dict):
+        raise ValueError(
+            f"checkpoint meta {meta_path} holds a JSON {type(meta).__name__}, not an object: "
+            f"{_move_aside_hint(checkpoint_dir, step)}"
+        )
+    return meta
+
+
 def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=0):
     """
     Returns (model_state_dict, optimizer_state_dict or None, meta_dict).
     The model state dict stays on the CPU, memory-mapped from the file (mmap=True): no bytes are read until a tensor
     is used, so moving it tensor by tensor to the GPU holds one copy there and none in process memory, and an FSDP
     rank that slices its rows out of each tensor reads only those rows. The optimizer state (per rank, small) goes
-    to `device`.
+    to `device`. A file that is truncated or not what it should be raises a ValueError naming it and the way out.
     """
     model_path, meta_path, optim_path = _paths(checkpoint_dir, step, rank)
     for p in (model_path, meta_path):
         if not os.path.exists(p):
-            raise FileNotFoundError(f"checkpoint step {step} is incomplete or missing: {p} does not exist")
-    model_data = torch.load(model_path, map_location="cpu", mmap=True, weights_only=True)
+            steps = complete_steps(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
+            where = (f"complete steps in {checkpoint_dir}: {', '.join(map(str, steps))}" if steps
+                     else f"{checkpoint_dir} holds no complete step" if os.path.isdir(checkpoint_dir)
+                     else f"{checkpoint_dir} does not exist")
+            raise FileNotFoundError(f"checkpoint step {step} is incomplete or missing: {p} does not exist ({where})")
+    meta_data = read_meta(meta_path, checkpoint_dir, step)
+    model_data = _torch_load_file(model_path, "model", checkpoint_dir, step, map_location="cpu", mmap=True,
+                                  weights_only=True)
+    if not isinstance(model_data, dict):
+        raise ValueError(f"checkpoint model {model_path} holds a {type(model_data).__name__}, not a state dict: "
+                         f"{_move_aside_hint(checkpoint_dir, step)}")
     optimizer_data = None
     if load_optimizer:
         if not os.path.exists(optim_path):
@@ -123,9 +200,8 @@ def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=0):
                 f"{optim_path} does not exist: optimizer state is saved per rank, so resume with the same number of "
                 f"ranks as the run that wrote step {step} (or pass the model only)"
             )
-        optimizer_data = torch.load(optim_path, map_location=device, weights_only=False)
-    with open(meta_path, "r", encoding="utf-8") as f:
-        meta_data = json.load(f)
+        optimizer_data = _torch_load_file(optim_path, "optimizer state", checkpoint_dir, step, map_location=device,
+                                          weights_only=False)
     return model_data, optimizer_data, meta_data
 
 
@@ -209,10 +285,65 @@ def model_from_state_dict(model_data, config, device, dtype=torch.float32):
     return model
 
 
+SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")  # the GPTConfig fields that shape weights
+
+
+def model_config_from_meta(meta, meta_path):
+    """The GPTConfig a meta's model_config describes; a missing or foreign one names the file."""
+    from nanochat.gpt import GPTConfig
+
+    cfg = meta.get("model_config")
+    if not isinstance(cfg, dict):
+        raise ValueError(
+            f"checkpoint meta {meta_path} has no model_config object (its keys: {sorted(meta)}), so the model cannot "
+            f"be rebuilt: it was not written by nanochat's save_checkpoint; copy the meta of that step again"
+        )
+    try:
+        return GPTConfig(**cfg)
+    except TypeError as e:
+        raise ValueError(f"the model_config in {meta_path} is not a GPTConfig ({e}): {cfg}") from e
+
+
+def _describe_weights(state_dict):
+    """The config fields that can be read off the weights' names and shapes."""
+    layers = {int(m.group(1)) for k in state_dict if (m := re.match(r"transformer\.h\.(\d+)\.", k))}
+    out = {"n_layer": len(layers)}
+    wte = state_dict.get("transformer.wte.weight")
+    if wte is not None and wte.dim() == 2:
+        out["vocab_size"], out["n_embd"] = int(wte.shape[0]), int(wte.shape[1])
+    return out
+
+
+def check_weights_match_config(state_dict, config, model_path, meta_path):
+    """Refuse weights that are not the model the meta's model_config describes, naming both files and both shapes."""
+    from nanochat.gpt import GPT
+
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in GPT(config).state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state_dict.items()}
+    if expected == got:
+        return
+    missing, unexpected = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+    shapes = [k for k in expected if k in got and expected[k] != got[k]]
+    detail = []
+    if missing:
+        detail.append(f"{len(missing)} tensor(s) missing from the weights, e.g. {missing[0]}")
+    if unexpected:
+        detail.append(f"{len(unexpected)} unexpected tensor(s) in the weights, e.g. {unexpected[0]}")
+    if shapes:
+        detail.append(f"{len(shapes)} of other shape, e.g. {shapes[0]} is {list(got[shapes[0]])} in the weights, "
+                      f"{list(expected[shapes[0]])} for the config")
+    meta_cfg = ", ".join(f"{f}={getattr(config, f)}" for f in SHAPE_FIELDS)
+    weights_cfg = ", ".join(f"{f}={v}" for f, v in _describe_weights(state_dict).items())
+    raise ValueError(
+        f"the model_config in {meta_path} ({meta_cfg}) does not match the weights in {model_path} ({weights_cfg}): "
+        f"{'; '.join(detail)}. The two files come from different models: copy both from the same run and step"
+    )
+
+
 def build_model(checkpoint_dir, step, device, phase, weights_dtype=None):
     """Rebuild a GPT from a checkpoint. phase: 'train' or 'eval' (sets model.train()/eval()); weights_dtype: see
     weights_dtype_for."""
-    from nanochat.gpt import GPTConfig
     from nanochat.tokenizer import get_tokenizer
 
     if phase not in ("train", "eval"):
@@ -220,8 +351,11 @@ def build_model(checkpoint_dir, step, device, phase, weights_dtype=None):
     device = torch.device(device)
     dtype = weights_dtype_for(device.type, phase, weights_dtype)
     model_data, _, meta = load_checkpoint(checkpoint_dir, step, device, load_optimizer=False)
-    config = GPTConfig(**meta["model_config"])
-    model = model_from_state_dict(clean_state_dict(model_data), config, device, dtype)
+    model_path, meta_path, _ = _paths(checkpoint_dir, step)
+    config = model_config_from_meta(meta, meta_path)
+    model_data = clean_state_dict(model_data)
+    check_weights_match_config(model_data, config, model_path, meta_path)
+    model = model_from_state_dict(model_data, config, device, dtype)
     del model_data
     model.train() if phase == "train" else model.eval()
     tokenizer = get_tokenizer()

@@ -109,12 +109,21 @@ def iter_file_documents(path, fmt=None, text_field="text", txt_split="auto", sep
     elif fmt in ("json", "jsonl"):
         yield from _iter_json_documents(path, fmt, text_field, log)
     elif fmt == "parquet":
-        pf = pq.ParquetFile(path)
+        try:
+            pf = pq.ParquetFile(path)
+        except (PermissionError, FileNotFoundError, IsADirectoryError):
+            raise
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"{path} is empty, truncated or not a parquet file ({e})") from e
         if text_field not in pf.schema_arrow.names:
             raise ValueError(f"{path} has no {text_field!r} column (columns: {pf.schema_arrow.names}); pass --text_field NAME")
         n = skipped = 0
         for rg in range(pf.num_row_groups):
-            for value in pf.read_row_group(rg, columns=[text_field]).column(text_field).to_pylist():
+            try:
+                values = pf.read_row_group(rg, columns=[text_field]).column(text_field).to_pylist()
+            except (pa.ArrowException, OSError) as e:
+                raise ValueError(f"{path}: row group {rg} cannot be read, the file is damaged ({e})") from e
+            for value in values:
                 if not isinstance(value, str):
                     if value is None:
                         skipped += 1

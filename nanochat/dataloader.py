@@ -16,23 +16,26 @@ where the saved one would have. The state is per rank (training saves one per ra
 from collections import deque
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
 from nanochat.dist import data_rank_world
-from nanochat.dataset import split_parquet_files
+from nanochat.dataset import shard_fix, open_shard, read_texts, split_parquet_files
 
 
 def _row_group_index(split, data_dir):
     """The global sequence of (path, row group index) over all files of the split, in order."""
-    index = []
-    for path in split_parquet_files(split, data_dir):
-        pf = pq.ParquetFile(path)
-        if "text" not in pf.schema_arrow.names:
-            raise ValueError(f"{path} has no 'text' column (columns: {pf.schema_arrow.names}); shards need one")
+    index, rows = [], 0
+    paths = split_parquet_files(split, data_dir)
+    for path in paths:
+        pf = open_shard(path)
         index += [(path, rg) for rg in range(pf.num_row_groups)]
-    if not index:
-        raise ValueError(f"the {split} shards hold no row groups: {split_parquet_files(split, data_dir)}")
+        rows += pf.metadata.num_rows
+    if not index or rows == 0:
+        raise ValueError(
+            f"the {split} split holds no documents: {', '.join(paths)} "
+            f"{'has' if len(paths) == 1 else 'have'} {'no row groups' if not index else '0 rows'}"
+            f"{' (the last shard is the validation split)' if split == 'val' else ''}: {shard_fix(paths[-1])}"
+        )
     return index
 
 
@@ -47,8 +50,8 @@ def _iter_documents(row_groups, world_size, pos, doc):
     while True:
         path, rg = row_groups[pos % n]
         if path != open_path:
-            open_path, open_file = path, pq.ParquetFile(path)
-        texts = open_file.read_row_group(rg, columns=["text"]).column("text").to_pylist()
+            open_path, open_file = path, open_shard(path)
+        texts = read_texts(open_file, path, rg)
         if texts:
             empty_in_a_row = 0
         else:

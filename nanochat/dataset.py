@@ -18,6 +18,7 @@ import importlib
 import os
 import sys
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.configurator import Flag, Flags
@@ -85,15 +86,60 @@ def parquets_iter_batched(split, start=0, step=1, data_dir=None):
     if step < 1 or start < 0:
         raise ValueError(f"need start >= 0 and step >= 1, got start={start}, step={step}")
     for path in split_parquet_files(split, data_dir):
-        pf = pq.ParquetFile(path)
-        check_text_column(pf, path)
+        pf = open_shard(path)
         for rg_idx in range(start, pf.num_row_groups, step):
-            yield pf.read_row_group(rg_idx, columns=["text"]).column("text").to_pylist()
+            yield read_texts(pf, path, rg_idx)
 
 
 def check_text_column(pf, path):
-    if "text" not in pf.schema_arrow.names:
-        raise ValueError(f"{path} has no 'text' column (columns: {pf.schema_arrow.names}); shards need one")
+    names = pf.schema_arrow.names
+    if "text" not in names:
+        raise ValueError(f"{path} has no 'text' column (columns: {names}); shards need one")
+    kind = pf.schema_arrow.field("text").type
+    is_string_view = getattr(pa.types, "is_string_view", lambda t: False)  # pyarrow >= 16
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or is_string_view(kind)):
+        raise ValueError(f"{path}: the 'text' column holds {kind}, not strings; shards need text")
+
+
+def shard_fix(path):
+    """How to replace a bad shard: re-import an imported corpus, re-download a downloaded one."""
+    data_dir = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(os.path.join(data_dir, IMPORT_INFO)):
+        return (f"this corpus was imported ({IMPORT_INFO} there lists its sources): import it again with "
+                f"`python -m nanochat.dataset import ... --overwrite`")
+    return (f"move {os.path.basename(path)} out of {data_dir} and run `python -m nanochat.dataset -n N` again (it "
+            f"downloads only the shards that are missing, so the file comes back whole)")
+
+
+def _unreadable(e):
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def open_shard(path):
+    """pq.ParquetFile of a shard with a text column; an empty, truncated or foreign file is named with the fix."""
+    try:
+        pf = pq.ParquetFile(path)
+    except (PermissionError, FileNotFoundError, IsADirectoryError):
+        raise
+    except (pa.ArrowException, OSError) as e:  # ArrowInvalid for a bad footer, OSError for I/O-level damage
+        size = os.path.getsize(path)
+        why = "is empty (0 bytes)" if size == 0 else f"is truncated or not a parquet file ({size:,} bytes)"
+        raise ValueError(f"shard {path} {why} ({_unreadable(e)}): {shard_fix(path)}") from e
+    try:
+        check_text_column(pf, path)
+    except ValueError as e:
+        raise ValueError(f"{e}: {shard_fix(path)}") from None
+    return pf
+
+
+def read_texts(pf, path, rg):
+    """The documents of row group `rg` of an open shard; a damaged row group is named with the fix."""
+    try:
+        return pf.read_row_group(rg, columns=["text"]).column("text").to_pylist()
+    except (pa.ArrowException, OSError) as e:  # e.g. "ZSTD decompression failed: Data corruption detected"
+        raise ValueError(f"shard {path}: row group {rg} cannot be read, the file is damaged ({_unreadable(e)}): "
+                         f"{shard_fix(path)}") from e
 
 
 # -----------------------------------------------------------------------------

@@ -35,9 +35,23 @@ from nanochat.common import DummyWandb, print0
 
 
 def read_metrics(path):
-    """The records of a metrics.jsonl file, in order."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a metrics.jsonl file, in order; a line that is not a record is named (file:line)."""
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                record, why = None, f"is not JSON ({e}; a crash on a full disk can cut the last line short)"
+            else:
+                why = "is not a record with a 'step'"
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError(f"{path}:{lineno} {why}: {line.strip()[:80]!r}. Delete that line (the other records "
+                                 f"are kept) and run again")
+            records.append(record)
+    return records
 
 
 def _clean(value):

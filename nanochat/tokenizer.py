@@ -12,6 +12,7 @@ import copy
 import os
 import pickle
 import sys
+import zipfile
 
 import tiktoken
 
@@ -38,6 +39,20 @@ SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| 
 
 TOKENIZER_FILENAME = "tokenizer.pkl"
 TOKEN_BYTES_FILENAME = "token_bytes.pt"
+_TOKENIZER_FIX = (
+    "models trained with the tokenizer need that exact file, so restore it from a copy if you have one; otherwise "
+    "train a new one with `python -m scripts.tok_train` (and then the models too)"
+)
+_TOKEN_BYTES_FIX = (
+    "recompute it from tokenizer.pkl (no retraining): "
+    "python -c 'from nanochat.tokenizer import rebuild_token_bytes; rebuild_token_bytes()'"
+)
+
+
+def _short_error(e):
+    """An exception's type and first sentence (torch's load errors go on for paragraphs)."""
+    first = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:200]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 class RustBPETokenizer:
@@ -88,10 +103,19 @@ class RustBPETokenizer:
                 f"no tokenizer at {path}: train one with `python -m scripts.tok_train` "
                 f"(it writes base_dir/tokenizer/{TOKENIZER_FILENAME})"
             )
-        with open(path, "rb") as f:
-            enc = pickle.load(f)
+        try:
+            with open(path, "rb") as f:
+                enc = pickle.load(f)
+        except (PermissionError, IsADirectoryError, MemoryError):
+            raise
+        except Exception as e:  # EOFError (empty), UnpicklingError (truncated, garbage), an unknown class, ...
+            size = os.path.getsize(path)
+            why = ("is empty (0 bytes)" if size == 0
+                   else f"is truncated or not a pickled tokenizer ({size:,} bytes)"
+                   if isinstance(e, (EOFError, pickle.UnpicklingError)) else f"cannot be unpickled ({size:,} bytes)")
+            raise ValueError(f"{path} {why} ({_short_error(e)}): {_TOKENIZER_FIX}") from e
         if not isinstance(enc, tiktoken.Encoding):
-            raise ValueError(f"{path} does not hold a tiktoken.Encoding (got {type(enc).__name__})")
+            raise ValueError(f"{path} does not hold a tiktoken.Encoding (got {type(enc).__name__}): {_TOKENIZER_FIX}")
         return cls(enc, "<|bos|>")
 
     def save(self, tokenizer_dir):
@@ -314,13 +338,47 @@ def save_token_bytes(token_bytes, tokenizer_dir):
 
 
 def get_token_bytes(device="cpu"):
-    """The token_bytes.pt saved by scripts.tok_train, on `device`."""
+    """The token_bytes.pt saved by scripts.tok_train, on `device`; checked against tokenizer.pkl beside it."""
     import torch
 
     from nanochat.common import get_base_dir
 
-    path = os.path.join(get_base_dir(), "tokenizer", TOKEN_BYTES_FILENAME)
+    tokenizer_dir = os.path.join(get_base_dir(), "tokenizer")
+    path = os.path.join(tokenizer_dir, TOKEN_BYTES_FILENAME)
+    have_tokenizer = os.path.exists(os.path.join(tokenizer_dir, TOKENIZER_FILENAME))
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no token bytes at {path}: train the tokenizer with `python -m scripts.tok_train`")
-    with open(path, "rb") as f:
-        return torch.load(f, map_location=device)
+        fix = _TOKEN_BYTES_FIX if have_tokenizer else "train the tokenizer with `python -m scripts.tok_train`"
+        raise FileNotFoundError(f"no token bytes at {path}: {fix}")
+    try:
+        with open(path, "rb") as f:
+            token_bytes = torch.load(f, map_location=device)
+    except (PermissionError, IsADirectoryError, MemoryError):
+        raise
+    except Exception as e:
+        size = os.path.getsize(path)
+        why = ("is empty (0 bytes)" if size == 0
+               else f"is truncated or not a torch file ({size:,} bytes)" if not zipfile.is_zipfile(path)
+               else "cannot be read")
+        raise ValueError(f"{path} {why} ({_short_error(e)}): {_TOKEN_BYTES_FIX}") from e
+    if not isinstance(token_bytes, torch.Tensor) or token_bytes.dim() != 1 or token_bytes.is_floating_point():
+        what = f"a {tuple(token_bytes.shape)} {token_bytes.dtype} tensor" if isinstance(token_bytes, torch.Tensor) \
+            else f"a {type(token_bytes).__name__}"
+        raise ValueError(f"{path} holds {what}, not one integer byte count per token id: {_TOKEN_BYTES_FIX}")
+    if have_tokenizer:
+        vocab_size = RustBPETokenizer.from_directory(tokenizer_dir).get_vocab_size()
+        if len(token_bytes) != vocab_size:
+            raise ValueError(
+                f"{path} has {len(token_bytes):,} entries but the tokenizer beside it has {vocab_size:,} tokens: "
+                f"they come from different tokenizers; {_TOKEN_BYTES_FIX}"
+            )
+    return token_bytes
+
+
+def rebuild_token_bytes(tokenizer_dir=None):
+    """Recompute token_bytes.pt from tokenizer.pkl (the fix for a missing or damaged one); returns its path."""
+    from nanochat.common import get_base_dir
+
+    tokenizer_dir = tokenizer_dir or os.path.join(get_base_dir(), "tokenizer")
+    path = save_token_bytes(compute_token_bytes(RustBPETokenizer.from_directory(tokenizer_dir)), tokenizer_dir)
+    print(f"Saved token_bytes to {path}")
+    return path

@@ -18,12 +18,13 @@ The pieces of a training run that base, mid and SFT training share (RL reuses th
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
 from nanochat.batching import batch_arithmetic  # noqa: F401  (the scripts import it from here)
-from nanochat.checkpoint_manager import load_checkpoint, save_checkpoint
+from nanochat.checkpoint_manager import SHAPE_FIELDS, load_checkpoint, save_checkpoint
 from nanochat.common import device_type_flag, peak_flops_for, print0
 from nanochat.dist import all_reduce_mean, compute_init, gather_objects, get_dist_info
 from nanochat.parallel import DataParallel
@@ -350,13 +351,53 @@ def load_train_state(checkpoint_dir, step, model, optimizers, device, parallel=N
             f"data position are per rank, so resume with --nproc_per_node/--nnodes giving {saved_world} ranks"
         )
     parallel.check_resume(meta, step)
-    parallel.load_model_state_dict(model, model_sd)
+    check_resume_model_config(meta, model, checkpoint_dir, step)
+    optim_path = os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank:d}.pt")
+    saved_muon = (meta.get("user_config") or {}).get("use_muon")
+    fix = (f"resume with the optimizer flags of the run that saved step {step}"
+           + (f" (--use_muon={int(saved_muon)})" if isinstance(saved_muon, bool) else ""))
     if len(optim_sd) != len(optimizers):
-        raise ValueError(f"checkpoint has {len(optim_sd)} optimizer states but the run built {len(optimizers)}")
+        raise ValueError(f"{optim_path} holds {len(optim_sd)} optimizer states but this run built {len(optimizers)}: {fix}")
+    parallel.load_model_state_dict(model, model_sd)
     for opt, sd in zip(optimizers, optim_sd):
-        opt.load_state_dict(sd)
+        try:
+            opt.load_state_dict(sd)
+        except (ValueError, KeyError) as e:  # torch: "loaded state dict contains a parameter group that doesn't match"
+            raise ValueError(f"{optim_path} does not fit this run's {type(opt).__name__} ({e}): {fix}") from e
     loader_states = meta.get("loader_state") or [meta.get("dataloader_state_dict")]
     return meta, loader_states[rank] if rank < len(loader_states) else None
+
+
+def check_resume_model_config(meta, model, checkpoint_dir, step):
+    """Refuse to resume a step saved by another model shape (e.g. another --depth), naming both configs."""
+    saved, run_config = meta.get("model_config"), getattr(model, "config", None)
+    if not isinstance(saved, dict) or run_config is None:
+        return  # metas without a model_config (tests, old runs): the state dict load still checks the shapes
+    diff = [f for f in SHAPE_FIELDS if f in saved and saved[f] != getattr(run_config, f, None)]
+    if diff:
+        depth = (meta.get("user_config") or {}).get("depth")
+        raise ValueError(
+            f"step {step} in {checkpoint_dir} holds a model with "
+            f"{', '.join(f'{f}={saved[f]}' for f in diff)} but this run builds "
+            f"{', '.join(f'{f}={getattr(run_config, f, None)}' for f in diff)}: resume with the model flags of the run "
+            f"that saved it{f' (--depth={depth})' if depth is not None else ''}; they are in the user_config of "
+            f"meta_{step:06d}.json"
+        )
+
+
+def resume_loop_state(meta, checkpoint_dir, step, keys):
+    """meta["loop_state"], checked to hold `keys`: a step saved by another script or by nanochat cannot resume here."""
+    loop = meta.get("loop_state")
+    missing = sorted(set(keys) - set(loop)) if isinstance(loop, dict) else sorted(keys)
+    if missing:
+        raise ValueError(
+            f"{os.path.join(checkpoint_dir, f'meta_{step:06d}.json')} has no loop state to resume from (missing "
+            f"loop_state {', '.join(missing)}): step {step} was not saved by this repo's base_train (a nanochat "
+            f"checkpoint, or a hand-edited meta), so the run cannot continue from it"
+            + (". Its model still loads for the later stages (mid_train, chat_cli, base_loss)"
+               if isinstance(meta.get("model_config"), dict) else "")
+        )
+    return loop
 
 
 def save_stage_model(checkpoint_dir, step, model, meta, parallel=None):

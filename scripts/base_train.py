@@ -30,7 +30,8 @@ from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.training import (
     CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, ProgressMeter, apply_schedule, assert_finite, batch_arithmetic,
     build_model, eval_steps_for, every, format_duration, apply_model_options, check_model_options, load_train_state,
-    lr_multiplier, memory_flags, muon_momentum, optimizer_flags, run_flags, save_train_state, setup_run, train_step
+    lr_multiplier, memory_flags, muon_momentum, optimizer_flags, resume_loop_state, run_flags, save_train_state, setup_run,
+    train_step
 )
 
 CORE_MAX_PER_TASK = 500  # --core_metric_max_per_task=auto on GPU (nanochat's)
@@ -173,7 +174,7 @@ def main(argv=None):
     if config["resume_from_step"] >= 0:
         start_step = config["resume_from_step"]
         meta, my_state = load_train_state(checkpoint_dir, start_step, orig_model, optimizers, device, parallel)
-        loop = meta["loop_state"]
+        loop = resume_loop_state(meta, checkpoint_dir, start_step, ("meter", "min_val_bpb", "data_loader_states"))
         meter.load_state_dict(loop["meter"])
         min_val_bpb, val_bpb = loop["min_val_bpb"], meta.get("val_bpb")
         loader_states = loop["data_loader_states"] if world_size == 1 else [my_state]

@@ -108,6 +108,42 @@ def test_resume_refuses_other_parallelism_path(tmp_path):
     FSDP().check_resume({"user_config": {"use_fsdp": True}}, 3)
 
 
+def test_resume_refuses_another_model_shape_and_a_meta_without_loop_state(tmp_path):
+    """Resuming with another --depth names both shapes and the flag; a meta with no loop state names the file."""
+    from nanochat.gpt import GPTConfig
+
+    def cfg(n_layer):
+        return GPTConfig(sequence_len=16, vocab_size=64, n_layer=n_layer, n_head=1, n_kv_head=1, n_embd=64)
+
+    saved = training.build_model(cfg(2), "cpu")
+    training.save_train_state(str(tmp_path), 3, saved, saved.setup_optimizers(),
+                              {"model_config": vars(cfg(2)), "user_config": {"depth": 2}})
+    other = training.build_model(cfg(1), "cpu")
+    with pytest.raises(ValueError, match=r"holds a model with n_layer=2 but this run builds n_layer=1: resume with the "
+                                         r"model flags of the run that saved it \(--depth=2\)"):
+        training.load_train_state(str(tmp_path), 3, other, other.setup_optimizers(), "cpu")
+    meta, _ = training.load_train_state(str(tmp_path), 3, saved, saved.setup_optimizers(), "cpu")
+    with pytest.raises(ValueError, match=r"meta_000003.json has no loop state to resume from \(missing loop_state "
+                                         r"meter\).*Its model still loads"):
+        training.resume_loop_state(meta, str(tmp_path), 3, ("meter",))
+    assert training.resume_loop_state({"loop_state": {"meter": 1}}, str(tmp_path), 3, ("meter",)) == {"meter": 1}
+
+
+def test_resume_with_other_optimizers_names_the_file_and_the_flag(tmp_path):
+    from nanochat.gpt import GPTConfig
+
+    model = training.build_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=64), "cpu")
+    training.save_train_state(str(tmp_path), 3, model, model.setup_optimizers(use_muon=True),
+                              {"user_config": {"use_muon": True}})
+    with pytest.raises(ValueError, match=r"optim_000003_rank0\.pt holds 2 optimizer states but this run built 1: resume "
+                                         r"with the optimizer flags of the run that saved step 3 \(--use_muon=1\)"):
+        training.load_train_state(str(tmp_path), 3, model, model.setup_optimizers(use_muon=False), "cpu")
+    optimizers = model.setup_optimizers(use_muon=True)
+    optimizers.reverse()  # same count, other parameter groups
+    with pytest.raises(ValueError, match=r"optim_000003_rank0\.pt does not fit this run's .*--use_muon=1"):
+        training.load_train_state(str(tmp_path), 3, model, optimizers, "cpu")
+
+
 def test_parallel_strategy_from_flags():
     from nanochat.parallel import FSDP, DataParallel, parallel_from_config
 

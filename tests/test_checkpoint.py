@@ -205,3 +205,112 @@ def test_bf16_loaded_model_runs_forward(tmp_path):
         got, want = model(idx), ref(idx)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     assert (got - want).abs().max() < 0.05 * want.abs().max() + 0.05
+
+
+# -----------------------------------------------------------------------------
+# hostile files: a truncated, empty or foreign file is named, with the way out
+
+
+def _damage(path, how):
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[: len(data) // 2], "empty": b"", "garbage": os.urandom(3000)}[how])
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty", "garbage"])
+def test_damaged_model_file_is_named_with_the_previous_step(tmp_path, how):
+    d = tmp_path / "d4"
+    for step in (10, 20):
+        cm.save_checkpoint(str(d), step, _tiny_state(step), [{}], {"step": step})
+    _damage(d / "model_000020.pt", how)
+    assert cm.find_last_step(str(d)) == 20  # discovery goes by names; the load says what is wrong
+    with pytest.raises(ValueError) as e:
+        cm.load_checkpoint(str(d), 20, "cpu")
+    msg = str(e.value)
+    assert str(d / "model_000020.pt") in msg
+    assert ("empty (0 bytes)" if how == "empty" else "truncated or not a torch file") in msg
+    assert "previous complete step 10" in msg and "model_000020.pt, meta_000020.json, optim_000020_rank*.pt" in msg
+    assert "--resume_from_step=10" in msg
+    # following the advice works: step 20's files moved aside, the last step is 10 and it loads
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    for f in d.glob("*_000020*"):
+        f.rename(aside / f.name)
+    assert cm.find_last_step(str(d)) == 10
+    cm.load_checkpoint(str(d), 10, "cpu", load_optimizer=True)
+
+
+def test_damaged_only_step_says_there_is_nothing_to_fall_back_to(tmp_path):
+    cm.save_checkpoint(str(tmp_path), 5, _tiny_state(0), None, {"step": 5})
+    _damage(tmp_path / "model_000005.pt", "truncated")
+    with pytest.raises(ValueError, match="no earlier complete step"):
+        cm.load_checkpoint(str(tmp_path), 5, "cpu")
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty", "garbage"])
+def test_damaged_optimizer_shard_is_named(tmp_path, how):
+    cm.save_checkpoint(str(tmp_path), 5, _tiny_state(0), [{"state": {0: {"m": torch.ones(100)}}}], {"step": 5})
+    optim = tmp_path / "optim_000005_rank0.pt"
+    _damage(optim, how)
+    with pytest.raises(ValueError) as e:
+        cm.load_checkpoint(str(tmp_path), 5, "cpu", load_optimizer=True)
+    assert f"checkpoint optimizer state {optim}" in str(e.value) and "later stages still load it" in str(e.value)
+    cm.load_checkpoint(str(tmp_path), 5, "cpu")  # the model alone still loads
+
+
+@pytest.mark.parametrize("content, why", [
+    (b'{"step": 5, "model_con', "truncated, empty or not JSON"),
+    (b"", "truncated, empty or not JSON"),
+    (b"\xfb\x00\x17binary", "truncated, empty or not JSON"),
+    (b"[1, 2]", "holds a JSON list, not an object"),
+])
+def test_damaged_meta_is_named(tmp_path, content, why):
+    cm.save_checkpoint(str(tmp_path), 5, _tiny_state(0), None, {"step": 5})
+    meta = tmp_path / "meta_000005.json"
+    meta.write_bytes(content)
+    with pytest.raises(ValueError) as e:
+        cm.load_checkpoint(str(tmp_path), 5, "cpu")
+    assert f"checkpoint meta {meta} " in str(e.value) and why in str(e.value)
+
+
+def test_missing_step_lists_the_complete_ones(tmp_path):
+    for step in (10, 20):
+        cm.save_checkpoint(str(tmp_path), step, _tiny_state(step), None, {"step": step})
+    with pytest.raises(FileNotFoundError, match=r"model_000015.pt does not exist \(complete steps in .*: 10, 20\)"):
+        cm.load_checkpoint(str(tmp_path), 15, "cpu")
+
+
+def _tiny_gpt_checkpoint(d, meta_config_changes=None, drop_config=False):
+    from nanochat.gpt import GPT, GPTConfig
+
+    cfg = dict(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in GPT(GPTConfig(**cfg)).state_dict().items()}
+    state = {k: torch.zeros(s) for k, s in shapes.items()}
+    meta = {"step": 1} if drop_config else {"step": 1, "model_config": dict(cfg, **(meta_config_changes or {}))}
+    cm.save_checkpoint(str(d), 1, state, None, meta)
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"n_layer": 1}, "n_layer=1, n_head=2, n_kv_head=2, n_embd=64) does not match the weights in"),
+    ({"n_layer": 1}, "6 unexpected tensor(s) in the weights, e.g. transformer.h.1."),
+    ({"n_layer": 3}, "6 tensor(s) missing from the weights, e.g. transformer.h.2."),
+    ({"n_embd": 32}, "of other shape, e.g. transformer.wte.weight is [64, 64] in the weights, [64, 32] for the config"),
+    ({"vocab_size": 128}, "vocab_size=128"),
+])
+def test_meta_config_that_does_not_match_the_weights_names_both(tmp_path, changes, says):
+    _tiny_gpt_checkpoint(tmp_path, changes)
+    with pytest.raises(ValueError) as e:
+        cm.build_model(str(tmp_path), 1, "cpu", "eval")
+    msg = str(e.value)
+    assert str(tmp_path / "meta_000001.json") in msg and str(tmp_path / "model_000001.pt") in msg
+    assert "(n_layer=2, vocab_size=64, n_embd=64)" in msg  # what the weights are
+    assert says in msg, msg
+
+
+def test_meta_without_usable_model_config_is_named(tmp_path):
+    _tiny_gpt_checkpoint(tmp_path / "a", drop_config=True)
+    with pytest.raises(ValueError, match=r"meta_000001.json has no model_config object \(its keys: \['step'\]\)"):
+        cm.build_model(str(tmp_path / "a"), 1, "cpu", "eval")
+    _tiny_gpt_checkpoint(tmp_path / "b", {"n_layers": 2})
+    with pytest.raises(ValueError, match=r"model_config in .*meta_000001.json is not a GPTConfig .*n_layers"):
+        cm.build_model(str(tmp_path / "b"), 1, "cpu", "eval")

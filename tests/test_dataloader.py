@@ -263,6 +263,24 @@ def test_empty_row_groups_are_skipped_and_all_empty_errors(tmp_path):
         next(loader(data_dir, B=1, T=4, rank=0, world_size=2))
 
 
+def test_damaged_shards_and_a_split_without_documents_are_named(data):
+    """The loader reads through nanochat.dataset's checks: a bad shard is named with its fix (tests/test_dataset.py
+    covers every kind of damage), and so is a split whose shards hold no rows."""
+    data_dir, _, _ = data
+    val = data_dir / "shard_00003.parquet"
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), val)
+    with pytest.raises(ValueError, match=r"the val split holds no documents: .*shard_00003\.parquet has 0 rows \(the "
+                                         r"last shard is the validation split\): move shard_00003\.parquet out"):
+        loader(data_dir, split="val")
+    val.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"shard .*shard_00003\.parquet is empty \(0 bytes\)"):
+        loader(data_dir, split="val")
+    train = data_dir / "shard_00002.parquet"
+    train.write_bytes(train.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"shard .*shard_00002\.parquet is truncated or not a parquet file"):
+        loader(data_dir)
+
+
 def test_loader_on_imported_corpus(tmp_path):
     from nanochat.dataset import import_corpus
 

@@ -92,6 +92,63 @@ def test_missing_shards_errors_name_the_command(tmp_path):
         next(parquets_iter_batched("val", data_dir=tmp_path))
 
 
+def _damage_row_group(path, rg):
+    """Overwrite bytes in the middle of row group `rg`'s compressed text column: the footer stays valid."""
+    col = pq.ParquetFile(path).metadata.row_group(rg).column(0)
+    start = col.dictionary_page_offset or col.data_page_offset
+    data = bytearray(Path(path).read_bytes())
+    mid = start + col.total_compressed_size // 2
+    data[mid : mid + 16] = b"\xff" * 16
+    Path(path).write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how, says", [
+    ("truncated", r"is truncated or not a parquet file \([\d,]+ bytes\) \(ArrowInvalid"),
+    ("empty", r"is empty \(0 bytes\)"),
+    ("garbage", r"is truncated or not a parquet file"),
+    ("no_text", r"has no 'text' column \(columns: \['content'\]\)"),
+    ("int_text", r"the 'text' column holds int64, not strings"),
+    ("damaged_row_group", r": row group 1 cannot be read, the file is damaged \(OSError: ZSTD"),
+])
+@pytest.mark.parametrize("imported", [False, True])
+def test_damaged_shard_is_named_with_the_fix(tmp_path, how, says, imported):
+    """A bad shard stops the reader with its path and how to replace it (re-download, or re-import)."""
+    docs = [f"document {i} " + "word " * (i % 50) for i in range(400)]
+    bad = tmp_path / "shard_00000.parquet"
+    pq.write_table(pa.table({"text": docs}), bad, row_group_size=100, compression="zstd")
+    write_shard(tmp_path / "shard_00001.parquet", ["val"], 1)
+    if imported:
+        (tmp_path / dataset.IMPORT_INFO).write_text("{}")
+    data = bad.read_bytes()
+    if how == "truncated":
+        bad.write_bytes(data[: len(data) // 2])
+    elif how == "empty":
+        bad.write_bytes(b"")
+    elif how == "garbage":
+        bad.write_bytes(b"not a parquet file at all" * 100)
+    elif how == "no_text":
+        pq.write_table(pa.table({"content": docs}), bad)
+    elif how == "int_text":
+        pq.write_table(pa.table({"text": list(range(10))}), bad)
+    else:
+        _damage_row_group(bad, 1)
+    fix = r"import it again with `python -m nanochat.dataset import" if imported else (
+        r"move shard_00000.parquet out of .* and run `python -m nanochat.dataset -n N` again")
+    with pytest.raises(ValueError, match=re.escape(str(bad)) + ".*" + says + ".*" + fix):
+        list(parquets_iter_batched("train", data_dir=tmp_path))
+
+
+def test_import_names_a_damaged_input_parquet(tmp_path):
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.parquet is empty, truncated or not a parquet file"):
+        list(iter_file_documents(str(tmp_path / "empty.parquet"), log=lambda *a: None))
+    docs = [f"document {i} " + "word " * (i % 50) for i in range(400)]
+    pq.write_table(pa.table({"text": docs}), tmp_path / "in.parquet", row_group_size=100, compression="zstd")
+    _damage_row_group(tmp_path / "in.parquet", 1)
+    with pytest.raises(ValueError, match=r"in\.parquet: row group 1 cannot be read, the file is damaged"):
+        list(iter_file_documents(str(tmp_path / "in.parquet"), log=lambda *a: None))
+
+
 def test_default_data_dir_is_base_dir_base_data(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     assert dataset.get_data_dir() == str(tmp_path / "base_data")

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from nanochat.metrics import MetricsLogger, read_metrics
@@ -64,6 +65,24 @@ def test_fresh_run_truncates_and_resume_keeps_the_run_before_its_step(tmp_path):
     assert read_metrics(path)[-1] == {"step": 2, "val/bpb": 8.0}
     MetricsLogger(str(path))  # a fresh run in the same directory starts a fresh file
     assert read_metrics(path) == []
+
+
+def test_resume_names_a_damaged_metrics_line_and_keeps_the_file(tmp_path):
+    """A line cut short (a crash on a full disk) or without a step stops the resume with file:line, not a raw
+    JSONDecodeError/KeyError, and the file is left as it was."""
+    path = tmp_path / "metrics.jsonl"
+    m = MetricsLogger(str(path))
+    for step in range(1, 4):
+        m.log(step, {"train/loss": float(step)})
+    good = path.read_text()
+    for bad, says in [('{"step": 4, "train/lo', r"metrics.jsonl:4 is not JSON \(.*a crash on a full disk can cut the last line short\)"),
+                      ('{"steps": 4}', r"metrics.jsonl:4 is not a record with a 'step'")]:
+        path.write_text(good + bad + "\n")
+        with pytest.raises(ValueError, match=says + r".*Delete that line"):
+            MetricsLogger(str(path), resume_step=2)
+        assert path.read_text() == good + bad + "\n"
+    path.write_text(good)
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
 
 
 def test_other_ranks_and_dry_runs_write_nothing(tmp_path, monkeypatch, capsys):

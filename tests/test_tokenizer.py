@@ -5,6 +5,7 @@ tok_train / tok_eval scripts end to end.
 
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,24 @@ def test_save_and_from_directory(trained, tmp_path):
     assert loaded.get_vocab_size() == VOCAB and loaded.get_bos_token_id() == tok.get_bos_token_id()
     with pytest.raises(FileNotFoundError, match="tok_train"):
         RustBPETokenizer.from_directory(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("how, why", [
+    ("truncated", r"is truncated or not a pickled tokenizer \([\d,]+ bytes\) \(UnpicklingError"),
+    ("empty", r"is empty \(0 bytes\) \(EOFError"),
+    ("garbage", r"is truncated or not a pickled tokenizer"),
+    ("json", r"is truncated or not a pickled tokenizer"),
+    ("other_object", r"does not hold a tiktoken.Encoding \(got dict\)"),
+])
+def test_damaged_tokenizer_pkl_is_named_with_the_fix(trained, tmp_path, how, why):
+    tok, _, _ = trained
+    path = tmp_path / "tokenizer.pkl"
+    tok.save(str(tmp_path))
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[: len(data) // 2], "empty": b"", "garbage": b"\xcd\x01" * 500,
+                      "json": b'{"not": "a pickle"}', "other_object": pickle.dumps({"a": 1})}[how])
+    with pytest.raises(ValueError, match=re.escape(str(path)) + " " + why + r".*restore it from a copy.*scripts\.tok_train"):
+        RustBPETokenizer.from_directory(str(tmp_path))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -300,6 +319,40 @@ def test_tok_train_and_eval_end_to_end(tmp_path, monkeypatch):
     # offline, the reference vocabularies are reported as missing; online they are compared
     for name in ("gpt2", "gpt4"):
         assert f"{name} (" in p.stdout and ("not compared" in p.stdout or f"{name} tokens" in p.stdout)
+
+
+@pytest.mark.parametrize("how, why", [
+    ("missing", r"no token bytes at .*token_bytes\.pt"),
+    ("empty", r"token_bytes\.pt is empty \(0 bytes\)"),
+    ("truncated", r"token_bytes\.pt is truncated or not a torch file"),
+    ("garbage", r"token_bytes\.pt is truncated or not a torch file \(3,000 bytes\)"),
+    ("floats", r"token_bytes\.pt holds a \(4096,\) torch\.float32 tensor, not one integer byte count per token id"),
+    ("other_vocab", r"token_bytes\.pt has 100 entries but the tokenizer beside it has [\d,]+ tokens"),
+])
+def test_damaged_token_bytes_is_named_and_rebuilt_from_the_tokenizer(trained, tmp_path, monkeypatch, how, why):
+    """A missing or damaged token_bytes.pt points at rebuild_token_bytes, which recomputes it from tokenizer.pkl."""
+    from nanochat.tokenizer import rebuild_token_bytes, save_token_bytes
+
+    tok, _, _ = trained
+    tok_dir = tmp_path / "tokenizer"
+    tok.save(str(tok_dir))
+    want = compute_token_bytes(tok)
+    path = tok_dir / "token_bytes.pt"
+    save_token_bytes(want, str(tok_dir))
+    data = path.read_bytes()
+    if how == "missing":
+        path.unlink()
+    elif how == "floats":
+        torch.save(torch.ones(4096), path)
+    elif how == "other_vocab":
+        torch.save(torch.ones(100, dtype=torch.int32), path)
+    else:
+        path.write_bytes({"empty": b"", "truncated": data[: len(data) // 2], "garbage": os.urandom(3000)}[how])  # any garbage
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    with pytest.raises((ValueError, FileNotFoundError), match=why + r".*rebuild_token_bytes\(\)"):
+        get_token_bytes("cpu")
+    rebuild_token_bytes()  # the fix the message gives
+    assert torch.equal(get_token_bytes("cpu"), want)
 
 
 @pytest.mark.slow  # a script in a subprocess

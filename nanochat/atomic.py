@@ -2,10 +2,14 @@
 Atomic file writes, shared by checkpoints, the tokenizer and the data shards: write a temp file next to the target,
 fsync it, rename it over the target, fsync the directory. Readers see the old file or the new one, never half of one,
 and a crash mid-write leaves the previous file in place. No torch import here: the data tools use it too.
+
+And the other side, for readers that name a damaged file (a copy cut short, an empty file): `short_error` and
+`torch_file_problem`.
 """
 
 import os
 import tempfile
+import zipfile
 
 
 def fsync_dir(path):
@@ -42,3 +46,19 @@ def atomic_write(path, write):
             os.unlink(tmp)
         raise
     fsync_dir(directory)
+
+
+def short_error(e):
+    """An exception's type and first sentence: torch's and pyarrow's load errors go on for paragraphs."""
+    first = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:200]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def torch_file_problem(path):
+    """What is wrong with a file torch.load could not read, when it shows in the file itself (else None)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return "is empty (0 bytes)"
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive whose directory is at the end
+        return f"is truncated or not a torch file ({size:,} bytes, no zip directory at its end)"
+    return None

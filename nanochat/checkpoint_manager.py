@@ -16,11 +16,10 @@ import json
 import logging
 import os
 import re
-import zipfile
 
 import torch
 
-from nanochat.atomic import atomic_write
+from nanochat.atomic import atomic_write, short_error, torch_file_problem
 from nanochat.common import barrier, get_base_dir, setup_default_logging
 
 setup_default_logging()
@@ -128,12 +127,6 @@ def _move_aside_hint(checkpoint_dir, step):
     return f"copy it again if it came from elsewhere; there is no earlier complete step in {checkpoint_dir} to fall back to"
 
 
-def _short(e):
-    lines = str(e).strip().splitlines()
-    first = lines[0].split(". ")[0][:200] if lines else ""
-    return f"{type(e).__name__}: {first}" if first else type(e).__name__
-
-
 def _torch_load_file(path, what, checkpoint_dir, step, **kwargs):
     """torch.load that names the file and the way out when it is truncated or not a torch file at all."""
     try:
@@ -141,13 +134,7 @@ def _torch_load_file(path, what, checkpoint_dir, step, **kwargs):
     except (PermissionError, IsADirectoryError, MemoryError):
         raise
     except Exception as e:
-        size = os.path.getsize(path)
-        if size == 0:
-            why = "is empty (0 bytes)"
-        elif not zipfile.is_zipfile(path):  # torch.save writes a zip archive whose directory is at the end
-            why = f"is truncated or not a torch file ({size:,} bytes, no zip directory at its end)"
-        else:
-            why = f"cannot be read ({_short(e)})"
+        why = torch_file_problem(path) or f"cannot be read ({short_error(e)})"
         also = (f" (the model of step {step} does not need it: later stages still load it)"
                 if what == "optimizer state" else "")
         raise ValueError(f"checkpoint {what} {path} {why}: {_move_aside_hint(checkpoint_dir, step)}{also}") from e
@@ -160,7 +147,7 @@ def read_meta(meta_path, checkpoint_dir, step):
             meta = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(
-            f"checkpoint meta {meta_path} is truncated, empty or not JSON ({_short(e)}): "
+            f"checkpoint meta {meta_path} is truncated, empty or not JSON ({short_error(e)}): "
             f"{_move_aside_hint(checkpoint_dir, step)}"
         ) from e
     if not isinstance(meta, dict):

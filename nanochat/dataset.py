@@ -21,6 +21,7 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from nanochat.atomic import short_error
 from nanochat.configurator import Flag, Flags
 
 # -----------------------------------------------------------------------------
@@ -111,11 +112,6 @@ def shard_fix(path):
             f"downloads only the shards that are missing, so the file comes back whole)")
 
 
-def _unreadable(e):
-    first = (str(e).strip().splitlines() or [""])[0][:200]
-    return f"{type(e).__name__}: {first}" if first else type(e).__name__
-
-
 def open_shard(path):
     """pq.ParquetFile of a shard with a text column; an empty, truncated or foreign file is named with the fix."""
     try:
@@ -125,7 +121,7 @@ def open_shard(path):
     except (pa.ArrowException, OSError) as e:  # ArrowInvalid for a bad footer, OSError for I/O-level damage
         size = os.path.getsize(path)
         why = "is empty (0 bytes)" if size == 0 else f"is truncated or not a parquet file ({size:,} bytes)"
-        raise ValueError(f"shard {path} {why} ({_unreadable(e)}): {shard_fix(path)}") from e
+        raise ValueError(f"shard {path} {why} ({short_error(e)}): {shard_fix(path)}") from e
     try:
         check_text_column(pf, path)
     except ValueError as e:
@@ -138,7 +134,7 @@ def read_texts(pf, path, rg):
     try:
         return pf.read_row_group(rg, columns=["text"]).column("text").to_pylist()
     except (pa.ArrowException, OSError) as e:  # e.g. "ZSTD decompression failed: Data corruption detected"
-        raise ValueError(f"shard {path}: row group {rg} cannot be read, the file is damaged ({_unreadable(e)}): "
+        raise ValueError(f"shard {path}: row group {rg} cannot be read, the file is damaged ({short_error(e)}): "
                          f"{shard_fix(path)}") from e
 
 

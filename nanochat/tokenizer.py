@@ -12,11 +12,10 @@ import copy
 import os
 import pickle
 import sys
-import zipfile
 
 import tiktoken
 
-from nanochat.atomic import atomic_write
+from nanochat.atomic import atomic_write, short_error, torch_file_problem
 
 SPECIAL_TOKENS = [
     # every document begins with the Beginning of Sequence token, which also delimits documents
@@ -47,12 +46,6 @@ _TOKEN_BYTES_FIX = (
     "recompute it from tokenizer.pkl (no retraining): "
     "python -c 'from nanochat.tokenizer import rebuild_token_bytes; rebuild_token_bytes()'"
 )
-
-
-def _short_error(e):
-    """An exception's type and first sentence (torch's load errors go on for paragraphs)."""
-    first = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:200]
-    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 class RustBPETokenizer:
@@ -113,7 +106,7 @@ class RustBPETokenizer:
             why = ("is empty (0 bytes)" if size == 0
                    else f"is truncated or not a pickled tokenizer ({size:,} bytes)"
                    if isinstance(e, (EOFError, pickle.UnpicklingError)) else f"cannot be unpickled ({size:,} bytes)")
-            raise ValueError(f"{path} {why} ({_short_error(e)}): {_TOKENIZER_FIX}") from e
+            raise ValueError(f"{path} {why} ({short_error(e)}): {_TOKENIZER_FIX}") from e
         if not isinstance(enc, tiktoken.Encoding):
             raise ValueError(f"{path} does not hold a tiktoken.Encoding (got {type(enc).__name__}): {_TOKENIZER_FIX}")
         return cls(enc, "<|bos|>")
@@ -355,11 +348,8 @@ def get_token_bytes(device="cpu"):
     except (PermissionError, IsADirectoryError, MemoryError):
         raise
     except Exception as e:
-        size = os.path.getsize(path)
-        why = ("is empty (0 bytes)" if size == 0
-               else f"is truncated or not a torch file ({size:,} bytes)" if not zipfile.is_zipfile(path)
-               else "cannot be read")
-        raise ValueError(f"{path} {why} ({_short_error(e)}): {_TOKEN_BYTES_FIX}") from e
+        why = torch_file_problem(path) or "cannot be read"
+        raise ValueError(f"{path} {why} ({short_error(e)}): {_TOKEN_BYTES_FIX}") from e
     if not isinstance(token_bytes, torch.Tensor) or token_bytes.dim() != 1 or token_bytes.is_floating_point():
         what = f"a {tuple(token_bytes.shape)} {token_bytes.dtype} tensor" if isinstance(token_bytes, torch.Tensor) \
             else f"a {type(token_bytes).__name__}"

@@ -325,7 +325,7 @@ def test_tok_train_and_eval_end_to_end(tmp_path, monkeypatch):
     ("missing", r"no token bytes at .*token_bytes\.pt"),
     ("empty", r"token_bytes\.pt is empty \(0 bytes\)"),
     ("truncated", r"token_bytes\.pt is truncated or not a torch file"),
-    ("garbage", r"token_bytes\.pt is truncated or not a torch file \(3,000 bytes\)"),
+    ("garbage", r"token_bytes\.pt is truncated or not a torch file \(3,000 bytes, no zip directory at its end\)"),
     ("floats", r"token_bytes\.pt holds a \(4096,\) torch\.float32 tensor, not one integer byte count per token id"),
     ("other_vocab", r"token_bytes\.pt has 100 entries but the tokenizer beside it has [\d,]+ tokens"),
 ])

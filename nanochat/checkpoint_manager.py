@@ -104,14 +104,19 @@ def is_step_complete(checkpoint_dir, step):
     return os.path.exists(model_path) and os.path.exists(meta_path)
 
 
-def complete_steps(checkpoint_dir):
-    """The complete steps (model and meta both present) in a checkpoint directory, sorted."""
+def _model_steps(checkpoint_dir):
+    """Every step with a model_<step>.pt in a checkpoint directory, complete or not."""
     steps = set()
     for path in glob.glob(os.path.join(checkpoint_dir, "model_*.pt")):
         m = re.fullmatch(r"model_(\d+)\.pt", os.path.basename(path))
         if m:
             steps.add(int(m.group(1)))
-    return sorted(s for s in steps if is_step_complete(checkpoint_dir, s))
+    return steps
+
+
+def complete_steps(checkpoint_dir):
+    """The complete steps (model and meta both present) in a checkpoint directory, sorted."""
+    return sorted(s for s in _model_steps(checkpoint_dir) if is_step_complete(checkpoint_dir, s))
 
 
 def _move_aside_hint(checkpoint_dir, step):
@@ -211,12 +216,8 @@ def find_largest_model(checkpoints_dir):
 
 def find_last_step(checkpoint_dir):
     """Last complete step (model and meta both present). Incomplete steps are skipped with a warning."""
-    steps = set()
-    for path in glob.glob(os.path.join(checkpoint_dir, "model_*.pt")):
-        m = re.fullmatch(r"model_(\d+)\.pt", os.path.basename(path))
-        if m:
-            steps.add(int(m.group(1)))
-    complete = sorted(s for s in steps if is_step_complete(checkpoint_dir, s))
+    steps = _model_steps(checkpoint_dir)
+    complete = complete_steps(checkpoint_dir)
     for s in sorted(steps - set(complete)):
         logger.warning(f"skipping incomplete checkpoint step {s} in {checkpoint_dir} (no meta_{s:06d}.json)")
     if not complete:

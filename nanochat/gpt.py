@@ -207,7 +207,9 @@ def head(x, lm_head_weight, vocab_size, targets=None, loss_reduction="mean"):
         return logits
     loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=loss_reduction)
     if loss_reduction == "none":
-        loss = loss.view(B, T)  # per-token losses, 0 where target == -1
+        # per-token losses, 0 where target == -1. A copy, not a view of the flat losses: FSDP2 warns (and would drop
+        # its pre-backward hook on an in-place op) when a wrapped module returns a view; B*T floats cost nothing.
+        loss = loss.view(B, T).clone()
     return loss
 
 

@@ -45,8 +45,8 @@ each rank its rectangle of the updates. So each full matrix is orthogonalised ex
 unsharded one (same full matrix, same Newton-Schulz).
 
 Not TP-aware (they run in one process or on the DDP path, loading the full model file): the inference Engine,
-chat_cli, chat_web, scripts.chat_eval, chat_rl (no --tp_size). --fp8=1 with tp_size > 1 is refused (torchao's float8
-linears need their own TP styles).
+chat_cli, chat_web, scripts.chat_eval, chat_rl (it refuses --tp_size: each rank samples alone; it takes --use_fsdp=1).
+--fp8=1 with tp_size > 1 is refused (torchao's float8 linears need their own TP styles).
 """
 
 import torch

@@ -14,6 +14,7 @@ import json
 import torch
 import torch.distributed as dist
 
+from nanochat.dist import compute_cleanup
 from nanochat.fsdp import apply_fsdp, setup_fsdp_optimizers
 from nanochat.gpt import GPT, Block, GPTConfig
 
@@ -80,7 +81,7 @@ def main():
         res["full+compile"] = run(strategy, "full", True, rank, world)
     if rank == 0:
         print(json.dumps(out))
-    dist.destroy_process_group()
+    compute_cleanup()  # barrier first: a rank that tears gloo down while its peer still works can abort the peer
 
 
 if __name__ == "__main__":

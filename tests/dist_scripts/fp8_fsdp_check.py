@@ -17,6 +17,7 @@ import json
 import torch
 import torch.distributed as dist
 
+from nanochat.dist import compute_cleanup
 from nanochat.fp8 import convert_to_fp8
 from nanochat.fsdp import apply_fsdp, setup_fsdp_optimizers
 from nanochat.gpt import GPT, GPTConfig
@@ -102,7 +103,7 @@ def main():
     out["scales"] = check_scales()
     if rank == 0:
         print(json.dumps(out))
-    dist.destroy_process_group()
+    compute_cleanup()  # barrier first: a rank that tears gloo down while its peer still works can abort the peer
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from nanochat.dist import compute_cleanup
 from nanochat.fsdp import apply_fsdp, full_weights, setup_fsdp_optimizers
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.training import train_step
@@ -80,7 +81,7 @@ def main():
     out["moved"] = max((p - start[n]).abs().max().item() for n, p in ref.named_parameters())
     if rank == 0:
         print(json.dumps(out))
-    dist.destroy_process_group()
+    compute_cleanup()  # barrier first: a rank that tears gloo down while its peer still works can abort the peer
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from nanochat.dist import compute_cleanup
 from nanochat.muon import Muon
 from nanochat.tensor_parallel import ShardedMuon
 
@@ -48,7 +49,7 @@ def main():
         diff = max((p.detach() - q.detach().full_tensor()).abs().max().item() for p, q in zip(ref, sharded))
         if rank == 0:
             print(json.dumps({"step": step, "max_diff": diff, "ok": diff < 1e-5}), flush=True)
-    dist.destroy_process_group()
+    compute_cleanup()  # barrier first: a rank that tears gloo down while its peer still works can abort the peer
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ def batch_arithmetic(total_batch_size, device_batch_size, max_seq_len, world_siz
         upper = ceil_div(total_batch_size, tokens_per_fwdbwd) * tokens_per_fwdbwd
         divisors = [b for b in range(1, device_batch_size * 2 + 1) if total_batch_size % (b * max_seq_len * world_size) == 0]
         hint = f" or --device_batch_size in {divisors[:8]}" if divisors else ""
+        use = f"{lower}" if lower == upper else f"{lower} or {upper}"  # below one forward/backward both are that one
         raise ValueError(
             f"--total_batch_size={total_batch_size} is not divisible by device_batch_size*max_seq_len*world_size = "
-            f"{device_batch_size}*{max_seq_len}*{world_size} = {tokens_per_fwdbwd}. Use --total_batch_size={lower} or "
-            f"{upper}{hint}."
+            f"{device_batch_size}*{max_seq_len}*{world_size} = {tokens_per_fwdbwd}. Use --total_batch_size={use}{hint}."
         )
     return total_batch_size // tokens_per_fwdbwd, tokens_per_fwdbwd
 

@@ -40,6 +40,8 @@ def test_batch_arithmetic_suggests_valid_values():
     assert training.batch_arithmetic(4096, 4, 64, 2) == (8, 512)
     with pytest.raises(ValueError, match=r"--total_batch_size=4096 or 4608"):
         training.batch_arithmetic(4100, 4, 64, 2)
+    with pytest.raises(ValueError, match=r"Use --total_batch_size=512 or --device_batch_size in \[1, 2\]\.$"):
+        training.batch_arithmetic(256, 4, 64, 2)  # below one forward/backward: one value to use, not "512 or 512"
 
 
 def test_schedules():

@@ -22,6 +22,7 @@ import io
 import os
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from nanochat.atomic import atomic_write
 from nanochat.common import (
@@ -191,4 +192,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    record(main)()  # under torchrun, the launcher's failure summary shows this error and its traceback

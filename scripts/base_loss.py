@@ -6,6 +6,7 @@ Bits per byte of a saved base model on the train and val shards, plus a few gree
 """
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from nanochat.checkpoint_manager import PHASE_DIRS, load_model
 from nanochat.common import compute_cleanup, compute_init, device_type_flag, print0
@@ -74,4 +75,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    record(main)()  # under torchrun, the launcher's failure summary shows this error and its traceback

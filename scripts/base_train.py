@@ -14,6 +14,7 @@ import os
 import time
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.compile import compile_flag, maybe_compile
@@ -300,4 +301,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    record(main)()  # under torchrun, the launcher's failure summary shows this error and its traceback

@@ -13,6 +13,7 @@ every rank found its data (the ranks agree before evaluating it, so their counts
 import contextlib
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from nanochat.chat_eval import TASK_NAMES, chatcore, evaluate_task
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, device_type_flag, print0
@@ -113,4 +114,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    record(main)()  # under torchrun, the launcher's failure summary shows this error and its traceback

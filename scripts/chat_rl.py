@@ -21,6 +21,7 @@ import os
 import time
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
@@ -272,4 +273,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    record(main)()  # under torchrun, the launcher's failure summary shows this error and its traceback

@@ -18,6 +18,7 @@ import os
 import time
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from nanochat.batching import sft_batch_arithmetic
 from nanochat.checkpoint_manager import checkpoint_root
@@ -236,4 +237,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    record(main)()  # under torchrun, the launcher's failure summary shows this error and its traceback

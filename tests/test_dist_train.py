@@ -159,3 +159,25 @@ def test_fsdp_checkpoint_loads_in_one_process(base_dir):
     # is covered by the optimizer-state tests in test_fsdp.py; here the model file format is the contract.
     sd, _ = final_params(base_dir, "fsdpl", steps)
     assert all(isinstance(v, torch.Tensor) and type(v) is torch.Tensor for v in sd.values())
+
+
+def test_torchrun_failure_summary_names_the_error(base_dir):
+    """A rank that stops with an error: torchrun's closing "Root Cause" block (the last thing a cluster log shows)
+    carries the error and its traceback (scripts run main under torch's `record`), not "error_file: <N/A>"."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "scripts.base_train", *TINY, "--total_batch_size=300"]
+    p = subprocess.run(cmd, env=subprocess_env(base_dir), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    summary = p.stderr[p.stderr.index("Root Cause (first observed failure)"):]
+    assert "error_file: <N/A>" not in summary
+    assert "ValueError: --total_batch_size=300 is not divisible by" in summary
+    assert "Use --total_batch_size=512." in summary
+
+
+def test_every_torchrun_script_runs_main_under_record():
+    """The test above shows base_train; every script that can run under torchrun (it ends through compute_cleanup)
+    must enter the same way, or its failures go back to "error_file: <N/A>"."""
+    launched = [p for p in sorted((REPO / "scripts").glob("*.py")) if "compute_cleanup()" in p.read_text()]
+    assert len(launched) >= 7
+    missing = [p.name for p in launched if 'if __name__ == "__main__":\n    record(main)()' not in p.read_text()]
+    assert not missing, f"run main as record(main)() in: {missing}"

@@ -49,7 +49,6 @@ def main():
             rates = []
             for rep in range(args.repeats + 1):
                 n_tokens, t_first = 0, None
-                t0 = time.perf_counter()
                 for column, _ in engine.generate(prompt, num_samples=b, max_tokens=args.max_tokens,
                                                  temperature=temp, top_k=args.top_k if temp > 0 else None, seed=rep):
                     if t_first is None:

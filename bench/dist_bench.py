@@ -360,7 +360,7 @@ def launch(nproc, steps, warmup, modes=MODES):
 def measured_section(steps, warmup):
     single = launch(1, steps, warmup)["results"]["single"]
     run = launch(2, steps, warmup)
-    W, res = run["world"], run["results"]
+    res = run["results"]
     # tp2 on 2 ranks has one data rank (FSDP then communicates nothing): DP=2 x TP=2 on 4 ranks as well
     res["dp2 x tp2 (4 ranks)"] = launch(4, steps, warmup, modes=("tp2",))["results"]["tp2"]
     modes = [*MODES, "dp2 x tp2 (4 ranks)"]

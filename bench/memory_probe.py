@@ -63,7 +63,7 @@ def probe_depth(cfg, depth, device):
             oom_at = B
             break
         finally:
-            del batch
+            batch = None  # free it before the next batch size (the step closure above reads it only in the loop)
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
             gc.collect()

@@ -367,7 +367,7 @@ def _runner_main():
     import ctypes
 
     config = json.loads(sys.argv[1])
-    report_fd, workdir = config["report_fd"], config["workdir"]
+    report_fd = config["report_fd"]
     source = sys.stdin.buffer.read().decode("utf-8", errors="surrogatepass")
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)

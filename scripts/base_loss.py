@@ -5,7 +5,6 @@ Bits per byte of a saved base model on the train and val shards, plus a few gree
     torchrun --nproc_per_node=8 -m scripts.base_loss --model_tag=d20 --split_tokens=20971520
 """
 
-import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from nanochat.checkpoint_manager import PHASE_DIRS, load_model

@@ -18,7 +18,7 @@ class CustomJSON(Task):
         super().__init__(**kwargs)
         self.filepath = filepath
         if not os.path.isfile(filepath):
-            raise TaskDataNotFound(f"CustomJSON conversations", [f"{filepath} (missing)"])
+            raise TaskDataNotFound("CustomJSON conversations", [f"{filepath} (missing)"])
         self.conversations = []
         with open(filepath, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):

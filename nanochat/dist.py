@@ -2,7 +2,8 @@
 torch.distributed in one place: process-group setup and the few collectives the training and evaluation loops use.
 
 - `get_dist_info`, `compute_init`, `compute_cleanup`, `barrier`: who am I under torchrun, the device, the process
-  group (nccl on CUDA, gloo on CPU) with a timeout long enough for rank 0 to write a large checkpoint.
+  group (nccl on CUDA, gloo on CPU) with a timeout long enough for rank 0 to write a large checkpoint; at exit the
+  groups are really torn down (`release_process_groups`), not left to interpreter shutdown.
 - `dist_world_size`, `collective_device`: the initialised world (1 without a process group) and where a small tensor for a
   collective must live.
 - `all_reduce_mean`, `all_reduce_sum`, `any_rank`, `gather_objects`: python values across ranks.
@@ -16,12 +17,19 @@ would: a mean of one value is the value, and so on. nanochat's names (`get_dist_
 importable from `nanochat.common`, as in nanochat.
 """
 
+import atexit
 import datetime
 import logging
 import os
 
 import torch
 import torch.distributed as dist
+# Before any process group exists: torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when
+# it is imported, and torch._dynamo imports it (a script's first torch.compile or optimizer). Imported after
+# init_process_group it would hold the world group for the life of the process (see release_process_groups); imported
+# here it binds None.
+if dist.is_available():
+    import torch.distributed.nn  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -143,11 +151,44 @@ def compute_init(device_type=None, seed=42):
 
 
 def compute_cleanup():
+    global _release_registered
     if is_ddp_initialized():
         # every rank reaches the end before the group goes: a rank that tears gloo down while a peer is still busy
         # (rank 0 printing results, say) was seen to abort the peer ("terminate called without an active exception")
         dist.barrier()
         dist.destroy_process_group()
+        if not _release_registered:
+            # at exit, not now: the caller's model and optimizers (which hold the groups under FSDP2/TP) are alive
+            # until its main returns; atexit runs after that and before the interpreter starts tearing down
+            atexit.register(release_process_groups)
+            _release_registered = True
+
+
+_release_registered = False
+
+
+def release_process_groups():
+    """
+    Let the process groups that `destroy_process_group` left behind go while Python is whole. destroy_process_group
+    drops torch's own references and shuts NCCL down explicitly, but a gloo group is torn down (its threads joined)
+    only with its last reference, and every DeviceMesh holds its groups (`_pg_registry`) while DTensor's caches
+    (sharding propagation, redistribute plans, mesh topology) keep the meshes for the life of the process. After FSDP2
+    or TP the gloo group therefore outlived the run, its threads still running when the interpreter shut down. A gloo
+    group left to process exit is the known cause of "terminate called without an active exception" (torch's own
+    tests hit it and cured it with an explicit teardown), the SIGABRT CI saw now and then on 2-rank runs that had
+    already finished their work. tests/test_dist_train.py checks that no gloo thread is left after this.
+    """
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    gc.collect()  # models and optimizers that only cycles still hold
+    for obj in gc.get_objects():
+        if type(obj) is DeviceMesh:
+            registry = getattr(obj, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
+    gc.collect()
 
 
 def barrier():

@@ -43,10 +43,31 @@ def subprocess_env(base_dir=None, **extra):
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"  # two ranks on two cores: no oversubscription
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank killed by a signal (SIGABRT in gloo, say) prints where each thread was
     if base_dir is not None:
         env["NANOCHAT_BASE_DIR"] = str(base_dir)
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+WORKER_CRASH = ("terminate called", "what():", "Fatal Python error", "Error:", "Exception:")
+
+
+def worker_errors(*outputs, limit=40):
+    """The lines of a failed torchrun's output that say why a rank died (a C++ abort, a Python fatal error with the
+    stacks faulthandler prints after it, an exception), ahead of the launcher's own long traceback: a CI log that
+    keeps only part of the failure message still shows them."""
+    keep = []
+    for text in outputs:
+        lines = (text or "").splitlines()
+        for i, line in enumerate(lines):
+            if "torch/distributed/elastic" in line or "ChildFailedError" in line:
+                continue
+            if any(k in line for k in WORKER_CRASH):
+                keep.append(line)
+                if "Fatal Python error" in line:  # faulthandler's stacks follow
+                    keep.extend(lines[i + 1 : i + 15])
+    return "\n".join(dict.fromkeys(keep[:limit]))
 
 
 def run_torchrun(args, nproc=2, env=None, timeout=300, extra_launcher_args=()):
@@ -67,7 +88,8 @@ def run_torchrun(args, nproc=2, env=None, timeout=300, extra_launcher_args=()):
         if p.returncode == 0 or not (pick_port and port_taken and attempt == 0):
             break
     if p.returncode != 0:
-        pytest.fail(f"torchrun failed ({p.returncode}): {' '.join(cmd)}\nSTDOUT:\n{p.stdout[-6000:]}\nSTDERR:\n{p.stderr[-6000:]}")
+        pytest.fail(f"torchrun failed ({p.returncode}): {' '.join(cmd)}\nWHY (worker lines):\n"
+                    f"{worker_errors(p.stderr, p.stdout)}\nSTDOUT:\n{p.stdout[-6000:]}\nSTDERR:\n{p.stderr[-6000:]}")
     return p
 
 

@@ -26,6 +26,7 @@ def _env():
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["OMP_NUM_THREADS"] = "1"  # 2 ranks on a small CPU: no oversubscription
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank killed by a signal prints where each thread was
     env.pop("RANK", None)  # a test run from inside a torchrun job must not inherit its rank variables
     env.pop("WORLD_SIZE", None)
     env.pop("LOCAL_RANK", None)
@@ -38,7 +39,10 @@ def _run(cmd, timeout):
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"{' '.join(cmd)} did not finish within {timeout}s (hung collective?)\nstdout:\n{e.stdout}\nstderr:\n{e.stderr}") from None
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}")
+        from conftest import worker_errors  # this module is loaded by tests, which have tests/ on the path
+
+        raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}\nwhy (worker lines):\n"
+                             f"{worker_errors(proc.stderr, proc.stdout)}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}")
     return proc.stdout
 
 

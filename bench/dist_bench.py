@@ -39,6 +39,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from nanochat.configurator import Flag, Flags  # noqa: E402
+from nanochat.dist import compute_cleanup  # noqa: E402
 from nanochat.presets import PRESETS  # noqa: E402
 from nanochat.gpt import GPT, GPTConfig, config_for_depth  # noqa: E402
 
@@ -327,8 +328,7 @@ def worker(steps, warmup, modes=MODES):
     if rank == 0:
         print("RESULTS " + json.dumps({"world": W, "config": BENCH_CONFIG, "batch_per_rank": BENCH_BATCH, "results": results}), flush=True)
     if distributed:
-        dist.barrier()
-        dist.destroy_process_group()
+        compute_cleanup()  # barrier, destroy, and the groups really go at exit (nanochat.dist.release_process_groups)
 
 
 # -----------------------------------------------------------------------------

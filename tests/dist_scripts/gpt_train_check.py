@@ -20,6 +20,7 @@ import json
 import torch
 import torch.distributed as dist
 
+from nanochat.dist import compute_cleanup
 from nanochat.gpt import GPT, GPTConfig
 
 STEPS = 6
@@ -192,8 +193,7 @@ def main():
         summary = {k: (v["checks"] if "checks" in v else v) for k, v in results.items()}
         print(json.dumps({"mode": args.mode, "summary": summary}, default=str), flush=True)
     if distributed:
-        dist.barrier()
-        dist.destroy_process_group()
+        compute_cleanup()  # barrier, destroy, and the groups really go at exit (nanochat.dist.release_process_groups)
 
 
 if __name__ == "__main__":

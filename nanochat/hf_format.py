@@ -332,43 +332,82 @@ def _split_pattern(pre_tokenizer):
 # -----------------------------------------------------------------------------
 # chat template: renders exactly RustBPETokenizer.render_for_completion / render_conversation
 
-CHAT_TEMPLATE = r"""{#- nanochat's chat format (nanochat/tokenizer.py render_conversation). A leading system message is merged into the
-    first user message; assistant content is a string or a list of parts of type text / python / python_output.
+# What the template does with each role (docs/hf.md repeats this; the template's errors say it too):
+# - system (or developer, OpenAI's newer name for it): only as the first message, merged into the first user message
+#   as system + "\n\n" + user, as render_conversation does
+# - user, assistant: must alternate, user first
+# - tool, function, anything else: an error. Our chat format has no tool messages: the python tool's call and its
+#   output are parts of the assistant message ({"type": "python"} / {"type": "python_output"}); nor does it take tool
+#   definitions (tools=...) or OpenAI tool_calls.
+# Content is a string or a list of parts. OpenAI's list form ([{"type": "text", "text": ...}, ...]) is accepted for
+# every role; several text parts are concatenated, as our chat server does (nanochat/chat_schema.py), so the ids are
+# those of render_conversation with the parts joined into one string. Assistant lists may also hold our python /
+# python_output parts; any other part type (image_url, input_audio, refusal, ...) is an error naming it.
+CHAT_TEMPLATE = r"""{#- nanochat's chat format (nanochat/tokenizer.py render_conversation; roles and content: docs/hf.md).
     Every tag trims the whitespace around it, so only the special tokens and the message texts are output. -#}
+{%- macro text_of(message, index) -%}
+    {%- set content = message['content'] if message is mapping and 'content' in message else none -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content is sequence and content is not mapping -%}
+        {%- for part in content -%}
+            {%- if part is mapping and part['type'] == 'text' and part['text'] is string -%}
+                {{- part['text'] -}}
+            {%- else -%}
+                {{- raise_exception('message ' ~ index ~ ' (' ~ message['role'] ~ "): only parts {'type': 'text', 'text': str} are supported here, got " ~ ("a '" ~ part['type'] ~ "' part" if part is mapping else 'a part that is not an object')) -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{- raise_exception('message ' ~ index ~ ' (' ~ message['role'] ~ '): content must be a string or a list of text parts, got ' ~ content) -}}
+    {%- endif -%}
+{%- endmacro -%}
+{%- if tools -%}
+    {{- raise_exception("nanochat models take no tool definitions (tools=...): their only tool is the python calculator, written as {'type': 'python'} / {'type': 'python_output'} parts of an assistant message") -}}
+{%- endif -%}
 {%- set ns = namespace(offset=0, system='') -%}
-{%- if messages and messages[0]['role'] == 'system' -%}
+{%- if messages and messages[0]['role'] in ['system', 'developer'] -%}
     {%- if messages|length < 2 or messages[1]['role'] != 'user' -%}
         {{- raise_exception('a system message must be followed by a user message (it is merged into it)') -}}
     {%- endif -%}
     {%- set ns.offset = 1 -%}
-    {%- set ns.system = messages[0]['content'] + '\n\n' -%}
+    {%- set ns.system = text_of(messages[0], 0) + '\n\n' -%}
 {%- endif -%}
 <|bos|>
 {%- for message in messages[ns.offset:] -%}
-    {%- set expected = 'user' if loop.index0 % 2 == 0 else 'assistant' -%}
-    {%- if message['role'] != expected -%}
-        {{- raise_exception('messages must alternate user, assistant, user, ... (an optional system message first); got '
-                            + message['role'] + ' where ' + expected + ' was expected') -}}
+    {%- set index = loop.index0 + ns.offset -%}
+    {%- set role = message['role'] -%}
+    {%- if role in ['system', 'developer'] -%}
+        {{- raise_exception('message ' ~ index ~ ': a system message is only supported as the first message (it is merged into the first user message)') -}}
+    {%- elif role not in ['user', 'assistant'] -%}
+        {{- raise_exception('message ' ~ index ~ ": role '" ~ role ~ "' is not supported: nanochat's chat format has system (first), user and assistant messages only; the python tool's call and output go in the assistant message as {'type': 'python'} / {'type': 'python_output'} parts") -}}
     {%- endif -%}
-    {%- if message['role'] == 'user' -%}
-        {%- if message['content'] is not string -%}
-            {{- raise_exception('user content must be a string') -}}
-        {%- endif -%}
-        <|user_start|>{{- (ns.system if loop.first else '') + message['content'] -}}<|user_end|>
+    {%- set expected = 'user' if loop.index0 % 2 == 0 else 'assistant' -%}
+    {%- if role != expected -%}
+        {{- raise_exception('messages must alternate user, assistant, user, ... (an optional system message first); got '
+                            ~ role ~ ' where ' ~ expected ~ ' was expected') -}}
+    {%- endif -%}
+    {%- if message['tool_calls'] -%}
+        {{- raise_exception('message ' ~ index ~ ": tool_calls are not supported: write the python tool's call as a {'type': 'python'} part of the content") -}}
+    {%- endif -%}
+    {%- if role == 'user' -%}
+        <|user_start|>{{- (ns.system if loop.first else '') + text_of(message, index) -}}<|user_end|>
     {%- else -%}
         <|assistant_start|>
-        {%- if message['content'] is string -%}
-            {{- message['content'] -}}
+        {%- if message['content'] is string or message['content'] is not sequence or message['content'] is mapping -%}
+            {{- text_of(message, index) -}}
         {%- else -%}
             {%- for part in message['content'] -%}
-                {%- if part['type'] == 'text' -%}
+                {%- set kind = part['type'] if part is mapping else part -%}
+                {%- if kind in ['text', 'python', 'python_output'] and part['text'] is not string -%}
+                    {{- raise_exception('message ' ~ index ~ ': a ' ~ kind ~ " part needs a string 'text'") -}}
+                {%- elif kind == 'text' -%}
                     {{- part['text'] -}}
-                {%- elif part['type'] == 'python' -%}
+                {%- elif kind == 'python' -%}
                     <|python_start|>{{- part['text'] -}}<|python_end|>
-                {%- elif part['type'] == 'python_output' -%}
+                {%- elif kind == 'python_output' -%}
                     <|output_start|>{{- part['text'] -}}<|output_end|>
                 {%- else -%}
-                    {{- raise_exception('unknown part type ' + part['type'] + " (use 'text', 'python' or 'python_output')") -}}
+                    {{- raise_exception('message ' ~ index ~ ': unknown part type ' ~ kind ~ " (use 'text', 'python' or 'python_output')") -}}
                 {%- endif -%}
             {%- endfor -%}
         {%- endif -%}

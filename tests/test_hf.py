@@ -7,6 +7,7 @@ ours is bit-identical.
 
 import json
 import os
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -298,6 +299,81 @@ def test_chat_template_renders_our_prompt_ids(env):
     assert hf_tok.decode(theirs) == tok.decode(ours)
     with pytest.raises(Exception, match="must alternate"):
         hf_tok.apply_chat_template([{"role": "assistant", "content": "hi"}], return_dict=False)
+
+
+def _text(*texts):
+    return [{"type": "text", "text": t} for t in texts]
+
+
+# (OpenAI-style messages, the equivalent nanochat conversation): list content is its text parts joined, as our chat
+# server reads it (nanochat/chat_schema.py); "developer" is OpenAI's newer name for the system role
+OPENAI_EQUIVALENTS = [
+    ([{"role": "user", "content": _text("What is ", "the capital", " of France?")}],
+     [{"role": "user", "content": "What is the capital of France?"}]),
+    ([{"role": "system", "content": _text("You are ", "terse.")}, {"role": "user", "content": _text("Name a colour.\n")}],
+     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour.\n"}]),
+    ([{"role": "developer", "content": "Be kind."}, {"role": "user", "content": "Hi"},
+      {"role": "assistant", "content": _text("Hel", "lo there", "! 😀")}, {"role": "user", "content": _text("12 + 7", " =")}],
+     [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"},
+      {"role": "assistant", "content": "Hello there! 😀"}, {"role": "user", "content": "12 + 7 ="}]),
+    ([{"role": "user", "content": "Sam has 12 boxes of 7 apples."},
+      {"role": "assistant", "content": [*_text("He has ", "12 boxes of 7, so "), {"type": "python", "text": "12*7"},
+                                        {"type": "python_output", "text": "84"}, *_text(" apples", ".")]},
+      {"role": "user", "content": _text("Thanks")}],
+     [{"role": "user", "content": "Sam has 12 boxes of 7 apples."},
+      {"role": "assistant", "content": [{"type": "text", "text": "He has 12 boxes of 7, so "}, {"type": "python", "text": "12*7"},
+                                        {"type": "python_output", "text": "84"}, {"type": "text", "text": " apples."}]},
+      {"role": "user", "content": "Thanks"}]),
+]
+
+
+def test_chat_template_takes_openai_list_content(env):
+    """OpenAI-style content (lists of text parts, several per message, for every role) gives exactly the ids our
+    tokenizer renders for the equivalent conversation, with and without the generation prompt."""
+    hf_tok, tok = AutoTokenizer.from_pretrained(env["out"]), env["tok"]
+    for openai, ours in OPENAI_EQUIVALENTS:
+        ids, _ = tok.render_conversation({"messages": ours})
+        assert hf_tok.apply_chat_template(openai, return_dict=False) == ids
+        assert hf_tok.apply_chat_template(openai, add_generation_prompt=True, return_dict=False) == ids + [
+            tok.encode_special("<|assistant_start|>")]
+    # the joined text is one string to both sides (the parts split mid-word above): not the ids of the parts encoded apart
+    split = tok.encode("What is ") + tok.encode("the capital") + tok.encode(" of France?")
+    assert split != tok.encode("What is the capital of France?")
+    # and what our chat server makes of the same request body renders the same ids
+    from nanochat.chat_schema import validate_messages
+
+    for openai, _ in OPENAI_EQUIVALENTS[:3]:
+        served = validate_messages(openai, allow_system=True)
+        theirs = hf_tok.apply_chat_template(openai, add_generation_prompt=True, return_dict=False)
+        assert theirs == tok.render_for_completion({"messages": served})
+
+
+@pytest.mark.parametrize(
+    "messages, kwargs, message",
+    [
+        ([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}, {"role": "tool", "content": "4"}], {},
+         "message 2: role 'tool' is not supported: nanochat's chat format has system (first), user and assistant messages only"),
+        ([{"role": "user", "content": "x"}, {"role": "function", "content": "y"}], {}, "role 'function' is not supported"),
+        ([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}],
+         {}, "message 1: tool_calls are not supported: write the python tool's call as a {'type': 'python'} part"),
+        ([{"role": "user", "content": "2+2?"}], {"tools": [{"type": "function", "function": {"name": "add", "parameters": {}}}]},
+         "nanochat models take no tool definitions (tools=...)"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}], {},
+         "message 0 (user): only parts {'type': 'text', 'text': str} are supported here, got a 'image_url' part"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}], {},
+         "message 1: unknown part type refusal (use 'text', 'python' or 'python_output')"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "system", "content": "be nice"},
+          {"role": "user", "content": "hi"}], {}, "message 2: a system message is only supported as the first message"),
+        ([{"role": "user", "content": None}], {}, "message 0 (user): content must be a string or a list of text parts, got None"),
+    ],
+    ids=["tool", "function", "tool_calls", "tools", "image", "refusal", "late-system", "no-content"],
+)
+def test_chat_template_refuses_what_our_format_lacks_by_name(env, messages, kwargs, message):
+    from jinja2 import TemplateError
+
+    hf_tok = AutoTokenizer.from_pretrained(env["out"])
+    with pytest.raises(TemplateError, match=re.escape(message)):
+        hf_tok.apply_chat_template(messages, return_dict=False, **kwargs)
 
 
 def test_chat_template_on_real_task_conversations(env):

@@ -15,6 +15,7 @@ Nothing here imports transformers or safetensors: those are optional (the `hf` e
 The tokenizer helpers import `tokenizers` lazily, inside the functions that need it.
 """
 
+import json
 from dataclasses import asdict
 
 import torch
@@ -266,6 +267,38 @@ def build_hf_tokenizer(enc):
         single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, enc._special_tokens[bos])]
     )
     return tok
+
+
+def tokenizer_json(enc):
+    """tokenizer.json of an export: build_hf_tokenizer(enc) with its merges as "left right" strings, the form every
+    `tokenizers` release reads (0.20+ writes pairs, which 0.19 and so transformers <= 4.44 cannot load). Byte-level
+    tokens never hold a space (it is written as "Ġ"), so the strings are unambiguous."""
+    data = json.loads(build_hf_tokenizer(enc).to_str())
+    merges = data["model"]["merges"]
+    assert all(" " not in part for pair in merges for part in pair)
+    data["model"]["merges"] = [f"{left} {right}" for left, right in merges]
+    return json.dumps(data, ensure_ascii=False, indent=2)
+
+
+def tokenizer_config_dict(model_max_length):
+    """tokenizer_config.json of an export, written by hand rather than by transformers' save_pretrained, so that
+    transformers 4.x loads it as well as 5.x: 5.x would write tokenizer_class "TokenizersBackend" (a class 4.x does
+    not have) and the extra special tokens as a list under "extra_special_tokens" (a dict of named tokens in 4.x).
+    PreTrainedTokenizerFast is the class both know (5.x's alias of TokenizersBackend), and additional_special_tokens
+    the key both read, so all_special_tokens lists our nine. The chat template is also here for the 4.x releases
+    that predate chat_template.jinja (where both exist, every version takes the .jinja file; the two are equal)."""
+    bos, eos = "<|bos|>", "<|assistant_end|>"
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": eos,  # no pad token of our own: our SFT loader pads with <|assistant_end|> too
+        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (bos, eos)],
+        "clean_up_tokenization_spaces": False,  # " ." must decode to " ."
+        "model_max_length": model_max_length,
+        "model_input_names": ["input_ids", "attention_mask"],  # no token_type_ids (4.x's default would add them)
+        "chat_template": CHAT_TEMPLATE,
+    }
 
 
 # Text that exercises the corners of the split pattern and byte-level BPE: contractions, digit runs, whitespace runs,

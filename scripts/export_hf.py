@@ -9,6 +9,7 @@ The directory: config.json, generation_config.json, model.safetensors, tokenizer
 chat_template.jinja, README.md (a model card for the Hub). Needs the `hf` extra (pip install -e '.[hf]'). Mapping and limitations: docs/hf.md.
 """
 
+import json
 import os
 import shutil
 import tempfile
@@ -18,7 +19,7 @@ import torch
 from nanochat.atomic import fsync_dir
 from nanochat.checkpoint_manager import checkpoint_flags
 from nanochat.configurator import Flag, Flags
-from nanochat.hf_format import CHAT_TEMPLATE, build_hf_tokenizer, hf_config_dict, state_dict_to_hf
+from nanochat.hf_format import CHAT_TEMPLATE, hf_config_dict, state_dict_to_hf, tokenizer_config_dict, tokenizer_json
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -94,7 +95,7 @@ def export_model(model, tokenizer, out_dir, dtype="float32", card=None):
     plus `card` as README.md when given. Everything is written to a temporary sibling directory first and renamed
     into place at the end, so out_dir is either complete or absent. Returns out_dir."""
     from safetensors.torch import save_file
-    from transformers import GenerationConfig, NanoChatConfig, PreTrainedTokenizerFast
+    from transformers import GenerationConfig, NanoChatConfig
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -117,16 +118,13 @@ def export_model(model, tokenizer, out_dir, dtype="float32", card=None):
         GenerationConfig(bos_token_id=bos, eos_token_id=[assistant_end, bos], pad_token_id=assistant_end).save_pretrained(staging)
         tensors = state_dict_to_hf(model.state_dict(), config, DTYPES[dtype])
         save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
-        hf_tokenizer = PreTrainedTokenizerFast(
-            tokenizer_object=build_hf_tokenizer(tokenizer.enc),
-            bos_token="<|bos|>",
-            eos_token="<|assistant_end|>",
-            pad_token="<|assistant_end|>",
-            clean_up_tokenization_spaces=False,  # " ." must decode to " ."
-            model_max_length=config.sequence_len,
-            chat_template=CHAT_TEMPLATE,
-        )
-        hf_tokenizer.save_pretrained(staging)
+        # the tokenizer files are written directly (not by transformers' save_pretrained): see tokenizer_config_dict
+        with open(os.path.join(staging, "tokenizer.json"), "w", encoding="utf-8") as f:
+            f.write(tokenizer_json(tokenizer.enc))
+        with open(os.path.join(staging, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(tokenizer_config_dict(config.sequence_len), f, indent=2, ensure_ascii=False)
+        with open(os.path.join(staging, "chat_template.jinja"), "w", encoding="utf-8") as f:
+            f.write(CHAT_TEMPLATE)
         if card is not None:
             with open(os.path.join(staging, "README.md"), "w", encoding="utf-8") as f:
                 f.write(card)

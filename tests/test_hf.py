@@ -268,6 +268,62 @@ def test_tokenizer_matches_on_varied_text(env):
     assert hf_tok.decode(tok.encode("Hi", prepend="<|bos|>", append="<|assistant_end|>")) == "<|bos|>Hi<|assistant_end|>"
 
 
+def test_tokenizer_config_is_one_transformers_4_and_5_both_read(env):
+    """The fields transformers 4.x needs (its class name, its key for extra special tokens, the chat template for
+    releases before chat_template.jinja) and nothing 5.x-only that 4.x chokes on; 5.x loads it with all nine."""
+    config = json.loads((env["out"] / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"  # 5.x's own name, TokenizersBackend, is unknown to 4.x
+    assert "extra_special_tokens" not in config  # a dict of named tokens in 4.x: 5.x's list form breaks its loading
+    assert {config["bos_token"], config["eos_token"], *config["additional_special_tokens"]} == set(SPECIAL_TOKENS)
+    assert config["chat_template"] == (env["out"] / "chat_template.jinja").read_text()
+    assert config["model_input_names"] == ["input_ids", "attention_mask"]
+    hf_tok = AutoTokenizer.from_pretrained(env["out"])
+    assert sorted(hf_tok.all_special_tokens) == sorted(SPECIAL_TOKENS)
+    assert sorted(hf_tok.all_special_ids) == sorted(env["tok"].encode_special(t) for t in SPECIAL_TOKENS)
+    assert list(hf_tok("Hi")) == ["input_ids", "attention_mask"]
+
+
+# Loads the export with another transformers (given as argv[1]) and prints what it makes of it as JSON.
+_LOAD_TOKENIZER = """
+import json, sys
+import transformers
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+texts, chats = json.loads(sys.stdin.read())
+print(json.dumps({
+    "version": transformers.__version__, "class": type(tok).__name__, "special": tok.all_special_tokens,
+    "ids": [tok(t, add_special_tokens=False)["input_ids"] for t in texts], "with_bos": tok("Hello world")["input_ids"],
+    "chats": [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in chats],
+    "keys": sorted(tok("Hi")), "decoded": tok.decode(tok(texts[0])["input_ids"]),
+}))
+"""
+
+
+@pytest.mark.slow  # a second interpreter importing transformers
+def test_transformers_4_loads_the_tokenizer(env):
+    """With transformers 4.x: the class, the nine special tokens, our token ids and our chat prompt ids. Needs a
+    Python with transformers<5 (and jinja2) apart from this venv, named by NANOCHAT_TRANSFORMERS4_PYTHON (docs/hf.md)."""
+    import subprocess
+
+    python = os.environ.get("NANOCHAT_TRANSFORMERS4_PYTHON")
+    if not python:
+        pytest.skip("set NANOCHAT_TRANSFORMERS4_PYTHON to a Python with transformers<5 (see docs/hf.md) to check 4.x")
+    tok = env["tok"]
+    texts = [t for t in VARIED_TEXT if "<|" not in t]  # 4.x has no split_special_tokens default to match ours there
+    chats = [c["messages"] for c in conversations()] + [openai for openai, _ in OPENAI_EQUIVALENTS]
+    run = subprocess.run([python, "-c", _LOAD_TOKENIZER, str(env["out"])], input=json.dumps([texts, chats]),
+                         capture_output=True, text=True, timeout=300, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["version"].startswith("4.") and got["class"] == "PreTrainedTokenizerFast"
+    assert sorted(got["special"]) == sorted(SPECIAL_TOKENS)
+    assert got["ids"] == tok.encode(texts)
+    assert got["with_bos"] == tok.encode("Hello world", prepend="<|bos|>")
+    equivalents = [c["messages"] for c in conversations()] + [ours for _, ours in OPENAI_EQUIVALENTS]
+    assert got["chats"] == [tok.render_for_completion({"messages": m}) for m in equivalents]
+    assert got["keys"] == ["attention_mask", "input_ids"] and got["decoded"] == "<|bos|>" + texts[0]
+
+
 @pytest.mark.slow  # encodes every shared corpus twice
 def test_tokenizer_matches_on_the_shared_corpora(env):
     if not SHARED_DATA.exists():

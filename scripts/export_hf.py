@@ -28,6 +28,9 @@ FLAGS = Flags(
     checkpoint_flags("sft"),
     Flag("out", None, "output directory (must not exist, or be empty)", type=str, short="o", required=True),
     Flag("dtype", "float32", "dtype of the saved weights", choices=list(DTYPES)),
+    Flag("license", "mit", "the model card's license (a Hub license id; nanochat's code is MIT, check your data's terms)"),
+    Flag("base_model", None, "Hub id of the model a mid/sft/rl checkpoint was trained from, for the card's base_model",
+         type=str),
     description=__doc__,
 )
 
@@ -54,40 +57,205 @@ def _check_out_dir(out_dir):
         raise FileExistsError(f"--out {out_dir} exists and is not empty; pass a new directory (or remove this one)")
 
 
-def model_card(config, n_params, source, model_tag, step, meta, dtype):
-    """README.md for the directory: the Hub reads its front matter (library, pipeline) and shows the rest."""
-    metrics = {k: meta[k] for k in ("val_bpb", "val_loss") if isinstance(meta.get(k), (int, float))}
-    lines = [
-        "---",
-        "library_name: transformers",
-        "pipeline_tag: text-generation",
-        "tags:",
-        "- nanochat",
-        "---",
-        f"# nanochat {model_tag} ({source})",
+# What each stage is, the script that trains it, its section of the report, and the report sections that evaluate it
+STAGES = {
+    "base": ("a pretrained base model: it continues plain text", "base_train", "Base model training",
+             ["Base model loss", "Base model evaluation"]),
+    "mid": ("a mid-trained model: nanochat's chat format, multiple choice and the python tool", "mid_train",
+            "Midtraining", ["Chat evaluation mid"]),
+    "sft": ("a chat model: supervised fine-tuning on conversations", "chat_sft", "Chat SFT", ["Chat evaluation sft"]),
+    "rl": ("a chat model: reinforcement learning on GSM8K", "chat_rl", "Chat RL", ["Chat evaluation rl"]),
+}
+# The Hub data sets behind the training tasks the stages log ("Training tasks" in their report section; tasks/*.py
+# load them under these names). Tasks made here (SpellingBee's word list, identity conversations) have no Hub id.
+TASK_DATASETS = {"SmolTalk": "HuggingFaceTB/smol-smoltalk", "MMLU": "cais/mmlu", "GSM8K": "openai/gsm8k",
+                 "ARC": "allenai/ai2_arc", "HumanEval": "openai/openai_humaneval"}
+RL_TASKS = ["GSM8K"]  # chat_rl trains on GSM8K's train split only
+PRETRAINING_DATASET = "karpathy/fineweb-edu-100b-shuffle"  # nanochat.download's shards (FineWeb-Edu, reshuffled)
+
+
+def checkpoint_lineage(source, model_tag, step, meta):
+    """[(source, model_tag, step, meta)], base model first, ending with this checkpoint: each meta's "source" (written
+    by mid_train, chat_sft and chat_rl) names the checkpoint the stage started from. Where that checkpoint is gone
+    the chain starts at it with meta None."""
+    from nanochat.checkpoint_manager import checkpoint_root, find_largest_model, find_last_step, load_checkpoint
+
+    chain = [(source, model_tag, step, meta)]
+    while isinstance(meta, dict) and isinstance(meta.get("source"), dict) and len(chain) < len(STAGES):
+        parent = meta["source"]
+        phase, tag, parent_step, meta = parent.get("phase"), parent.get("model_tag"), parent.get("step"), None
+        if phase not in STAGES:
+            break
+        try:
+            root = checkpoint_root(phase)
+            tag = tag or find_largest_model(root)
+            parent_step = parent_step if parent_step is not None else find_last_step(os.path.join(root, tag))
+            _, _, meta = load_checkpoint(os.path.join(root, tag), parent_step, "cpu")  # the weights stay unread (mmap)
+        except (FileNotFoundError, ValueError):
+            pass
+        chain.append((phase, tag, parent_step, meta))
+    return chain[::-1]
+
+
+def report_section(title):
+    """(text, {key: value}, file name) of one section of this base dir's report; text None when no stage logged it."""
+    from nanochat.common import get_base_dir
+    from nanochat.report import extract_metrics, slugify
+
+    name = slugify(title) + ".md"
+    path = os.path.join(get_base_dir(), "report", name)
+    if not os.path.isfile(path):
+        return None, {}, name
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    return text, extract_metrics(text), name
+
+
+def training_command(script, user_config, world_size):
+    """The command line that reproduces a run: every flag it ran with (auto ones left out), as recorded in its meta."""
+    import shlex
+
+    from nanochat.configurator import format_value
+
+    launcher = (f"torchrun --standalone --nproc_per_node={world_size} -m scripts.{script}" if world_size > 1
+                else f"python -m scripts.{script}")
+    flags = [shlex.quote(f"--{k}={format_value(v)}") for k, v in user_config.items()
+             if v is not None and isinstance(v, (bool, int, float, str))]
+    return " \\\n    ".join([launcher, *flags])
+
+
+def stage_data(source):
+    """(names of what the stage trained on, their Hub data set ids) for the card."""
+    if source == "base":
+        from nanochat.dataset import IMPORT_INFO, get_data_dir
+
+        info = os.path.join(get_data_dir(), IMPORT_INFO)
+        if os.path.exists(info):
+            return [f"a local corpus imported with `python -m nanochat.dataset import` (its sources: base_data/{IMPORT_INFO})"], []
+        return [f"FineWeb-Edu ({PRETRAINING_DATASET})"], [PRETRAINING_DATASET]
+    if source == "rl":
+        names = RL_TASKS
+    else:
+        _, fields, _ = report_section(STAGES[source][2])
+        names = [n.strip() for n in fields.get("Training tasks", "").split(",") if n.strip()]
+    hub = [TASK_DATASETS[key] for key in TASK_DATASETS if any(n.split()[0].startswith(key) for n in names)]
+    return names, hub
+
+
+def _checkpoint_metrics(meta):
+    """The evaluation numbers a training script stored in its checkpoint's meta."""
+    from nanochat.chat_eval import TASK_NAMES
+
+    out = {k: meta[k] for k in ("val_bpb", "min_val_bpb", "val_loss", *TASK_NAMES) if isinstance(meta.get(k), (int, float))}
+    for k, p in enumerate(meta.get("pass_at_k") or []):
+        out[f"GSM8K pass@{k + 1}"] = p
+    return out
+
+
+def _other_checkpoint(fields, model_tag, step):
+    """What an evaluation section of the report says it evaluated, when that is not this checkpoint (else None).
+    chat_eval records its -g/-s flags (None: the largest model, its last step); base_eval the model's step."""
+    tag_s, step_s, model = fields.get("model_tag"), fields.get("step"), fields.get("Model", "")
+    if tag_s not in (None, "None", model_tag):
+        return f"model {tag_s}"
+    if step_s not in (None, "None", str(step)):
+        return f"step {step_s}"
+    if model.startswith("base_model_") and model != f"base_model_{step:06d}":
+        return f"{model} (step {int(model.rsplit('_', 1)[1])})"
+    return None
+
+
+def model_card(config, n_params, source, model_tag, step, meta, dtype, license="mit", base_model=None, path="hf/model"):
+    """README.md for the directory: Hub front matter (license, base_model, datasets, tags) and the model's story:
+    the stage, what it was trained from and on, the commands that trained it, its evaluation results from the
+    checkpoint and the report, and a usage example for that stage (path: where the user will load it from)."""
+    if base_model is not None and source == "base":
+        raise ValueError("--base_model names the model a mid/sft/rl checkpoint was trained from; a base model has none")
+    chain = checkpoint_lineage(source, model_tag, step, meta)
+    data = {s: stage_data(s) for s, *_ in chain if s is not None}
+    datasets = list(dict.fromkeys(d for _, hub in data.values() for d in hub))
+    what, _, _, eval_sections = STAGES[source]
+    chat = source != "base"
+
+    lines = ["---", "library_name: transformers", "pipeline_tag: text-generation", f"license: {license}"]
+    if base_model:
+        lines += [f"base_model: {base_model}", "base_model_relation: finetune"]
+    if datasets:
+        lines += ["datasets:", *(f"- {d}" for d in datasets)]
+    lines += ["tags:", "- nanochat", f"- {source}", "---", f"# nanochat {model_tag} ({source})", ""]
+    lines += [
+        f"**Stage: {source}**, {what}. Checkpoint `{source}` / `{model_tag}` / step {step}, exported with",
+        f"`python -m scripts.export_hf` to transformers' built-in NanoChat architecture ({dtype} weights, no custom code).",
         "",
-        f"A nanochat model: checkpoint `{source}` / `{model_tag}` / step {step}, exported with `python -m scripts.export_hf`",
-        f"to transformers' built-in NanoChat architecture ({dtype} weights). No custom code is needed.",
-        "",
+    ]
+    if chat:
+        parents = [f"`{s}` / `{t}` / step {st}" + ("" if m is not None else " (not found in this base dir)")
+                   for s, t, st, m in chain[:-1]]
+        lines += [f"Trained from: {' ← '.join(parents[::-1]) if parents else 'not recorded in the checkpoint (no source in its meta)'}"
+                  + (f"; on the Hub: [{base_model}](https://huggingface.co/{base_model})" if base_model else "") + ".", ""]
+    lines += [
         "| layers | width | query heads | kv heads | vocab | context | parameters |",
         "|---:|---:|---:|---:|---:|---:|---:|",
         f"| {config.n_layer} | {config.n_embd} | {config.n_head} | {config.n_kv_head} | {config.vocab_size} | {config.sequence_len} | {n_params:,} |",
         "",
+        "## Training",
+        "",
     ]
+    for s, t, st, m in chain:
+        names, _ = data[s]
+        lines += [f"**{s}** (`{t}` step {st}): trained on {', '.join(names) if names else 'tasks not recorded (no report section)'}.", ""]
+        user_config = (m or {}).get("user_config")
+        if isinstance(user_config, dict):
+            _, fields, _ = report_section(STAGES[s][2])
+            world = (m or {}).get("world_size") or int(fields.get("DDP world size", "1") or 1)
+            lines += ["```bash", training_command(STAGES[s][1], user_config, world), "```", ""]
+        else:
+            lines += ["(no training command: the checkpoint's meta records no flags)", ""]
+    lines += ["## Evaluation", ""]
+    metrics = _checkpoint_metrics(meta)
     if metrics:
-        lines += [", ".join(f"{k}: {v:.4f}" for k, v in metrics.items()), ""]
-    lines += [
-        "```python",
-        "from transformers import pipeline",
-        'chat = pipeline("text-generation", "<this directory or repo id>")',
-        'print(chat([{"role": "user", "content": "Why is the sky blue?"}], max_new_tokens=64)[0]["generated_text"][-1]["content"])',
-        "```",
-        "",
-        "The chat template renders nanochat's format (<|user_start|> ... <|assistant_start|>); generation stops at",
-        "<|assistant_end|> or <|bos|>. Plain-text calls start with <|bos|>, as the model saw every document in training.",
-        "",
-    ]
-    return "\n".join(lines)
+        lines += ["Stored with the checkpoint: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) + ".", ""]
+    found = False
+    for title in eval_sections:
+        text, fields, name = report_section(title)
+        if text is None:
+            continue
+        found = True
+        other = _other_checkpoint(fields, model_tag, step)
+        if other:
+            lines += [f"### {title}", "", f"Not shown: `report/{name}` evaluated {other}, not this checkpoint.", ""]
+            continue
+        body = text.splitlines()
+        stamp = body[1] if len(body) > 1 and body[1].startswith("timestamp:") else ""
+        body = [ln for ln in body[1:] if not ln.startswith("timestamp:")]
+        lines += [f"### {title}", "", f"From the training report (`report/{name}`, {stamp or 'no timestamp'}):",
+                  *body, ""]
+    if not found:
+        lines += [f"The report of this run has no {' / '.join(eval_sections)} section (run `python -m scripts."
+                  + ("base_eval" if not chat else f"chat_eval -i {source}") + "` before exporting to include it).", ""]
+    lines += ["## Usage", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+              f"path = {json.dumps(path)}  # or the Hub repo id", "tokenizer = AutoTokenizer.from_pretrained(path)",
+              "model = AutoModelForCausalLM.from_pretrained(path)"]
+    if chat:
+        lines += [
+            'messages = [{"role": "user", "content": "Why is the sky blue?"}]',
+            'inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)',
+            "output = model.generate(**inputs, max_new_tokens=64, do_sample=False)",
+            'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
+            "```", "",
+            "The chat template renders nanochat's format (<|user_start|> ... <|assistant_start|>) and takes string or",
+            "OpenAI-style list content; generation stops at <|assistant_end|>. Roles: system (first only), user, assistant;",
+            "the python tool's calls are parts of the assistant message, not `tool` messages.",
+        ]
+    else:
+        lines += [
+            'inputs = tokenizer("The capital of France is", return_tensors="pt")  # starts with <|bos|>, as in training',
+            "output = model.generate(**inputs, max_new_tokens=32, do_sample=False)",
+            "print(tokenizer.decode(output[0], skip_special_tokens=True))",
+            "```", "",
+            "A base model continues text; it has no chat format yet. Generation stops at <|bos|> (the next document).",
+        ]
+    return "\n".join(lines) + "\n"
 
 
 def export_model(model, tokenizer, out_dir, dtype="float32", card=None):
@@ -160,7 +328,8 @@ def main(argv=None):
         model, tokenizer, meta = load_model(args.source, "cpu", phase="eval", model_tag=tag, step=step)
         padding_rows = model.padded_vocab_size - model.config.vocab_size  # in wte and lm_head, dropped on export
         n = sum(p.numel() for p in model.parameters()) - 2 * padding_rows * model.config.n_embd
-        card = model_card(model.config, n, args.source, tag, step, meta, args.dtype)
+        card = model_card(model.config, n, args.source, tag, step, meta, args.dtype, license=args.license,
+                          base_model=args.base_model, path=args.out)
         out = export_model(model, tokenizer, args.out, dtype=args.dtype, card=card)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         parser.error(str(e))  # usage + the reason, exit status 2

@@ -8,6 +8,7 @@ ours is bit-identical.
 import json
 import os
 import re
+import shlex
 from dataclasses import asdict
 from pathlib import Path
 
@@ -165,7 +166,11 @@ def test_export_writes_the_transformers_layout(env):
         ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "README.md"]
     )
     card = (out / "README.md").read_text()
-    assert card.startswith("---\nlibrary_name: transformers\n") and "checkpoint `sft` / `d2` / step 60" in card
+    front = card_front_matter(card)
+    assert front["library_name"] == "transformers" and front["license"] == "mit" and front["tags"] == ["nanochat", "sft"]
+    assert "base_model" not in front and "datasets" not in front  # this bare checkpoint records neither
+    assert "**Stage: sft**" in card and "Checkpoint `sft` / `d2` / step 60" in card
+    assert "Trained from: not recorded in the checkpoint" in card and "apply_chat_template" in card
     assert [p for p in os.listdir(out.parent) if p != out.name] == []  # no staging directory left behind
     config = json.loads((out / "config.json").read_text())
     tok = env["tok"]
@@ -183,6 +188,104 @@ def test_export_writes_the_transformers_layout(env):
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.get_tensor("lm_head.weight").shape == (V, 128)
         assert f.get_tensor("model.layers.1.self_attn.k_proj.weight").dtype == torch.float32
+
+
+def card_front_matter(card):
+    import yaml
+
+    assert card.startswith("---\n")
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+def card_code_blocks(card, language):
+    return [block.split("```")[0] for block in card.split(f"```{language}\n")[1:]]
+
+
+@pytest.mark.slow  # trains base, mid and SFT (a few steps each) and evaluates them
+def test_model_cards_of_a_real_chain(base_dir, tmp_path, monkeypatch, capsys):
+    """base_train -> base_eval -> mid_train -> chat_sft -> chat_eval in one base dir, then each stage exported: every
+    field of the card comes from that run (its metas and its report), and the card's usage code runs."""
+    from scripts import base_eval, base_train, chat_eval, chat_sft, mid_train
+    from test_base_train import TINY
+    from test_core_eval import BASELINES, DATA, TASKS, write_bundle
+    from test_posttrain import SHARED_DATA as TASK_DATA, require_chat_data
+
+    require_chat_data()
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(TASK_DATA))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # SmolTalk / MMLU auxiliary_train: left out at once
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    _use_base_dir(base_dir)
+    base_train.main([*TINY, "--num_iterations=2"])
+    core = base_eval.main(["--device_type=cpu", f"--bundle_dir={write_bundle(tmp_path / 'bundle', TASKS, BASELINES, DATA)}"])
+    mid = mid_train.main(["--device_type=cpu", "--max_seq_len=64", "--device_batch_size=2", "--total_batch_size=256",
+                          "--num_iterations=2", "--eval_every=-1"])
+    sft = chat_sft.main(["--device_type=cpu", "--device_batch_size=2", "--target_examples_per_step=4", "--num_iterations=2",
+                         "--eval_every=2", "--eval_steps=2", "--eval_metrics_every=-1"])
+    scores = chat_eval.main(["-i", "sft", "-a", "ARC-Easy", "-x", "4", "--device_type=cpu"])
+    capsys.readouterr()
+
+    out = tmp_path / "export" / "sft"
+    export_hf.main(["-i", "sft", "--out", str(out), "--license", "apache-2.0", "--base_model", "someone/nanochat-d1-mid"])
+    card = (out / "README.md").read_text()
+    front = card_front_matter(card)
+    assert front["license"] == "apache-2.0" and front["base_model"] == "someone/nanochat-d1-mid"
+    assert front["tags"] == ["nanochat", "sft"] and "**Stage: sft**" in card
+    # the Hub ids of the tasks mid and SFT really trained on (SmolTalk and MMLU were left out: no data here)
+    assert {"GSM8K", "ARC-Easy"} <= set(mid["train_tasks"]) | set(sft["train_tasks"])
+    assert not {"SmolTalk", "MMLU auxiliary_train"} & set(mid["train_tasks"] + sft["train_tasks"])
+    assert front["datasets"] == ["openai/gsm8k", "allenai/ai2_arc"]
+    assert f"Trained from: `mid` / `d1` / step {mid['step']} ← `base` / `d1` / step 2" in card
+    assert "a local corpus imported with `python -m nanochat.dataset import`" in card  # the base stage's data
+    # one command per stage, each parsing back (with the script's own flags) to the config the checkpoint recorded
+    commands = card_code_blocks(card, "bash")
+    assert [c.split()[2] for c in commands] == ["scripts.base_train", "scripts.mid_train", "scripts.chat_sft"]
+    _, _, sft_meta = load_model("sft", "cpu", "eval")
+    argv = shlex.split(commands[2].replace("\\\n", " "))[3:]
+    assert {k: v for k, v in chat_sft.FLAGS.parse(argv).items() if v is not None} == {
+        k: v for k, v in sft_meta["user_config"].items() if v is not None}
+    # the evaluation results: the checkpoint's validation loss and the report's chat_eval section
+    assert f"val_loss {sft['val_loss']:.4f}" in card
+    assert "### Chat evaluation sft" in card and f"- ARC-Easy: {scores['results']['ARC-Easy']:.4f}" in card
+    # the usage example is a chat one, and it runs
+    (usage,) = card_code_blocks(card, "python")
+    assert "apply_chat_template" in usage and f"path = {json.dumps(str(out))}" in usage
+    printed = []
+    exec(usage.replace("max_new_tokens=64", "max_new_tokens=4"), {"print": printed.append})
+    assert len(printed) == 1 and "sky" not in printed[0]  # the reply alone (a 2-step model's reply may be empty)
+
+    base_out = tmp_path / "export" / "base"
+    export_hf.main(["-i", "base", "--out", str(base_out)])
+    card = (base_out / "README.md").read_text()
+    front = card_front_matter(card)
+    assert front["license"] == "mit" and front["tags"] == ["nanochat", "base"]
+    assert "base_model" not in front and "datasets" not in front  # pretrained from scratch on an imported corpus
+    assert "**Stage: base**" in card and "Trained from" not in card
+    assert [c.split()[2] for c in card_code_blocks(card, "bash")] == ["scripts.base_train"]
+    assert "### Base model evaluation" in card and f"- CORE metric: {core['core_metric']:.4f}" in card
+    (usage,) = card_code_blocks(card, "python")
+    assert "apply_chat_template" not in usage and "generate(" in usage
+    printed = []
+    exec(usage.replace("max_new_tokens=32", "max_new_tokens=4"), {"print": printed.append})
+    assert len(printed) == 1 and printed[0].startswith("The capital of France is") and len(printed[0]) > 24
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # a base model has no base_model
+        export_hf.main(["-i", "base", "--out", str(tmp_path / "x"), "--base_model", "someone/else"])
+    assert e.value.code == 2 and "a base model has none" in capsys.readouterr().err
+
+
+def test_model_card_leaves_out_the_evaluation_of_another_checkpoint():
+    """A report section that names another model or step (chat_eval's -g/-s, base_eval's model) is not shown as
+    this export's results; one evaluating the defaults (the largest model, its last step) is."""
+    from nanochat.report import extract_metrics
+
+    other = export_hf._other_checkpoint
+    chat = "## Chat evaluation sft\n- source: sft\n- model_tag: {}\n- step: {}\n\n- ARC-Easy: 0.5000\n"
+    assert other(extract_metrics(chat.format("None", "None")), "d1", 2) is None
+    assert other(extract_metrics(chat.format("d1", "2")), "d1", 2) is None
+    assert other(extract_metrics(chat.format("d4", "None")), "d1", 2) == "model d4"
+    assert other(extract_metrics(chat.format("None", "7")), "d1", 2) == "step 7"
+    assert other({"Model": "base_model_000002"}, "d1", 2) is None
+    assert other({"Model": "base_model_000100"}, "d1", 2) == "base_model_000100 (step 100)"
 
 
 def test_export_refuses_a_non_empty_directory(env, tmp_path):

@@ -321,6 +321,44 @@ def test_greedy_generate_matches_our_engine(env):
         assert theirs == ours
 
 
+def _continuation_logprob(model, ids, n_cont):
+    """Sum of log p(ids[i] | ids[:i]) over the last n_cont tokens, by our GPT."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids[:-1]])).float(), dim=-1)[0]
+    return sum(logp[i - 1, ids[i]].item() for i in range(len(ids) - n_cont, len(ids)))
+
+
+@pytest.mark.slow  # imports lm-eval
+def test_lm_eval_scores_the_export_as_our_model(env):
+    """lm-eval's `--model hf` on the export: its window is max_position_embeddings (our sequence_len) unless
+    max_length is given; prompts start with <|bos|>; a loglikelihood is ours; a longer few-shot prompt loses its start
+    (its <|bos|> included). Needs `pip install 'lm-eval[hf]'` (or the eval extra), which the dev extra leaves out."""
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install 'lm-eval[hf]' (docs/hf.md)")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    tok, model = env["tok"], env["model"]
+    bos, T = tok.get_bos_token_id(), model.config.sequence_len
+    lm = HFLM(pretrained=str(env["out"]), device="cpu", batch_size=1)
+    assert lm.max_length == T == 64
+    assert HFLM(pretrained=str(env["out"]), device="cpu", batch_size=1, max_length=640).max_length == 640
+    assert lm.tok_encode("The capital of France is") == tok.encode("The capital of France is", prepend="<|bos|>")
+
+    short = ("The capital of France is", " Paris")
+    shots = "".join(f"Question: what is {i} plus {i}?\nAnswer: {2 * i}\n\n" for i in range(12))
+    long = (shots + "Question: what is 7 plus 7?\nAnswer:", " 14")
+    requests = [Instance("loglikelihood", doc={}, arguments=pair, idx=i) for i, pair in enumerate([short, long])]
+    (ll_short, _), (ll_long, _) = lm.loglikelihood(requests)
+    whole = tok.encode(short[0] + short[1], prepend="<|bos|>")
+    n_cont = len(whole) - len(tok.encode(short[0], prepend="<|bos|>"))
+    assert ll_short == pytest.approx(_continuation_logprob(model, whole, n_cont), abs=1e-4)
+    # the few-shot prompt is longer than the window: lm-eval scores its last T + 1 tokens, <|bos|> gone
+    whole = tok.encode(long[0] + long[1], prepend="<|bos|>")
+    n_cont = len(whole) - len(tok.encode(long[0], prepend="<|bos|>"))
+    assert len(whole) > 3 * T and whole[-(T + 1)] != bos
+    assert ll_long == pytest.approx(_continuation_logprob(model, whole[-(T + 1):], n_cont), abs=1e-4)
+
+
 def test_bfloat16_export_holds_our_weights_rounded(env, tmp_path):
     out = tmp_path / "bf16"
     export_hf.main(["-i", "sft", "--out", str(out), "--dtype", "bfloat16"])

@@ -5,8 +5,10 @@ no custom code by AutoModelForCausalLM / AutoTokenizer, `vllm serve DIR` and lm-
     python -m scripts.export_hf -i sft --out hf/d20                      # the largest sft model, its last step
     python -m scripts.export_hf -i base -g d20 -s 21400 --out hf/d20-base --dtype bfloat16
 
-The directory: config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
-chat_template.jinja, README.md (a model card for the Hub). Needs the `hf` extra (pip install -e '.[hf]'). Mapping and limitations: docs/hf.md.
+The directory: config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json (loads in
+transformers 4.x too), chat_template.jinja, README.md (a model card for the Hub: license, base model, data sets, the
+training commands and evaluation from the checkpoints' metas and the report, usage for the stage). Needs the `hf`
+extra (pip install -e '.[hf]'). Mapping and limitations: docs/hf.md.
 """
 
 import json
@@ -29,8 +31,8 @@ FLAGS = Flags(
     Flag("out", None, "output directory (must not exist, or be empty)", type=str, short="o", required=True),
     Flag("dtype", "float32", "dtype of the saved weights", choices=list(DTYPES)),
     Flag("license", "mit", "the model card's license (a Hub license id; nanochat's code is MIT, check your data's terms)"),
-    Flag("base_model", None, "Hub id of the model a mid/sft/rl checkpoint was trained from, for the card's base_model",
-         type=str),
+    Flag("base_model", None, "Hub id of the model a mid/sft/rl checkpoint was trained from, for the card's base_model; "
+         "auto = none (the card names the local checkpoint it came from)", type=str),
     description=__doc__,
 )
 

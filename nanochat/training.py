@@ -398,11 +398,11 @@ def _load_sharded_train_state(checkpoint_dir, step, model, optimizers, parallel,
     # a single process that read the data as W ranks (base_train --data_world_size) keeps their states in loop_state
     saved = ((meta.get("loop_state") or {}).get("data_loader_states") or meta.get("loader_state")
              or [meta.get("dataloader_state_dict")])
-    if len(saved) != world_size:
-        print0(f"Note: step {step} was saved by {len(saved)} rank(s), this run has {world_size}: the model and "
-               f"optimizer state are resharded exactly; the data continues at the first row group no saved rank "
-               f"had started (nanochat.dataloader.loader_states_for_world)")
-    states = loader_states_for_world(saved, world_size)
+    if meta.get("world_size", world_size) != world_size:
+        print0(f"Note: step {step} was saved by {meta['world_size']} rank(s), this run has {world_size}: the model "
+               f"and optimizer state are resharded onto {world_size}, exactly")
+    # (one process reading as W data ranks, base_train --data_world_size, takes the states from loop_state itself)
+    states = loader_states_for_world(saved, world_size, log=print0 if world_size > 1 else None)
     return meta, states[rank]
 
 

@@ -179,7 +179,7 @@ def main(argv=None):
         meter.load_state_dict(loop["meter"])
         min_val_bpb, val_bpb = loop["min_val_bpb"], meta.get("val_bpb")
         # one process reads as data_world ranks: their saved positions (resharded when another world saved them)
-        loader_states = (loader_states_for_world(loop["data_loader_states"] or meta["loader_state"], data_world)
+        loader_states = (loader_states_for_world(loop["data_loader_states"] or meta["loader_state"], data_world, print0)
                          if world_size == 1 else [my_state])
         print0(f"Resumed from step {start_step} in {checkpoint_dir}")
 

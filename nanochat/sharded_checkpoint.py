@@ -42,6 +42,7 @@ import threading
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from nanochat.atomic import fsync_dir
@@ -81,7 +82,12 @@ def sharded_steps(checkpoint_dir):
 
 
 def _names(model):
-    """{parameter: name} for the model's parameters (compile's `_orig_mod.` prefix stripped)."""
+    """{parameter: name} for the model's sharded parameters (compile's `_orig_mod.` prefix stripped). FSDP2 leaves
+    the root's parameters gathered after a forward without backward (an eval, a sample) and registers the gathered
+    tensors as the parameters then; resharding first gives back the sharded ones the optimizers hold."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
     return {p: n.removeprefix("_orig_mod.") for n, p in model.named_parameters()}
 
 

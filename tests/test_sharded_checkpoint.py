@@ -257,9 +257,10 @@ TINY = ["--depth=1", "--max_seq_len=64", "--device_batch_size=4", "--eval_every=
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_base_train_fsdp_resumes_a_sharded_step_on_another_world_size(base_dir):
-    """base_train --use_fsdp=1 on 2 ranks writes sharded steps 2 and 4 (the second one asynchronously); step 2
-    resumed by 1 rank reading the data as 2 ranks did (--data_world_size=2) ends where the 2-rank run ended (the same
-    batches; reduction order aside); the last step loads through checkpoint_manager and consolidates."""
+    """base_train --use_fsdp=1 on 2 ranks writes sharded steps 2 and 4 (asynchronously); step 2 resumed by 1 rank
+    reading the data as 2 ranks did (--data_world_size=2) ends where the 2-rank run ended (the same batches; reduction
+    order aside), and resumed on 2 ranks ends there bit for bit; the last step loads through checkpoint_manager and
+    consolidates."""
     env = subprocess_env(base_dir)
     args = ["-m", "scripts.base_train", *TINY, "--num_iterations=4", "--save_every=2", "--use_fsdp=1"]
     # sampling at step 2 leaves FSDP's root gathered right before that save (the save must reshard first)
@@ -275,6 +276,13 @@ def test_base_train_fsdp_resumes_a_sharded_step_on_another_world_size(base_dir):
     b, _, _ = cm.load_checkpoint(str(one), 4, "cpu")
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4), (k, (a[k] - b[k]).abs().max())
+    # on the same 2 ranks the resume is exact, bit for bit
+    again = base_dir / "base_checkpoints" / "again"
+    again.mkdir()
+    os.symlink(two / "sharded_000002", again / "sharded_000002")
+    run_torchrun(args + ["--model_tag=again", "--resume_from_step=2"], env=env)
+    c, _, _ = cm.load_checkpoint(str(again), 4, "cpu")
+    assert all(torch.equal(a[k], c[k]) for k in a)
     model, _, meta = cm.load_model("base", "cpu", "eval", model_tag="two")  # what base_loss/chat/export_hf call
     assert meta["step"] == 4 and all(torch.equal(model.state_dict()[k], a[k].float()) for k in a)
     out = subprocess.run([sys.executable, "-m", "scripts.consolidate_checkpoint", "-i", "base", "-g", "two"],

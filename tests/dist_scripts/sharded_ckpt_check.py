@@ -23,21 +23,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from gpt_train_check import CONFIG, GLOBAL_BATCH, global_batch  # the tiny GPT and the learnable batches of test_fsdp
 from nanochat.dist import compute_cleanup, compute_init
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.gpt import GPT
 from nanochat.parallel import FSDP
 
 STEPS, MORE = 2, 2
-GLOBAL_BATCH = 4
-CONFIG = GPTConfig(sequence_len=16, vocab_size=200, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
-
-
-def global_batch(step):
-    g = torch.Generator().manual_seed(1000 + step)
-    start = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, 1), generator=g)
-    stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=g)
-    data = (start + stride * torch.arange(CONFIG.sequence_len + 1)) % CONFIG.vocab_size
-    return data[:, :-1], data[:, 1:]
 
 
 def build(seed, parallel):

@@ -107,6 +107,23 @@ def test_sharded_step_loads_through_checkpoint_manager(base_dir):
         cm.load_checkpoint(str(d), 5, "cpu", load_optimizer=True)
 
 
+@pytest.mark.slow
+def test_export_hf_reads_a_sharded_step(base_dir, tmp_path):
+    pytest.importorskip("transformers", minversion="5.0", reason="the hf extra is not installed")
+    pytest.importorskip("safetensors", reason="the hf extra is not installed")
+    from safetensors.torch import load_file
+
+    from nanochat.hf_format import state_dict_to_hf
+    from scripts.export_hf import main
+
+    model = tiny_model()
+    save_one_process(base_dir / "base_checkpoints" / "d1", 7, model)
+    main(["-i", "base", "-g", "d1", "--out", str(tmp_path / "hf")])  # the last step: the sharded one
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    expected = state_dict_to_hf(model.state_dict(), TINY_CONFIG)
+    assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in expected)
+
+
 def test_consolidate_command(base_dir, capsys):
     from scripts.consolidate_checkpoint import main
 

@@ -34,6 +34,7 @@ also resumes on another number of ranks. Another strategy (HSDP, pipeline parall
 """
 
 import contextlib
+import os
 
 import torch
 
@@ -222,6 +223,12 @@ def saved_flag(meta):
     return FLAGS[name]
 
 
+def node_local_base_dirs():
+    """True on a multi-node run whose nodes each have their own base dir (the launchers' NANOCHAT_SHARED_FS=0)."""
+    multi_node = int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return multi_node and os.environ.get("NANOCHAT_SHARED_FS", "1").strip().lower() in ("0", "false", "no")
+
+
 def parallel_from_config(config):
     """The strategy for a script's flags (a script without FSDP/TP flags gets the DDP path)."""
     use_fsdp = bool(config.get("use_fsdp", False))
@@ -235,9 +242,18 @@ def parallel_from_config(config):
     if fmt == "sharded" and (tp_size > 1 or not use_fsdp):
         raise ValueError("--checkpoint_format=sharded needs --use_fsdp=1 (and --tp_size=1): the DDP and tensor-parallel "
                          "paths write nanochat's single files; use --checkpoint_format=auto")
+    if node_local_base_dirs():
+        # every rank writes into one sharded directory: nodes with their own base dirs cannot share it
+        if fmt == "sharded":
+            raise ValueError("--checkpoint_format=sharded needs a checkpoint directory every node sees, and "
+                             "NANOCHAT_SHARED_FS=0 says the nodes have their own base dirs: use --checkpoint_format=auto "
+                             "(single files, docs/multinode.md) or put NANOCHAT_BASE_DIR on a shared filesystem")
+        if fmt == "auto":
+            fmt = "single"
     if config.get("async_save") and (fmt == "single" or tp_size > 1 or not use_fsdp):
         raise ValueError("--async_save=1 writes sharded checkpoints in the background: it needs --use_fsdp=1 with "
-                         "--checkpoint_format=auto or sharded; use --async_save=0 here")
+                         "--checkpoint_format=auto or sharded, and a checkpoint directory every node sees (not "
+                         "NANOCHAT_SHARED_FS=0 on several nodes); use --async_save=0 here")
     if tp_size > 1:
         # TP always runs with FSDP2 over the data ranks (--use_fsdp is implied; its dtype/defer flags apply)
         return TensorParallel(tp_size, config.get("fsdp_reduce_dtype", "float32"), defer)

@@ -532,9 +532,10 @@ def memory_flags():
              choices=["float32", "bfloat16"]),
         Flag("tp_size", 1, "tensor parallelism over this many ranks (attention heads and the MLP split across them; "
              "nanochat/tensor_parallel.py), FSDP over the rest; must divide the world size"),
-        Flag("checkpoint_format", "auto", "auto = sharded with --use_fsdp=1, single otherwise; sharded = every rank "
-             "writes its shard (torch.distributed.checkpoint; resumes on any number of ranks; FSDP only); single = "
-             "nanochat's files, the model gathered to rank 0", choices=["auto", "sharded", "single"]),
+        Flag("checkpoint_format", "auto", "auto = sharded with --use_fsdp=1 (single when NANOCHAT_SHARED_FS=0 on "
+             "several nodes), single otherwise; sharded = every rank writes its shard (torch.distributed.checkpoint; "
+             "resumes on any number of ranks; FSDP only); single = nanochat's files, the model gathered to rank 0",
+             choices=["auto", "sharded", "single"]),
         Flag("async_save", False, "sharded checkpoints: write them in a background thread while training goes on"),
     ]
 

@@ -163,7 +163,7 @@ def test_loader_states_for_another_world_size():
     assert loader_states_for_world([None], 4) == [None] * 4  # a run that saved no position
 
 
-def test_checkpoint_format_flags():
+def test_checkpoint_format_flags(monkeypatch):
     from nanochat.parallel import parallel_from_config
 
     assert parallel_from_config({"use_fsdp": True}).sharded_checkpoint
@@ -175,6 +175,16 @@ def test_checkpoint_format_flags():
         parallel_from_config({"checkpoint_format": "sharded"})
     with pytest.raises(ValueError, match="--async_save=1 .* use --async_save=0"):
         parallel_from_config({"use_fsdp": True, "checkpoint_format": "single", "async_save": True})
+    # 2 nodes x 2 ranks with node-local base dirs (the launchers' NANOCHAT_SHARED_FS=0): single files, as multinode.md says
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert parallel_from_config({"use_fsdp": True}).sharded_checkpoint
+    monkeypatch.setenv("NANOCHAT_SHARED_FS", "0")
+    assert not parallel_from_config({"use_fsdp": True}).sharded_checkpoint
+    with pytest.raises(ValueError, match="NANOCHAT_SHARED_FS=0 says the nodes have their own base dirs"):
+        parallel_from_config({"use_fsdp": True, "checkpoint_format": "sharded"})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one node: its ranks share its disk
+    assert parallel_from_config({"use_fsdp": True}).sharded_checkpoint
 
 
 # ----------------------------------------------------------------------------- 2 ranks save, 1/2/4 load (torchrun)

@@ -342,8 +342,9 @@ def consolidate(step_dir, out_dir, step, optimizer=True):
     """
     Write step `step` of a sharded checkpoint as nanochat's single-file checkpoint in out_dir: model_<step>.pt (the
     full model, rank 0's file on the gather path), meta_<step>.json (unchanged) and, with optimizer=True, one
-    optim_<step>_rank<r>.pt per rank of the world size that saved it, each what that rank's
-    FSDPAdamW/FSDPMuon state_dict() held (the single-file format resumes on that world size only). Files are written atomically, meta last. Returns the paths written.
+    optim_<step>_rank<r>.pt per rank of the world size that saved it, each what that rank's FSDPAdamW/FSDPMuon
+    state_dict() held (the single-file format resumes on that world size only); a step saved without optimizer state
+    (save_stage_model) gets none. Files are written atomically, meta last. Returns the paths written.
     """
     from nanochat.checkpoint_manager import _paths, atomic_json_save, atomic_torch_save, read_meta
 
@@ -354,8 +355,8 @@ def consolidate(step_dir, out_dir, step, optimizer=True):
     model = read_model_state_dict(step_dir)
     atomic_torch_save(model, model_path)
     written = [model_path]
-    if optimizer:
-        layout = read_layout(step_dir)
+    layout = read_layout(step_dir)
+    if optimizer and layout["optimizers"]:  # a stage's model-only step (SFT, RL) has no optimizer files, as today
         md = _reader(step_dir).read_metadata().state_dict_metadata
         full = {}
         for i, saved in enumerate(layout["optimizers"]):

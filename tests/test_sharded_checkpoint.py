@@ -139,6 +139,8 @@ def test_consolidate_command(base_dir, capsys):
     assert "complete sharded steps: 3" in capsys.readouterr().err
     main(["-i", "base", "-g", "d1"])
     assert "model_000003.pt" in capsys.readouterr().out
+    # a model-only step (what SFT and RL save) gets the model and meta only, as the single-file path writes it
+    assert sorted(p.name for p in d.iterdir() if p.is_file()) == ["meta_000003.json", "model_000003.pt"]
     single = torch.load(d / "model_000003.pt", weights_only=True)
     assert list(single) == list(model.state_dict())
     assert all(torch.equal(single[k], v) for k, v in model.state_dict().items())

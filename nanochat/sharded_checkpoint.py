@@ -223,7 +223,8 @@ def save_sharded(checkpoint_dir, step, state_dict, meta, async_save=False):
         if dist.is_initialized():
             dist.barrier()  # nobody goes on (or loads it) before the step is complete
         return
-    future = dcp.async_save(state_dict, storage_writer=writer, process_group=_checkpoint_group())
+    group = _checkpoint_group() if dist.is_initialized() else None
+    future = dcp.async_save(state_dict, storage_writer=writer, process_group=group)
     if not isinstance(future, concurrent.futures.Future):
         future = future.upload_completion  # AsyncSaveResponse (with a custom stager)
     pending = _Pending(future, final, threading.Event())

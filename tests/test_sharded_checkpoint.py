@@ -319,3 +319,18 @@ def test_base_train_fsdp_resumes_a_sharded_step_on_another_world_size(base_dir):
     assert out.returncode == 0, out.stderr
     single = torch.load(two / "model_000004.pt", weights_only=True)
     assert all(torch.equal(single[k], a[k]) for k in a)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_checkpoint_bench_runs(tmp_path):
+    """bench/checkpoint_bench.py (the docs/benchmarks.md table) on a tiny model: every format saves and is measured."""
+    p = run_torchrun(["-m", "bench.checkpoint_bench", "--depth=1", "--vocab_size=512", "--repeat=1",
+                      f"--dir={tmp_path}"], env=subprocess_env())
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["world"] == 2 and out["params"] > 0
+    for fmt in ("single", "sharded", "async"):
+        assert out[fmt]["save_s"] > 0 and out[fmt]["on_disk_GB_per_step"] > 0
+    assert out["async"]["blocked_s"] <= out["async"]["save_s"]
+    assert os.listdir(tmp_path) == []  # the checkpoints are deleted

@@ -38,6 +38,7 @@ import os
 import pickle
 import shutil
 import threading
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -251,10 +252,18 @@ def _reader(step_dir):
     return dcp.FileSystemReader(step_dir)
 
 
+def _read_here(state_dict, step_dir):
+    """dcp.load in this process alone (no collectives, whether or not a process group exists), without DCP's warning
+    that it assumes so (evaluation and chat load sharded steps this way, and the warning would read as a problem)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state_dict, storage_reader=_reader(step_dir), no_dist=True)
+
+
 def read_layout(step_dir):
     """The `layout` object of a step (model key order, optimizer layouts): no process group needed."""
     out = {"layout": io.BytesIO()}
-    dcp.load(out, storage_reader=_reader(step_dir), no_dist=True)
+    _read_here(out, step_dir)
     return pickle.loads(out["layout"].getvalue())
 
 
@@ -267,7 +276,7 @@ def read_model_state_dict(step_dir, dtype=None):
     for k in layout["model_keys"]:
         tmd = md[f"model.{k}"]
         sd[f"model.{k}"] = torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype)
-    dcp.load(sd, storage_reader=_reader(step_dir), no_dist=True)
+    _read_here(sd, step_dir)
     return {k: (v if dtype is None else v.to(dtype)) for k, v in ((k, sd[f"model.{k}"]) for k in layout["model_keys"])}
 
 
@@ -365,7 +374,7 @@ def consolidate(step_dir, out_dir, step, optimizer=True):
                 for key in keys:
                     sk = f"optim.{i}.{name}.{key}"
                     full[sk] = torch.empty(tuple(md[sk].size), dtype=md[sk].properties.dtype)
-        dcp.load(full, storage_reader=_reader(step_dir), no_dist=True)
+        _read_here(full, step_dir)
         for r in range(world):
             per_rank = []
             for i, saved in enumerate(layout["optimizers"]):

@@ -4,6 +4,8 @@ Saving and loading checkpoints, in nanochat's layout so its checkpoints load her
     <base_dir>/<phase dir>/<model_tag>/model_{step:06d}.pt          model state dict (rank 0 writes)
                                        meta_{step:06d}.json         model_config, user_config, loop/loader state, val bpb
                                        optim_{step:06d}_rank{r}.pt  optimizer state, one file per rank (every rank writes)
+                                       sharded_{step:06d}/          or, from the FSDP path, one sharded step (every
+                                                                    rank writes its shard: nanochat/sharded_checkpoint.py)
 
 Writes are atomic (temp file, fsync, rename) and meta is written last, after every rank has written its optimizer
 file, so a step "exists" only when it is complete. A crash mid-save leaves the previous step loadable; loading skips
@@ -115,8 +117,11 @@ def _model_steps(checkpoint_dir):
 
 
 def complete_steps(checkpoint_dir):
-    """The complete steps (model and meta both present) in a checkpoint directory, sorted."""
-    return sorted(s for s in _model_steps(checkpoint_dir) if is_step_complete(checkpoint_dir, s))
+    """The complete steps (model and meta both present, or a complete sharded step) in a checkpoint directory, sorted."""
+    from nanochat.sharded_checkpoint import sharded_steps
+
+    single = {s for s in _model_steps(checkpoint_dir) if is_step_complete(checkpoint_dir, s)}
+    return sorted(single | set(sharded_steps(checkpoint_dir)))
 
 
 def _move_aside_hint(checkpoint_dir, step):
@@ -172,6 +177,10 @@ def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=0):
     to `device`. A file that is truncated or not what it should be raises a ValueError naming it and the way out.
     """
     model_path, meta_path, optim_path = _paths(checkpoint_dir, step, rank)
+    from nanochat.sharded_checkpoint import is_sharded_step_complete
+
+    if not os.path.exists(model_path) and is_sharded_step_complete(checkpoint_dir, step):
+        return _load_sharded_model(checkpoint_dir, step, load_optimizer)
     for p in (model_path, meta_path):
         if not os.path.exists(p):
             steps = complete_steps(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
@@ -195,6 +204,19 @@ def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=0):
         optimizer_data = _torch_load_file(optim_path, "optimizer state", checkpoint_dir, step, map_location=device,
                                           weights_only=False)
     return model_data, optimizer_data, meta_data
+
+
+def _load_sharded_model(checkpoint_dir, step, load_optimizer):
+    """load_checkpoint for a sharded step (nanochat/sharded_checkpoint.py): the full model assembled in this process."""
+    from nanochat.sharded_checkpoint import META_FILE, read_model_state_dict, sharded_step_dir
+
+    step_dir = sharded_step_dir(checkpoint_dir, step)
+    if load_optimizer:
+        raise ValueError(f"step {step} in {checkpoint_dir} is a sharded checkpoint: its optimizer state resumes on the "
+                         f"FSDP path (--use_fsdp=1, any number of ranks), or consolidate it into per-rank files first "
+                         f"(python -m scripts.consolidate_checkpoint)")
+    meta = read_meta(os.path.join(step_dir, META_FILE.format(step=step)), checkpoint_dir, step)
+    return read_model_state_dict(step_dir), None, meta
 
 
 def find_largest_model(checkpoints_dir):

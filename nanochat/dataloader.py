@@ -92,6 +92,30 @@ def _start_position(resume_state_dict, split, rank, world_size, num_row_groups):
     return pos, state["doc"], state["token"]
 
 
+def loader_states_for_world(states, world_size, log=None):
+    """
+    Resume states for `world_size` ranks from the states a run with len(states) ranks saved (one per rank). The same
+    world size: the saved states, so each rank goes on exactly where it was. Another world size (a sharded checkpoint
+    resumed on fewer or more ranks): rank r of the new run starts at row group P + r, where P is the first stream
+    position (a multiple of the new world size) after every row group a saved rank had started. The remainders of the
+    row groups the saved ranks were in, and at most world_size - 1 row groups before P, are skipped; nothing is read
+    twice. States of None (a run that saved no loader position) stay None. log: called with a note when the data
+    position moves (print0 in the training scripts).
+    """
+    states = list(states)
+    if len(states) == world_size or any(s is None for s in states):
+        return states if len(states) == world_size else [None] * world_size
+    n = states[0]["num_row_groups"]
+    furthest = max(s["epoch"] * n + s["row_group"] for s in states)
+    start = -(-(furthest + 1) // world_size) * world_size
+    if log is not None:
+        log(f"Note: the data position was saved by {len(states)} rank(s) and is read by {world_size} now: every rank "
+            f"starts a fresh row group, from stream position {start} (the saved ranks were at most at {furthest}); "
+            f"the rest of the row groups they were in is skipped")
+    return [{"split": states[0]["split"], "rank": r, "world_size": world_size, "num_row_groups": n,
+             "epoch": (start + r) // n, "row_group": (start + r) % n, "doc": 0, "token": 0} for r in range(world_size)]
+
+
 def tokenizing_distributed_data_loader(
     B,
     T,

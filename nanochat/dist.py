@@ -21,6 +21,7 @@ import atexit
 import datetime
 import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -152,6 +153,9 @@ def compute_init(device_type=None, seed=42):
 
 def compute_cleanup():
     global _release_registered
+    sharded = sys.modules.get("nanochat.sharded_checkpoint")  # loaded only by runs that write sharded checkpoints
+    if sharded is not None:
+        sharded.wait_for_pending_save()  # an --async_save checkpoint still being written needs the group to finish
     if is_ddp_initialized():
         # every rank reaches the end before the group goes: a rank that tears gloo down while a peer is still busy
         # (rank 0 printing results, say) was seen to abort the peer ("terminate called without an active exception")

@@ -26,12 +26,15 @@ Three strategies (docs/distributed.md compares them):
   group read the same data: `data_rank_and_world` gives the data rank (rank // N) and the number of data ranks.
 
 The model file is the same single-file format for all (only the per-rank optimizer files differ), so a later stage
-may use either strategy on an earlier stage's model; resuming a run's optimizer state needs the strategy (and tp size) it was saved
-with (`check_resume`). Another strategy (HSDP, pipeline parallelism) is one more class here plus a line in
+may use either strategy on an earlier stage's model; FSDP writes sharded checkpoints instead (one directory per step,
+every rank its shard, nanochat/sharded_checkpoint.py) unless --checkpoint_format=single, and every loader reads them.
+Resuming a run's optimizer state needs the strategy (and tp size) it was saved with (`check_resume`); a sharded step
+also resumes on another number of ranks. Another strategy (HSDP, pipeline parallelism) is one more class here plus a line in
 `parallel_from_config`.
 """
 
 import contextlib
+import os
 
 import torch
 
@@ -47,6 +50,8 @@ class DataParallel:
 
     name = "ddp"
     flag = "--use_fsdp=0"
+    sharded_checkpoint = False  # True: checkpoints are written by every rank (nanochat/sharded_checkpoint.py)
+    async_save = False  # and in a background thread
     collective_forward = False  # ranks may run different forwards (rank 0 samples alone, ranks split eval problems)
     compile_per_block = False  # torch.compile the whole model (nanochat/compile.py)
 
@@ -101,11 +106,12 @@ class FSDP(DataParallel):
     collective_forward = True  # each forward all-gathers weights: every rank must run the same forwards
     compile_per_block = True  # FSDP's hooks break a whole-model graph: compile each block and the head
 
-    def __init__(self, reduce_dtype="float32", defer_grad_sync=False):
+    def __init__(self, reduce_dtype="float32", defer_grad_sync=False, sharded_checkpoint=True, async_save=False):
         if reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"--fsdp_reduce_dtype must be float32 or bfloat16, got {reduce_dtype!r}")
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
         self.defer_grad_sync = defer_grad_sync
+        self.sharded_checkpoint, self.async_save = sharded_checkpoint, async_save
         self.fp8_all_gather = False  # set by wrap: weights all-gathered in FP8 (--fp8=1, tensorwise)
 
     def wrap(self, model, device):
@@ -164,7 +170,7 @@ class TensorParallel(FSDP):
     compile_per_block = True
 
     def __init__(self, tp_size, reduce_dtype="float32", defer_grad_sync=False):
-        super().__init__(reduce_dtype, defer_grad_sync)
+        super().__init__(reduce_dtype, defer_grad_sync, sharded_checkpoint=False)  # sharded: FSDP's 1-D layout only
         self.tp_size = tp_size
 
     @property
@@ -217,6 +223,12 @@ def saved_flag(meta):
     return FLAGS[name]
 
 
+def node_local_base_dirs():
+    """True on a multi-node run whose nodes each have their own base dir (the launchers' NANOCHAT_SHARED_FS=0)."""
+    multi_node = int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return multi_node and os.environ.get("NANOCHAT_SHARED_FS", "1").strip().lower() in ("0", "false", "no")
+
+
 def parallel_from_config(config):
     """The strategy for a script's flags (a script without FSDP/TP flags gets the DDP path)."""
     use_fsdp = bool(config.get("use_fsdp", False))
@@ -224,6 +236,24 @@ def parallel_from_config(config):
     tp_size = config.get("tp_size", 1)
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"--tp_size must be a whole number >= 1 (1 = no tensor parallelism), got {tp_size!r}")
+    fmt = config.get("checkpoint_format", "auto")
+    if fmt not in ("auto", "sharded", "single"):
+        raise ValueError(f"--checkpoint_format must be auto, sharded or single, got {fmt!r}")
+    if fmt == "sharded" and (tp_size > 1 or not use_fsdp):
+        raise ValueError("--checkpoint_format=sharded needs --use_fsdp=1 (and --tp_size=1): the DDP and tensor-parallel "
+                         "paths write nanochat's single files; use --checkpoint_format=auto")
+    if node_local_base_dirs():
+        # every rank writes into one sharded directory: nodes with their own base dirs cannot share it
+        if fmt == "sharded":
+            raise ValueError("--checkpoint_format=sharded needs a checkpoint directory every node sees, and "
+                             "NANOCHAT_SHARED_FS=0 says the nodes have their own base dirs: use --checkpoint_format=auto "
+                             "(single files, docs/multinode.md) or put NANOCHAT_BASE_DIR on a shared filesystem")
+        if fmt == "auto":
+            fmt = "single"
+    if config.get("async_save") and (fmt == "single" or tp_size > 1 or not use_fsdp):
+        raise ValueError("--async_save=1 writes sharded checkpoints in the background: it needs --use_fsdp=1 with "
+                         "--checkpoint_format=auto or sharded, and a checkpoint directory every node sees (not "
+                         "NANOCHAT_SHARED_FS=0 on several nodes); use --async_save=0 here")
     if tp_size > 1:
         # TP always runs with FSDP2 over the data ranks (--use_fsdp is implied; its dtype/defer flags apply)
         return TensorParallel(tp_size, config.get("fsdp_reduce_dtype", "float32"), defer)
@@ -231,4 +261,5 @@ def parallel_from_config(config):
         if defer:
             raise ValueError("--fsdp_defer_grad_sync=1 needs --use_fsdp=1 (or --tp_size > 1)")
         return DataParallel()
-    return FSDP(config.get("fsdp_reduce_dtype", "float32"), defer)
+    return FSDP(config.get("fsdp_reduce_dtype", "float32"), defer, sharded_checkpoint=fmt != "single",
+                async_save=bool(config.get("async_save", False)))

@@ -13,7 +13,9 @@ The pieces of a training run that base, mid and SFT training share (RL reuses th
 - `ProgressMeter`: debiased EMA loss, step time, tok/s, MFU and ETA for the log line.
 - `every`: periodic actions, where a value <= 0 turns the action off entirely.
 - `save_train_state` / `load_train_state`: model + per-rank optimizer + per-rank loader + loop state, so a resumed
-  run continues exactly like an uninterrupted one; `save_stage_model`: the model and meta only (SFT, RL).
+  run continues exactly like an uninterrupted one; `save_stage_model`: the model and meta only (SFT, RL). On the
+  FSDP path both write sharded checkpoints (nanochat/sharded_checkpoint.py: every rank its shard, resumable on another
+  number of ranks) unless --checkpoint_format=single.
 """
 
 import contextlib
@@ -326,15 +328,21 @@ def format_duration(seconds):
 def save_train_state(checkpoint_dir, step, model, optimizers, meta, loader_state=None, parallel=None):
     """
     Save model (single file, rank 0), optimizer state (one file per rank) and meta with every rank's loader state
-    and the parallelism strategy's name. Every rank must call it.
+    and the parallelism strategy's name; or, when the strategy checkpoints sharded (FSDP), one sharded step with the
+    same meta. Every rank must call it.
     """
     parallel = parallel or DataParallel()
     _, rank, _, _ = get_dist_info()
-    model_sd = parallel.model_state_dict(model)
     loader_states = gather_objects(loader_state)
     meta = dict(meta, step=step, loader_state=loader_states, world_size=len(loader_states), **parallel.resume_meta())
     if loader_states and loader_states[0] is not None:
         meta["dataloader_state_dict"] = loader_states[0]  # nanochat's key, for tools that read it
+    if parallel.sharded_checkpoint:  # FSDP: every rank writes its shard (nanochat/sharded_checkpoint.py)
+        from nanochat.sharded_checkpoint import save_sharded, train_state_dict
+
+        save_sharded(checkpoint_dir, step, train_state_dict(model, optimizers), meta, parallel.async_save)
+        return
+    model_sd = parallel.model_state_dict(model)
     optim_sd = [opt.state_dict() for opt in optimizers]
     save_checkpoint(checkpoint_dir, step, model_sd if rank == 0 else None, optim_sd, meta, rank=rank)
 
@@ -343,6 +351,10 @@ def load_train_state(checkpoint_dir, step, model, optimizers, device, parallel=N
     """Restore model and optimizers in place; returns (meta, this rank's loader state or None)."""
     parallel = parallel or DataParallel()
     _, rank, _, world_size = get_dist_info()
+    from nanochat.sharded_checkpoint import is_sharded_step_complete
+
+    if parallel.name == "fsdp" and is_sharded_step_complete(checkpoint_dir, step):
+        return _load_sharded_train_state(checkpoint_dir, step, model, optimizers, parallel, rank, world_size)
     model_sd, optim_sd, meta = load_checkpoint(checkpoint_dir, step, device, load_optimizer=True, rank=rank)
     saved_world = meta.get("world_size", 1)
     if saved_world != world_size:
@@ -353,9 +365,7 @@ def load_train_state(checkpoint_dir, step, model, optimizers, device, parallel=N
     parallel.check_resume(meta, step)
     check_resume_model_config(meta, model, checkpoint_dir, step)
     optim_path = os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank:d}.pt")
-    saved_muon = (meta.get("user_config") or {}).get("use_muon")
-    fix = (f"resume with the optimizer flags of the run that saved step {step}"
-           + (f" (--use_muon={int(saved_muon)})" if isinstance(saved_muon, bool) else ""))
+    fix = _resume_fix(meta, step)
     if len(optim_sd) != len(optimizers):
         raise ValueError(f"{optim_path} holds {len(optim_sd)} optimizer states but this run built {len(optimizers)}: {fix}")
     parallel.load_model_state_dict(model, model_sd)
@@ -366,6 +376,34 @@ def load_train_state(checkpoint_dir, step, model, optimizers, device, parallel=N
             raise ValueError(f"{optim_path} does not fit this run's {type(opt).__name__} ({e}): {fix}") from e
     loader_states = meta.get("loader_state") or [meta.get("dataloader_state_dict")]
     return meta, loader_states[rank] if rank < len(loader_states) else None
+
+
+def _resume_fix(meta, step):
+    saved_muon = (meta.get("user_config") or {}).get("use_muon")
+    return (f"resume with the optimizer flags of the run that saved step {step}"
+            + (f" (--use_muon={int(saved_muon)})" if isinstance(saved_muon, bool) else ""))
+
+
+def _load_sharded_train_state(checkpoint_dir, step, model, optimizers, parallel, rank, world_size):
+    """load_train_state for a sharded step: resharded onto this run's ranks (any number), the data position too."""
+    from nanochat.checkpoint_manager import read_meta
+    from nanochat.dataloader import loader_states_for_world
+    from nanochat.sharded_checkpoint import META_FILE, load_sharded, sharded_step_dir
+
+    step_dir = sharded_step_dir(checkpoint_dir, step)
+    meta = read_meta(os.path.join(step_dir, META_FILE.format(step=step)), checkpoint_dir, step)
+    parallel.check_resume(meta, step)
+    check_resume_model_config(meta, model, checkpoint_dir, step)
+    load_sharded(step_dir, model, optimizers, fix=_resume_fix(meta, step))
+    # a single process that read the data as W ranks (base_train --data_world_size) keeps their states in loop_state
+    saved = ((meta.get("loop_state") or {}).get("data_loader_states") or meta.get("loader_state")
+             or [meta.get("dataloader_state_dict")])
+    if meta.get("world_size", world_size) != world_size:
+        print0(f"Note: step {step} was saved by {meta['world_size']} rank(s), this run has {world_size}: the model "
+               f"and optimizer state are resharded onto {world_size}, exactly")
+    # (one process reading as W data ranks, base_train --data_world_size, takes the states from loop_state itself)
+    states = loader_states_for_world(saved, world_size, log=print0 if world_size > 1 else None)
+    return meta, states[rank]
 
 
 def check_resume_model_config(meta, model, checkpoint_dir, step):
@@ -404,6 +442,11 @@ def save_stage_model(checkpoint_dir, step, model, meta, parallel=None):
     """The model and meta only (nanochat's SFT/RL checkpoints carry no optimizer state). Every rank must call it."""
     parallel = parallel or DataParallel()
     rank = get_dist_info()[1]
+    if parallel.sharded_checkpoint:
+        from nanochat.sharded_checkpoint import save_sharded, train_state_dict
+
+        save_sharded(checkpoint_dir, step, train_state_dict(model), dict(meta, step=step), parallel.async_save)
+        return
     state = parallel.model_state_dict(model)
     save_checkpoint(checkpoint_dir, step, state if rank == 0 else None, None, dict(meta, step=step), rank=rank)
 
@@ -489,6 +532,11 @@ def memory_flags():
              choices=["float32", "bfloat16"]),
         Flag("tp_size", 1, "tensor parallelism over this many ranks (attention heads and the MLP split across them; "
              "nanochat/tensor_parallel.py), FSDP over the rest; must divide the world size"),
+        Flag("checkpoint_format", "auto", "auto = sharded with --use_fsdp=1 (single when NANOCHAT_SHARED_FS=0 on "
+             "several nodes), single otherwise; sharded = every rank writes its shard (torch.distributed.checkpoint; "
+             "resumes on any number of ranks; FSDP only); single = nanochat's files, the model gathered to rank 0",
+             choices=["auto", "sharded", "single"]),
+        Flag("async_save", False, "sharded checkpoints: write them in a background thread while training goes on"),
     ]
 
 

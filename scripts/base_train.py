@@ -20,7 +20,7 @@ from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.compile import compile_flag, maybe_compile
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
-from nanochat.dataloader import tokenizing_distributed_data_loader
+from nanochat.dataloader import loader_states_for_world, tokenizing_distributed_data_loader
 from nanochat.fp8 import FP8_RECIPES
 from nanochat.gpt import config_for_depth
 from nanochat.loss_eval import evaluate_bpb
@@ -178,7 +178,9 @@ def main(argv=None):
         loop = resume_loop_state(meta, checkpoint_dir, start_step, ("meter", "min_val_bpb", "data_loader_states"))
         meter.load_state_dict(loop["meter"])
         min_val_bpb, val_bpb = loop["min_val_bpb"], meta.get("val_bpb")
-        loader_states = loop["data_loader_states"] if world_size == 1 else [my_state]
+        # one process reads as data_world ranks: their saved positions (resharded when another world saved them)
+        loader_states = (loader_states_for_world(loop["data_loader_states"] or meta["loader_state"], data_world, print0)
+                         if world_size == 1 else [my_state])
         print0(f"Resumed from step {start_step} in {checkpoint_dir}")
 
     # data: one loader per data rank (exactly one under torchrun)

@@ -1,0 +1,130 @@
+"""
+Sharded checkpoints (nanochat/sharded_checkpoint.py) of a tiny FSDP GPT, for tests/test_sharded_checkpoint.py:
+
+    torchrun --nproc_per_node=2 sharded_ckpt_check.py --mode=save --dir=D [--crash=1]
+    torchrun --nproc_per_node=N sharded_ckpt_check.py --mode=load --dir=D          # N = 1, 2, 4
+
+save: train STEPS steps on 2 ranks; at step STEPS save the same state three ways: sharded (D/sharded), the
+gather-to-rank-0 single-file path (D/single), and sharded with async_save (D/async: training goes on while it is
+written, so it must hold the state of its step, not a later one); rank 0 writes the full model + optimizer state (D/saved.pt); then
+train MORE steps and write the final weights and losses (D/continued_w2.pt).
+--crash=1: then start saving step STEPS + MORE and kill rank 1 with SIGKILL while it writes its shard.
+load: fresh model and optimizers (another seed), load D/sharded's step through training.load_train_state, write the
+full state as loaded (D/loaded_wN.pt), train MORE steps on the same global batches, write D/continued_wN.pt.
+Every rank takes its rows of the same global batch, so the math of every world size is the same up to the order of
+floating-point sums.
+"""
+
+import argparse
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from gpt_train_check import CONFIG, GLOBAL_BATCH, global_batch  # the tiny GPT and the learnable batches of test_fsdp
+from nanochat.dist import compute_cleanup, compute_init
+from nanochat.gpt import GPT
+from nanochat.parallel import FSDP
+
+STEPS, MORE = 2, 2
+
+
+def build(seed, parallel):
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = GPT(CONFIG, attn="sdpa")
+    model.to_empty(device="cpu")
+    model.init_weights("nanochat")
+    model = parallel.wrap(model, "cpu")
+    opts = parallel.setup_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.01,
+                                     use_muon=True)
+    return model, opts
+
+
+def train(model, opts, steps, rank, world):
+    losses = []
+    n = GLOBAL_BATCH // world
+    for step in steps:
+        x, y = global_batch(step)
+        loss = model(x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n])
+        loss.backward()
+        for opt in opts:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses
+
+
+def full_state(model, opts):
+    """Every model and optimizer tensor whole (collective), keyed as in the sharded checkpoint."""
+    from nanochat.sharded_checkpoint import train_state_dict
+
+    out = {}
+    for k, v in train_state_dict(model, opts).items():
+        if k == "layout":
+            continue
+        # full_tensor() on one rank is the parameter itself: clone, or training goes on changing it
+        out[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+    groups = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in opts]
+    return {"tensors": out, "groups": groups}
+
+
+def meta():
+    return {"model_config": vars(CONFIG), "user_config": {"use_muon": True}, "loop_state": {}}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["save", "load"], required=True)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--crash", type=int, default=0)
+    args = ap.parse_args()
+    _, rank, _, world, _ = compute_init("cpu", seed=0)
+    from nanochat import training
+
+    parallel = FSDP()
+    if args.mode == "save":
+        model, opts = build(0, parallel)
+        train(model, opts, range(STEPS), rank, world)
+        state = full_state(model, opts)
+        training.save_train_state(os.path.join(args.dir, "sharded"), STEPS, model, opts, meta(), None, parallel)
+        training.save_train_state(os.path.join(args.dir, "single"), STEPS, model, opts, meta(), None,
+                                  FSDP(sharded_checkpoint=False))
+        training.save_train_state(os.path.join(args.dir, "async"), STEPS, model, opts, meta(), None,
+                                  FSDP(async_save=True))
+        losses = train(model, opts, range(STEPS, STEPS + MORE), rank, world)  # while the async save is written
+        final = full_state(model, opts)
+        if rank == 0:
+            torch.save(state, os.path.join(args.dir, "saved.pt"))
+            torch.save({"state": final, "losses": losses}, os.path.join(args.dir, "continued_w2.pt"))
+        if args.crash:
+            from torch.distributed.checkpoint import FileSystemWriter
+
+            write_data = FileSystemWriter.write_data
+
+            def dying_write(self, plan, planner):
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)  # as a node dies: no exception, no cleanup
+                return write_data(self, plan, planner)
+
+            FileSystemWriter.write_data = dying_write
+            training.save_train_state(os.path.join(args.dir, "sharded"), STEPS + MORE, model, opts, meta(), None,
+                                      parallel)
+    else:
+        model, opts = build(123, parallel)
+        training.load_train_state(os.path.join(args.dir, "sharded"), STEPS, model, opts, "cpu", parallel)
+        loaded = full_state(model, opts)
+        losses = train(model, opts, range(STEPS, STEPS + MORE), rank, world)
+        final = full_state(model, opts)
+        if rank == 0:
+            torch.save(loaded, os.path.join(args.dir, f"loaded_w{world}.pt"))
+            torch.save({"state": final, "losses": losses}, os.path.join(args.dir, f"continued_w{world}.pt"))
+    compute_cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -120,7 +120,8 @@ def test_ddp_checkpoint_loads_into_fsdp(runs):
 
 def test_fsdp_needs_a_process_group():
     pytest.importorskip("nanochat.gpt")
-    from nanochat.fsdp import FSDPMuon, apply_fsdp
+    from nanochat.fsdp import apply_fsdp
+    from nanochat.optim.sharded import FSDPMuon
     from nanochat.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(sequence_len=8, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=16), attn="sdpa")

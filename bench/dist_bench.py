@@ -285,7 +285,8 @@ def worker(steps, warmup, modes=MODES):
         model.to_empty(device="cpu")
         model.init_weights()
         if mode.startswith("fsdp"):
-            from nanochat.fsdp import apply_fsdp, setup_fsdp_optimizers
+            from nanochat.fsdp import apply_fsdp
+            from nanochat.optim.sharded import setup_fsdp_optimizers
 
             apply_fsdp(model)
             opts = setup_fsdp_optimizers(model, use_muon=mode == "fsdp_muon")

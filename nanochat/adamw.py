@@ -16,13 +16,16 @@ first update and every all-gather right after its update, so communication overl
 The math is torch.optim.AdamW's (decoupled weight decay p *= 1 - lr*wd, bias-corrected moments), so one process
 with the averaged gradient gives the same parameters within float tolerance. Optional per-parameter attributes
 `p.lr_mul` and `p.wd_mul` multiply the group's lr and weight decay for that parameter.
+
+On FSDP2's DTensor shards the AdamW is torch's own: FSDPAdamW in nanochat/optim/sharded.py (the map of all the
+optimizers is nanochat/optim/__init__.py).
 """
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nanochat.muon import _check_dist_state, _dist_world
+from nanochat.optim.base import PerRankState, run_closure
 
 
 @torch.no_grad()
@@ -44,7 +47,7 @@ def adamw_update_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, 
         p.copy_(p32)
 
 
-class DistAdamW(torch.optim.Optimizer):
+class DistAdamW(PerRankState, torch.optim.Optimizer):
     """
     ZeRO-2 AdamW (see the module docstring). `param_groups` as for torch.optim.AdamW (list of tensors or of dicts).
     Every parameter needs a gradient on every rank, and every rank must build the groups in the same order.
@@ -55,7 +58,6 @@ class DistAdamW(torch.optim.Optimizer):
             raise ValueError(f"DistAdamW: lr, eps and weight_decay must be >= 0, got lr={lr} eps={eps} weight_decay={weight_decay}")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"DistAdamW: betas must be in [0, 1), got {betas}")
-        self.rank, self.world_size = _dist_world()
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(param_groups, defaults)
 
@@ -68,22 +70,18 @@ class DistAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        rank, W = self.rank, self.world_size
+        loss = run_closure(closure)
+        W = self.world_size
 
         # 1) all reduce-scatters first, so the later ones travel while the first updates compute
         pending = []
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
-                    raise RuntimeError(f"DistAdamW: a parameter of shape {tuple(p.shape)} has no gradient on rank {rank}; every rank must backprop through every parameter")
+                grad = self.grad_of(p)
                 if p.ndim == 0:
                     raise ValueError("DistAdamW shards along dim 0 and cannot take 0-d parameters")
                 chunk, _, _ = self._rows(p)
-                g = p.grad.contiguous()
+                g = grad.contiguous()
                 if chunk * W != p.size(0):
                     pad = g.new_zeros((chunk * W - p.size(0), *g.shape[1:]))
                     g = torch.cat([g, pad])
@@ -124,14 +122,8 @@ class DistAdamW(torch.optim.Optimizer):
                 p.copy_(out[: p.size(0)])
         return loss
 
-    def state_dict(self):
-        sd = super().state_dict()
-        sd["dist"] = {"world_size": self.world_size, "rank": self.rank, "kind": "DistAdamW"}
-        return sd
-
     def load_state_dict(self, state_dict):
-        state_dict = _check_dist_state(state_dict, "DistAdamW", self.rank, self.world_size)
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict)  # PerRankState: checks the rank and world size first
         # torch casts floating-point state to each parameter's dtype on load; our moments are fp32 by design
         # (bf16 moments would lose the small second-moment values), so restore the saved fp32 tensors.
         params = [p for g in self.param_groups for p in g["params"]]

@@ -8,7 +8,7 @@ All singular values of the update become ~1, so every direction of the matrix mo
 The math lives in two functions that every Muon variant in nanochat calls:
 - `zeropower_via_newtonschulz5(G, steps)`: the orthogonalisation (batched over leading dims).
 - `muon_update(grad, momentum_buffer, momentum, nesterov, ns_steps)`: momentum + orthogonalisation + shape scale,
-  i.e. `muon_orthogonalize(muon_momentum_(...), ns_steps)` (FSDPMuon calls the two halves on different ranks).
+  i.e. `muon_orthogonalize(muon_momentum_(...), ns_steps)` (ShardedMuon calls the two halves on different ranks).
 
 Optimizers here:
 - `Muon`: one process (params grouped by shape).
@@ -18,12 +18,16 @@ Optimizers here:
   orthogonalises, one all-gather per block sends every updated matrix to every rank. A block that is not full is
   padded with zero matrices (padding owners do no work). Momentum lives only on the owner (sharded state: one
   optimizer state file per rank). Communication is launched asynchronously so it overlaps the Newton-Schulz compute.
-The FSDP2 variant (params are DTensor shards) is `nanochat.fsdp.FSDPMuon`; it calls the same two functions.
+The variants for DTensor shards (FSDP2, FSDP x TP) are ShardedMuon and FSDPMuon in nanochat/optim/sharded.py; they
+call the same two functions. All three subclass Muon (its hyperparameters, shape groups and momentum buffers), and the
+distributed ones share their torchrun check and per-rank state dicts (nanochat/optim/base.py).
 """
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from nanochat.optim.base import PerRankState, run_closure
 
 # Coefficients of the quintic iteration X <- aX + b(XX^T)X + c(XX^T)^2 X, chosen (Keller Jordan) to push every singular
 # value in (0, 1] quickly into roughly [0.7, 1.2]: a steep slope at 0 matters more than exact convergence to 1.
@@ -101,15 +105,6 @@ def muon_update(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov
     return muon_orthogonalize(muon_momentum_(grad, momentum_buffer, momentum, nesterov), ns_steps)
 
 
-def _check_muon_hparams(lr, momentum, ns_steps):
-    if lr < 0:
-        raise ValueError(f"Muon lr must be >= 0, got {lr}")
-    if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"Muon momentum must be in [0, 1), got {momentum}")
-    if int(ns_steps) != ns_steps or ns_steps < 1:
-        raise ValueError(f"Muon ns_steps must be a positive integer, got {ns_steps}")
-
-
 def group_params_by_shape(params):
     """
     Param groups with one shape each (sorted by shape, so every rank builds the same groups in the same order).
@@ -135,39 +130,40 @@ class Muon(torch.optim.Optimizer):
     """
     Single-process Muon. Only for 2-D matrices (embeddings, lm_head and any 0/1-D params belong to AdamW).
     Hyperparameters per group: lr, momentum (the training loop ramps it), nesterov, ns_steps.
-    State per parameter: momentum_buffer (same dtype as the parameter).
+    State per parameter: momentum_buffer (same dtype as the parameter). The distributed variants (DistMuon here,
+    ShardedMuon/FSDPMuon in nanochat/optim/sharded.py) subclass it for these and write their own step().
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5):
-        _check_muon_hparams(lr, momentum, ns_steps)
+        if lr < 0:
+            raise ValueError(f"Muon lr must be >= 0, got {lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"Muon momentum must be in [0, 1), got {momentum}")
+        if int(ns_steps) != ns_steps or ns_steps < 1:
+            raise ValueError(f"Muon ns_steps must be a positive integer, got {ns_steps}")
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps)
         super().__init__(group_params_by_shape(params), defaults)
 
+    def momentum_buffer(self, p, like=None):
+        """p's momentum buffer, zeros shaped like `like` (p itself, or this rank's shard of it) on first use."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p if like is None else like)
+        return state["momentum_buffer"]
+
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                update = muon_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"], group["ns_steps"])
+                update = muon_update(p.grad, self.momentum_buffer(p), group["momentum"], group["nesterov"], group["ns_steps"])
                 p.add_(update.to(p.dtype), alpha=-group["lr"])
         return loss
 
 
-def _dist_world():
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("DistMuon/DistAdamW need torch.distributed initialised (launch with torchrun); use Muon/torch AdamW in one process")
-    return dist.get_rank(), dist.get_world_size()
-
-
-class DistMuon(torch.optim.Optimizer):
+class DistMuon(PerRankState, Muon):
     """
     Muon for the DDP path (see the module docstring). Every rank must hold identical parameters and call step() with
     its own local gradients (not averaged: this optimizer averages them). Every parameter needs a gradient on every
@@ -176,12 +172,6 @@ class DistMuon(torch.optim.Optimizer):
     state_dict() holds only the momentum buffers of the matrices this rank owns: save one file per rank and load it
     back with the same world size (checked on load).
     """
-
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5):
-        _check_muon_hparams(lr, momentum, ns_steps)
-        self.rank, self.world_size = _dist_world()
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps)
-        super().__init__(group_params_by_shape(params), defaults)
 
     def _blocks(self):
         """(group, block of up to world_size params) in a fixed order; rank r owns block[r]."""
@@ -193,19 +183,13 @@ class DistMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         rank, W = self.rank, self.world_size
 
         # 1) Launch every reduce-scatter up front: the first blocks' Newton-Schulz runs while later gradients travel.
         pending = []
         for group, block in self._blocks():
-            for p in block:
-                if p.grad is None:
-                    raise RuntimeError(f"DistMuon: a parameter of shape {tuple(p.shape)} has no gradient on rank {rank}; every rank must backprop through every matrix")
-            grads = [p.grad for p in block]
+            grads = [self.grad_of(p) for p in block]
             grads += [torch.zeros_like(grads[0])] * (W - len(grads))  # pad a partial block: zero matrices
             rs_in = torch.cat(grads)  # (W*rows, cols): rows of slot r go to rank r (gloo wants the concatenated form)
             rs_out = torch.empty_like(grads[0])
@@ -218,10 +202,7 @@ class DistMuon(torch.optim.Optimizer):
             work.wait()  # gloo's reduce-scatter has no get_future(); the work handle works on every backend
             mine = block[rank] if rank < len(block) else None
             if mine is not None:
-                state = self.state[mine]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(mine)
-                update = muon_update(grad, state["momentum_buffer"], group["momentum"], group["nesterov"], group["ns_steps"])
+                update = muon_update(grad, self.momentum_buffer(mine), group["momentum"], group["nesterov"], group["ns_steps"])
                 mine.add_(update.to(mine.dtype), alpha=-group["lr"])
                 ag_in = mine.detach()
             else:
@@ -238,28 +219,3 @@ class DistMuon(torch.optim.Optimizer):
                 if i != rank:
                     p.copy_(gathered[i])
         return loss
-
-    def state_dict(self):
-        sd = super().state_dict()
-        sd["dist"] = {"world_size": self.world_size, "rank": self.rank, "kind": "DistMuon"}
-        return sd
-
-    def load_state_dict(self, state_dict):
-        state_dict = _check_dist_state(state_dict, "DistMuon", self.rank, self.world_size)
-        super().load_state_dict(state_dict)
-
-
-def _check_dist_state(state_dict, kind, rank, world_size):
-    """Strip and verify the 'dist' entry of a sharded optimizer state dict (it only fits the same rank/world size)."""
-    state_dict = dict(state_dict)
-    info = state_dict.pop("dist", None)
-    if info is None:
-        raise ValueError(f"{kind}.load_state_dict: this state dict has no 'dist' entry; it was not saved by {kind} (a single-process optimizer state cannot be split across ranks)")
-    if info.get("kind") != kind:
-        raise ValueError(f"{kind}.load_state_dict: the state dict was saved by {info.get('kind')}, not {kind}")
-    if info["world_size"] != world_size or info["rank"] != rank:
-        raise ValueError(
-            f"{kind}.load_state_dict: state saved by rank {info['rank']} of {info['world_size']} cannot load on rank {rank} of "
-            f"{world_size}: optimizer state is sharded per rank, resume with the same number of ranks and each rank's own file"
-        )
-    return state_dict

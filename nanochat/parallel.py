@@ -126,7 +126,7 @@ class FSDP(DataParallel):
         return model
 
     def setup_optimizers(self, model, **kwargs):
-        from nanochat.fsdp import setup_fsdp_optimizers
+        from nanochat.optim.sharded import setup_fsdp_optimizers
 
         return setup_fsdp_optimizers(model, **kwargs)
 

@@ -13,7 +13,8 @@ API (every function is collective: call it on every rank, in the same order):
         # (Shard(1)), so attention runs on this rank's heads only. Then FSDP2 over "dp" (always, also when dp=1:
         # one code path, every parameter a DTensor). wte and lm_head are replicated over tp and FSDP-sharded over dp.
     optimizers = setup_tp_optimizers(model, unembedding_lr, embedding_lr, matrix_lr, weight_decay, use_muon)
-        # [FSDPAdamW, ShardedMuon] (or [FSDPAdamW]): GPT.setup_optimizers' groups and learning rates, DTensor-aware
+        # [FSDPAdamW, ShardedMuon] (or [FSDPAdamW]; nanochat/optim/sharded.py): GPT.setup_optimizers' groups and
+        # learning rates, DTensor-aware
     loss = model(x, y); loss.backward()    # x, y: the same batch on every tp rank of a data group (data rank r // tp)
     full_model_state_dict / load_full_model_state_dict (nanochat/fsdp.py): the single-file format, any layout
 
@@ -36,7 +37,7 @@ two row-wise outputs); backward 2 (the input gradients of attention -- one for q
 replicated DTensor -- and of the MLP). Activation checkpointing re-runs a block's forward in the backward, so its two
 forward all-reduces happen again. docs/distributed.md has the totals and the measured numbers.
 
-ShardedMuon (nanochat/fsdp.py; FSDPMuon is the same class checked for FSDP's 1-D layout): Muon for DTensor matrices
+ShardedMuon (nanochat/optim/sharded.py; FSDPMuon is the same class checked for FSDP's 1-D layout): Muon for DTensor matrices
 sharded over any mesh that spans all ranks (2-D here: FSDP's dim-0 shard of TP's dim-0 or dim-1 shard). Each rank
 holds a rectangle of each matrix (compute_local_shape_and_global_offset). The momentum runs on the rectangles
 (elementwise, exact); matrix m of a shape group is owned by rank m % world: one all-to-all sends every rank's
@@ -57,7 +58,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
 from nanochat.dist import set_tp_size
-from nanochat.fsdp import ShardedMuon  # noqa: F401  (defined with FSDPMuon, which is ShardedMuon on a 1-D mesh)
+from nanochat.optim.sharded import ShardedMuon, setup_fsdp_optimizers
 
 
 def _require_dist():
@@ -135,8 +136,6 @@ def apply_tp(model, tp_size, param_dtype=None, reduce_dtype=torch.float32):
 def setup_tp_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, use_muon=True):
     """FSDPAdamW for wte/lm_head (and the matrices when use_muon is false), ShardedMuon for the block matrices; the
     groups and learning rates of GPT.setup_optimizers (via setup_fsdp_optimizers)."""
-    from nanochat.fsdp import setup_fsdp_optimizers
-
     return setup_fsdp_optimizers(model, unembedding_lr=unembedding_lr, embedding_lr=embedding_lr, matrix_lr=matrix_lr,
                                  weight_decay=weight_decay, use_muon=use_muon, muon_cls=ShardedMuon)
 

@@ -120,14 +120,16 @@ def test_ddp_checkpoint_loads_into_fsdp(runs):
 
 def test_fsdp_needs_a_process_group():
     pytest.importorskip("nanochat.gpt")
-    from nanochat.fsdp import FSDPMuon, apply_fsdp
+    from nanochat.fsdp import apply_fsdp
+    from nanochat.optim.sharded import FSDPAdamW, FSDPMuon, ShardedMuon
     from nanochat.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(sequence_len=8, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=16), attn="sdpa")
     with pytest.raises(RuntimeError, match="torchrun"):
         apply_fsdp(model)
-    with pytest.raises(RuntimeError, match="torchrun"):
-        FSDPMuon([torch.nn.Parameter(torch.zeros(4, 4))])
+    for cls in (FSDPMuon, ShardedMuon, FSDPAdamW):  # checked when built (optim/base.py PerRankState)
+        with pytest.raises(RuntimeError, match="torchrun"):
+            cls([torch.nn.Parameter(torch.zeros(4, 4))])
 
 
 @pytest.mark.timeout(300)

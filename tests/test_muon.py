@@ -104,6 +104,27 @@ def test_muon_groups_by_shape_and_follows_group_settings():
     assert all(torch.equal(p, torch.zeros_like(p)) for p in ps)
 
 
+def test_muon_step_runs_the_closure_with_grad_and_skips_params_without_grad():
+    """torch.optim's closure protocol (nanochat/optim/base.py run_closure): step() runs under no_grad, the closure
+    with autograd on; its loss is returned and the gradients it makes are the ones used. A matrix with no gradient
+    keeps its value and gets no state."""
+    p, idle = torch.nn.Parameter(randn(6, 4, seed=1)), torch.nn.Parameter(randn(6, 4, seed=2))
+    start, idle_start = p.detach().clone(), idle.detach().clone()
+    opt = Muon([p, idle], lr=0.05, momentum=0.9)
+
+    def closure():
+        opt.zero_grad()
+        loss = (p * randn(6, 4, seed=3)).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert torch.is_tensor(loss) and loss.requires_grad
+    assert torch.equal(p.grad, randn(6, 4, seed=3))
+    assert not torch.equal(p.detach(), start) and torch.equal(idle.detach(), idle_start)
+    assert idle not in opt.state and opt.step() is None
+
+
 def test_muon_rejects_non_matrices_and_bad_hparams():
     with pytest.raises(ValueError, match="2-D"):
         Muon([torch.nn.Parameter(torch.zeros(5))])

@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from nanochat.dist import compute_cleanup
-from nanochat.fsdp import apply_fsdp, setup_fsdp_optimizers
+from nanochat.fsdp import apply_fsdp
 from nanochat.gpt import GPT, Block, GPTConfig
+from nanochat.optim.sharded import setup_fsdp_optimizers
 
 CONFIG = GPTConfig(sequence_len=16, vocab_size=128, n_layer=4, n_head=2, n_kv_head=1, n_embd=64)
 STEPS = 3

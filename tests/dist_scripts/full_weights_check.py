@@ -18,8 +18,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from nanochat.dist import compute_cleanup
-from nanochat.fsdp import apply_fsdp, full_weights, setup_fsdp_optimizers
+from nanochat.fsdp import apply_fsdp, full_weights
 from nanochat.gpt import GPT, GPTConfig
+from nanochat.optim.sharded import setup_fsdp_optimizers
 from nanochat.training import train_step
 
 CONFIG = GPTConfig(sequence_len=32, vocab_size=64, n_layer=3, n_head=2, n_kv_head=1, n_embd=64)

@@ -63,7 +63,8 @@ def build(mode, use_muon, state_dict=None):
     """(model, optimizers); state_dict: a full single-file state dict to start from (else the seeded init)."""
     model = fresh_model()
     if mode == "fsdp":
-        from nanochat.fsdp import apply_fsdp, load_full_model_state_dict, setup_fsdp_optimizers
+        from nanochat.fsdp import apply_fsdp, load_full_model_state_dict
+        from nanochat.optim.sharded import setup_fsdp_optimizers
 
         apply_fsdp(model)
         if state_dict is not None:

@@ -15,7 +15,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from nanochat.dist import compute_cleanup
 from nanochat.muon import Muon
-from nanochat.tensor_parallel import ShardedMuon
+from nanochat.optim.sharded import ShardedMuon
 
 STEPS = 3
 LAYOUTS = [

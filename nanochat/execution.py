@@ -141,7 +141,7 @@ def check_function(solution, entry_point, tests, context="", timeout=5.0, maximu
     solved, checked = _run_all(specs, limits, required=[] if unsafe else list(REQUIRED_LAYERS))
     result = _result(checked, limits)
     solution_result = _result(solved, limits)
-    if not result.success and not result.timeout and solution_result.error and not solved.ended:
+    if not result.success and not result.timeout and "exit" in solved.report and not solved.ended:
         # the calls failed because the solution's process was gone: say why it went
         result.error = f"{result.error} (the solution: {solution_result.error})"
     result.stdout = solution_result.stdout
@@ -252,8 +252,8 @@ def _run_all(specs, limits, required):
                 stream.close()
             os.close(report_r)
             shutil.rmtree(workdir, ignore_errors=True)
-    return [_Run(proc.returncode, out, err, _parse_report(report), timed_out)
-            for (proc, _, _, report), (out, err) in zip(started, outputs)]
+    return [_Run(proc.returncode, out, err, _parse_report(report), late)
+            for (proc, _, _, report), (out, err), late in zip(started, outputs, timed_out)]
 
 
 def _start(spec, limits, required):
@@ -282,36 +282,42 @@ def _start(spec, limits, required):
 
 
 def _collect(started, timeout, limit):
-    """Read every runner's stdout, stderr and report until all close; past the deadline, kill the sandboxes."""
+    """Read every runner's stdout, stderr and report until all close; past the deadline, kill the sandboxes. The
+    last runner gives the verdict: once it is done, the others have nothing left to do and are killed.
+    Returns [(stdout, stderr)] and [timed out] per runner."""
     sel = selectors.DefaultSelector()
-    kept = {}
-    for proc, report_r, _, report in started:
+    kept, open_fds = {}, [3] * len(started)
+    for i, (proc, report_r, _, report) in enumerate(started):
         for fd, buf, cap in ((proc.stdout.fileno(), bytearray(), limit), (proc.stderr.fileno(), bytearray(), limit),
                              (report_r, report, 65536)):
             os.set_blocking(fd, False)
-            sel.register(fd, selectors.EVENT_READ, (buf, cap))
+            sel.register(fd, selectors.EVENT_READ, (buf, cap, i))
             kept[fd] = buf
     deadline = time.monotonic() + timeout
-    timed_out = False
+    timed_out = [False] * len(started)
     while sel.get_map():
         left = deadline - time.monotonic()
-        if left <= 0 and not timed_out:
-            timed_out = True
-            for proc, _, _, report in started:
+        if left <= 0 and not any(timed_out):
+            for i, (proc, _, _, report) in enumerate(started):
+                timed_out[i] = open_fds[i] > 0
                 _kill(proc, report)
             deadline = time.monotonic() + 10.0  # what is left in the pipes comes out right after the kill
             left = 10.0
         elif left <= 0:
             break  # something outside the sandbox holds a pipe open: stop reading, keep what we have
         for key, _ in sel.select(timeout=left):
+            buf, cap, i = key.data
             try:
                 data = os.read(key.fd, 65536)
             except BlockingIOError:
                 continue
             if not data:
                 sel.unregister(key.fd)
+                open_fds[i] -= 1
+                if i == len(started) - 1 and open_fds[i] == 0:
+                    for proc, _, _, report in started[:-1]:
+                        _kill(proc, report)
                 continue
-            buf, cap = key.data
             buf += data[:max(0, cap + 1 - len(buf))]
     sel.close()
     outputs = [(kept[proc.stdout.fileno()], kept[proc.stderr.fileno()]) for proc, _, _, _ in started]
@@ -803,12 +809,22 @@ def _sandboxed_child(libc, config, source, layers, status_w):
         candidate = _candidate(calls_w, replies_r)
         main.__dict__[config["entry_point"]] = candidate  # tests that call the function by its name (HumanEval/33)
         guarded(lambda: main.__dict__["check"](candidate))
-    for thread in threading.enumerate():  # as at interpreter exit: the program's non-daemon threads finish first
-        if thread is not threading.main_thread() and not thread.daemon:
-            guarded(thread.join)
+    guarded(_finish_threads)
     _flush_quietly(flush)
     _write(status_w, END_MARK)
     _exit(0)
+
+
+def _finish_threads():
+    """What the interpreter does at exit: the threading atexit hooks (a ThreadPoolExecutor left open stops its
+    workers), then a join of every non-daemon thread."""
+    shutdown = getattr(threading, "_shutdown", None)  # CPython's exit step, in every supported version
+    if shutdown is not None:
+        shutdown()
+        return
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
 
 
 def _refuse_spawning():

@@ -535,6 +535,10 @@ def test_check_function_verdicts():
     assert not crashed.success and "ended before it answered" in crashed.error and "exit status 3" in crashed.error
     slow = execution.check_function("def f():\n    while True:\n        pass\n", "f", "def check(c):\n    c()\n", timeout=1)
     assert slow.timeout and not slow.success, slow
+    # once the tests are done, what the solution left running does not matter (it is killed, not waited for)
+    lingering = execution.check_function("import threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()\n"
+                                         "def f():\n    return 1\n", "f", "def check(c):\n    assert c() == 1\n", timeout=3)
+    assert lingering.success and not lingering.timeout, lingering
     # generators cross as iterators; the tests' helpers come from the context; the entry point's name is the stub too
     gen = execution.check_function("def f(n):\n    return (i * i for i in range(n))\n", "f",
                                    "def check(candidate):\n    assert list(candidate(3)) == helper() == list(f(3))\n",
@@ -604,6 +608,8 @@ ORDINARY_PROGRAMS.update({
                "def handler(signum, frame):\n    raise Timeout()\nsignal.signal(signal.SIGALRM, handler)\n"
                "signal.setitimer(signal.ITIMER_REAL, 0.05)\ntry:\n    while True:\n        time.sleep(0.01)\n"
                "except Timeout:\n    print('timed out')\n", "timed out\n"),
+    "open pool": ("from concurrent.futures import ThreadPoolExecutor\nex = ThreadPoolExecutor(2)\n"
+                  "print(ex.submit(abs, -1).result())\n", "1\n"),
     "unjoined thread": ("import threading, time\ndef late():\n    time.sleep(0.2); print('late')\n"
                         "threading.Thread(target=late).start()\nprint('main done')\n", "main done\nlate\n"),
 })

@@ -316,7 +316,7 @@ def _collect(started, timeout, limit):
                 open_fds[i] -= 1
                 if i == len(started) - 1 and open_fds[i] == 0:
                     for proc, _, _, report in started[:-1]:
-                        _kill(proc, report)
+                        _kill(proc, report, program_only=True)
                 continue
             buf += data[:max(0, cap + 1 - len(buf))]
     sel.close()
@@ -340,13 +340,18 @@ def _parse_report(report):
     return parsed
 
 
-def _kill(proc, report):
+def _kill(proc, report, program_only=False):
     # P is pid 1 of the sandbox's pid namespace: killing it ends everything inside. Without a pid namespace,
-    # seccomp keeps the program from starting processes, and L's process group is all there is.
+    # seccomp keeps the program from starting processes, and L's process group is all there is. program_only: kill
+    # P alone, and L still reports how P ended (it may have exited on its own a moment before).
     if proc.poll() is not None:
         return  # L waited for P before it exited, so P is gone too
-    pid = _parse_report(report).get("pid")
-    for kill, target in ((os.kill, pid), (os.killpg, proc.pid)):
+    parsed = _parse_report(report)
+    if "exit" in parsed or "signal" in parsed:
+        return  # L has reaped P and is about to exit
+    pid = parsed.get("pid")
+    targets = [(os.kill, pid)] + ([] if program_only and pid is not None else [(os.killpg, proc.pid)])
+    for kill, target in targets:
         if target is not None:
             try:
                 kill(target, signal.SIGKILL)
@@ -732,6 +737,7 @@ def _sandboxed_child(libc, config, source, layers, status_w):
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # L's handler is L's
     if sys.platform == "linux":
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # if L is killed, so is this pid 1 and its namespace
+    os.write(status_w, b"\n")  # BrokenPipeError (no code runs) if L died before the line above could tie us to it
     os.chdir(config["workdir"])
     limits = [(resource.RLIMIT_FSIZE, config["fsize"]), (resource.RLIMIT_CORE, 0),
               (resource.RLIMIT_NOFILE, config["nofile"])]

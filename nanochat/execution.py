@@ -543,6 +543,7 @@ def _serve(function, calls_r, replies_w, entry_point):
             reply = {"value": _to_wire(function(*args, **kwargs))}
         except BaseException as e:  # the call's exception goes to the tests, which fail on it (or expect it)
             reply = {"raise": [type(e).__name__, str(e)[:10000]]}
+        _flush_quietly((sys.stdout.flush, sys.stderr.flush))  # this process is killed once the tests are done
         try:
             _send(replies_w, reply)
         except ValueError as e:  # e.g. a NaN nested too deep: still an answer the tests can fail on

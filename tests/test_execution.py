@@ -3,7 +3,6 @@ The code sandbox: results, timeouts and limits, ordinary programs that must work
 the old Python-level guard (issue 12), each of which must now fail to escape.
 """
 
-import json
 import math
 import os
 import signal
@@ -287,11 +286,11 @@ def test_nothing_outlives_the_timeout(how):
         "    " + line + "\n" for line in how.splitlines()) + "except OSError as e:\n    print(e)\ntime.sleep(30)"
     r = execute_code(code, timeout=1.0)
     assert r.timeout and not r.success, r
-    workdir = r.stdout.split()[0]  # in the runner's command line: anything it or the program left shows it
+    mark = f'"caller": {os.getpid()}'  # in every runner's command line: anything it or the program left shows it
     deadline = time.time() + 3
-    while _processes_mentioning(workdir) and time.time() < deadline:
+    while _processes_mentioning(mark) and time.time() < deadline:
         time.sleep(0.1)
-    assert _processes_mentioning(workdir) == []
+    assert _processes_mentioning(mark) == []
 
 
 @needs("tmpfs")
@@ -616,21 +615,19 @@ ORDINARY_PROGRAMS.update({
 })
 
 
-def _caller(code, timeout):
-    """A process that calls execute_code (and will be killed); returns it and its runner's work dir once running."""
-    script = (f"from nanochat.execution import execute_code\nprint('calling', flush=True)\n"
+def _caller(code, timeout, tmp_path):
+    """A process that calls execute_code (and will be killed), with its temp dir in tmp_path; returned once its runner
+    is running, with the mark of its runners' command lines."""
+    script = (f"from nanochat.execution import execute_code, isolation\nisolation()\nprint('calling', flush=True)\n"
               f"execute_code({code!r}, timeout={timeout})\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(execution.__file__).rsplit("/nanochat/", 1)[0]})
+    env = {**os.environ, "PYTHONPATH": str(execution.__file__).rsplit("/nanochat/", 1)[0], "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout.readline() == "calling\n"
     mark = f'"caller": {proc.pid}'
     deadline = time.time() + 20
     while time.time() < deadline:
-        runners = _processes_mentioning(mark)
-        if len(runners) >= 2:  # L and P
-            with open(f"/proc/{runners[0]}/cmdline", "rb") as f:
-                config = json.loads(f.read().split(b"\0")[3])
-            return proc, mark, config["workdir"]
+        if len(_processes_mentioning(mark)) >= 2 and list(tmp_path.glob("nanochat_exec_*")):  # L and P, the work dir
+            return proc, mark
         time.sleep(0.05)
     proc.kill()
     raise AssertionError("the runner did not start")
@@ -640,16 +637,15 @@ def _caller(code, timeout):
 @isolated
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
-def test_the_sandbox_dies_with_its_caller(sig):
-    proc, mark, workdir = _caller("import time\ntime.sleep(1000)", timeout=60)
-    assert os.path.isdir(workdir)
+def test_the_sandbox_dies_with_its_caller(sig, tmp_path):
+    proc, mark = _caller("import time\ntime.sleep(1000)", timeout=60, tmp_path=tmp_path)
     proc.send_signal(sig)
     proc.wait(timeout=20)
     deadline = time.time() + 10
-    while (_processes_mentioning(mark) or os.path.exists(workdir)) and time.time() < deadline:
+    while (_processes_mentioning(mark) or list(tmp_path.iterdir())) and time.time() < deadline:
         time.sleep(0.05)
     assert _processes_mentioning(mark) == [], "the runner outlived its caller"
-    assert not os.path.exists(workdir), "the work dir outlived the caller"
+    assert list(tmp_path.iterdir()) == [], "the work dir outlived the caller"
 
 
 @isolated

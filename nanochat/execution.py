@@ -146,7 +146,7 @@ def check_function(solution, entry_point, tests, context="", timeout=5.0, maximu
         result.error = f"{result.error} (the solution: {solution_result.error})"
     result.stdout = solution_result.stdout
     result.stderr = solution_result.stderr + result.stderr
-    result.memory_exceeded = result.memory_exceeded or solution_result.memory_exceeded
+    result.memory_exceeded = result.memory_exceeded or (not result.success and solution_result.memory_exceeded)
     return result
 
 

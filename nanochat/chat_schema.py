@@ -17,6 +17,10 @@ MIN_MAX_TOKENS, MAX_MAX_TOKENS = 1, 4096
 MAX_N = 8  # completions per /v1 request (rows sampled together on one worker)
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts (signed or unsigned 64-bit)
 MAX_BODY_BYTES = 1_000_000
+# The sampler compares top_p in float32, where 1e-300 is 0 and every token would be dropped (NaN probabilities). Any
+# top_p up to the most likely token's probability keeps that token alone, and that probability is >= 1/vocab > 1e-6:
+# a smaller top_p is the same request as this one.
+MIN_TOP_P = 1e-6
 
 
 class RequestError(Exception):
@@ -197,6 +201,8 @@ def validate_openai_request(body, defaults, model_name):
     top_p = _number(body, "top_p", 0.0, 1.0, None)
     if top_p is not None and top_p == 0.0:
         raise RequestError("top_p must be greater than 0 (use temperature 0 for greedy decoding)", "top_p")
+    if top_p is not None:
+        top_p = max(top_p, MIN_TOP_P)
     return {
         "messages": messages,
         "temperature": _number(body, "temperature", MIN_TEMPERATURE, MAX_TEMPERATURE, defaults["temperature"]),

@@ -59,6 +59,8 @@ logger = logging.getLogger("nanochat.chat_web")
 DISCONNECT_POLL_S = 0.1  # how often a waiting request checks whether its client is still there
 WAKE_EVERY_S = 0.02  # the generation thread wakes the event loop at most this often (see generation_events)
 RETRY_AFTER_S = 2  # the Retry-After of a 429 when the queue is full: about one short reply's time
+BODY_READ_TIMEOUT_S = 10.0  # a request body (at most 1 MB) must arrive within this: a stalled client gets a 408
+MAX_CONNECTIONS = 256  # open connections (and requests in flight) beyond this get a 503 (uvicorn's limit_concurrency)
 
 UI_PATH = Path(__file__).resolve().parents[1] / "nanochat" / "ui.html"
 
@@ -405,11 +407,13 @@ def create_app(
     temperature=0.8,
     top_k=50,
     max_tokens=512,
+    body_timeout_s=BODY_READ_TIMEOUT_S,
 ):
     """
     The FastAPI app. `workers_or_factory` is a list of Workers, or a callable returning one (called at startup, in a
     thread, e.g. to load checkpoints). api_key: when set, every generation endpoint (/chat/completions, /v1/*) needs
-    `Authorization: Bearer <key>`; the page itself, /health and /stats stay open (the page asks for the key).
+    `Authorization: Bearer <key>`; the page itself, /health and /stats stay open (the page asks for the key), and
+    /openapi.json needs the key too. body_timeout_s: how long a request body may take to arrive (then a 408).
     """
     defaults = {"temperature": temperature, "top_k": top_k, "max_tokens": max_tokens}
     state = {"pool": None, "started": int(time.time())}
@@ -425,8 +429,9 @@ def create_app(
         yield
         state["pool"] = None
 
-    # no /docs or /redoc: their pages load Swagger UI from a CDN, and the server must work offline
-    app = FastAPI(title="nanochat", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # no /docs or /redoc: their pages load Swagger UI from a CDN, and the server must work offline; /openapi.json is
+    # served below, behind the key like the endpoints it describes
+    app = FastAPI(title="nanochat", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     if cors_origins:  # off by default: only the page this server serves (same origin) may call it from a browser
         app.add_middleware(
             CORSMiddleware,
@@ -467,6 +472,13 @@ def create_app(
                 f"{what}: send the server's key as `Authorization: Bearer <key>`", status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
             )
 
+    async def read_body(request):
+        try:
+            return await asyncio.wait_for(read_json_body(request), body_timeout_s)
+        except asyncio.TimeoutError:  # (TimeoutError from 3.11 on) e.g. a Content-Length larger than what is sent: do not hold the connection for it
+            raise RequestError(f"the request body did not arrive within {body_timeout_s:g} s", status=408, code="request_timeout",
+                               headers={"Connection": "close"}) from None
+
     def checked_prompt(pool, messages):
         # All replicas share the tokenizer: the prompt is rendered (and checked) once, before waiting for a worker.
         engine = pool.workers[0].engine
@@ -478,6 +490,11 @@ def create_app(
 
     # --- UI
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request):
+        check_api_key(request)
+        return JSONResponse(app.openapi())
+
     @app.get("/")
     async def root():
         return HTMLResponse(ui_html)
@@ -486,7 +503,7 @@ def create_app(
     async def chat_completions(request: Request):
         check_api_key(request)  # before the body is read: a client without the key cannot make us buffer a megabyte
         pool = pool_or_503()
-        params = validate_ui_request(await read_json_body(request), defaults)
+        params = validate_ui_request(await read_body(request), defaults)
         prompt = checked_prompt(pool, params["messages"])
         release = pool.admit()
 
@@ -530,7 +547,7 @@ def create_app(
     async def openai_chat_completions(request: Request):
         check_api_key(request)
         pool = pool_or_503()
-        params = validate_openai_request(await read_json_body(request), defaults, model_name)
+        params = validate_openai_request(await read_body(request), defaults, model_name)
         prompt = checked_prompt(pool, params["messages"])
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -618,6 +635,11 @@ def create_app(
 
 # -----------------------------------------------------------------------------
 # Command line
+
+
+def server_options(max_connections=MAX_CONNECTIONS):
+    """uvicorn's settings for this server (main passes them to uvicorn.run; the tests serve with them too)."""
+    return {"limit_concurrency": max_connections}
 
 
 def build_arg_parser():
@@ -756,7 +778,7 @@ def main(argv=None):
     if warning:
         logger.warning(warning)
     logger.info(f"chat UI at http://{args.host}:{args.port}/  OpenAI API at http://{args.host}:{args.port}/v1" + (" (API key required)" if api_key else ""))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **server_options())
 
 
 if __name__ == "__main__":

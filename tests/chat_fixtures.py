@@ -107,14 +107,15 @@ def free_port():
 
 
 class ServerThread:
-    """uvicorn serving `app` on 127.0.0.1:<free port> in a background thread; use as a context manager."""
+    """uvicorn serving `app` on 127.0.0.1:<free port> in a background thread (options: more uvicorn settings, e.g.
+    chat_web.server_options()); use as a context manager."""
 
-    def __init__(self, app):
+    def __init__(self, app, **options):
         import uvicorn
 
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", **options)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

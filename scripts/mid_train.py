@@ -16,13 +16,12 @@ import os
 import time
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.compile import compile_flag, maybe_compile
-from nanochat.configurator import Flag, Flags, parse_flags_or_exit
-from nanochat.conversation_data import ConversationPacker, load_stage_model, scale_initial_lr
+from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
+from nanochat.conversation_data import ConversationPacker, check_stage_model, load_stage_model, scale_initial_lr
 from nanochat.dist import all_reduce_mean, any_rank
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.metrics import MetricsLogger
@@ -33,6 +32,7 @@ from nanochat.training import (
     batch_arithmetic, eval_steps_for, every, format_duration, memory_flags, muon_momentum, optimizer_flags, run_flags,
     save_train_state, setup_run, source_flags, train_step
 )
+from nanochat.usage import run_main
 from tasks.suites import build_mixture, held_out_tasks
 
 FLAGS = Flags(
@@ -43,18 +43,19 @@ FLAGS = Flags(
     source_flags(),
     "horizon and batch",
     Flag("num_iterations", -1, "optimisation steps; -1 = one epoch of the mixture"),
-    Flag("max_seq_len", 2048, "tokens per packed row"),
+    Flag("max_seq_len", 2048, "tokens per packed row", min=1),
     Flag("device_batch_size", 32, "rows per forward pass on each GPU; gradient accumulation makes up the rest of "
-         "--total_batch_size"),
-    Flag("total_batch_size", 524288, "tokens per optimisation step, over all ranks and micro-steps"),
+         "--total_batch_size", min=1),
+    Flag("total_batch_size", 524288, "tokens per optimisation step, over all ranks and micro-steps", min=1),
     "optimisation",
     optimizer_flags(),
     Flag("init_lr_frac", 1.0, "start at this fraction of the learning rates above"),
+    Rule(("init_lr_frac",), lambda frac: frac > 0, "--init_lr_frac must be > 0, got {init_lr_frac}"),
     Flag("grad_clip", 1.0, "clip the gradient norm to this (<= 0: no clipping)"),
     "evaluation",
     Flag("eval_every", 150, "validation bits per byte every this many steps (<= 0: off)"),
     Flag("eval_tokens", None, f"tokens per validation; auto = {DEFAULT_EVAL_TOKENS:,} ({CPU_EVAL_STEPS} batches on "
-         f"CPU, where that would take hours)", type=int),
+         f"CPU, where that would take hours)", type=int, min=1),
     "systems",
     compile_flag(),
     memory_flags(),
@@ -94,6 +95,7 @@ def lr_multiplier(progress):
 def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
+    check_stage_model("base", config["model_tag"], config["model_step"])  # start-up check: the model exists
     print_banner()
 
     ctx = setup_run(config)
@@ -229,4 +231,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    record(main)()  # under torchrun, the launcher's failure summary shows this error and its traceback
+    run_main(main)  # a usage error: one line, exit 2 (nanochat/usage.py); a bug keeps its traceback

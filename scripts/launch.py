@@ -1,0 +1,78 @@
+"""
+The shell launchers' flags, parsed with the Flags every script uses (nanochat/configurator.py), so a launcher
+refuses a mistake the way a script does: one line naming the flag, "Did you mean", exit status 2, and nothing run.
+
+    python3 -m scripts.launch runcpu.sh ARGS...     -> shell assignments for the launcher to eval (DRY_RUN=0|1)
+    python3 -m scripts.launch speedrun.sh ARGS...
+    python -m scripts.launch pretrain.sh ARGS...    -> checks pretrain.sh's flags together with base_train's, which
+                                                       pretrain.sh passes on: nothing starts with a flag base_train
+                                                       would refuse hours later
+    python3 -m scripts.launch runcpu.sh --help      -> the launcher's header comment, then its flags
+
+scripts/lib.sh's launch_flags calls it first thing. runcpu.sh and speedrun.sh run it before a virtual environment
+exists, so the module imports only the standard library and nanochat.configurator at the top (pretrain.sh's check
+imports scripts.base_train, which needs torch: pretrain.sh runs where nanochat is installed).
+"""
+
+import os
+import sys
+
+from nanochat.configurator import Flag, Flags, FlagError
+from nanochat.usage import run_main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def header(launcher):
+    """The launcher's header comment (line 2 down to `set -euo pipefail`), as scripts/lib.sh's usage prints it."""
+    lines = []
+    with open(os.path.join(REPO, launcher), encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if line.startswith("set -euo pipefail"):
+                break
+            if i > 0:
+                lines.append(line.rstrip("\n")[2:] if line.startswith("# ") else line.rstrip("\n").lstrip("#"))
+    return "\n".join(lines)
+
+
+def dry_run_flag(what):
+    return Flag("dry_run", os.environ.get("NANOCHAT_DRY_RUN", "0") not in ("", "0"), what)
+
+
+def pretrain_flags():
+    """pretrain.sh's own flags (the bash parses them; declared here for the check) and base_train's."""
+    from scripts.base_train import FLAGS as BASE_TRAIN
+
+    own = [
+        dry_run_flag("print the resolved settings and the commands, run nothing"),
+        Flag("posttrain", False, "mid_train -> chat_eval -> chat_sft -> chat_eval"),
+        Flag("fullrun", False, "pretraining, then post-training"),
+        Flag("num_shards", 0, "data shards to download (preset value by default)", min=0),
+        Flag("nproc_per_node", 1, "processes per node", min=1),
+        Flag("prepare", True, "download the data and train the tokenizer first"),
+    ]
+    return Flags(own, [item for item in BASE_TRAIN.items if not isinstance(item, str)], BASE_TRAIN.rules,
+                 prog="bash pretrain.sh", description=header("pretrain.sh"))
+
+
+LAUNCHERS = {
+    "runcpu.sh": lambda: Flags(dry_run_flag("print the setup commands it would run (venv, Rust, install), then stop"),
+                               prog="bash runcpu.sh", description=header("runcpu.sh")),
+    "speedrun.sh": lambda: Flags(dry_run_flag("print every command, setup included, and run none"),
+                                 prog="bash speedrun.sh", description=header("speedrun.sh")),
+    "pretrain.sh": pretrain_flags,
+}
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in LAUNCHERS:
+        raise FlagError(f"the first argument names the launcher: one of {', '.join(LAUNCHERS)}")
+    flags = LAUNCHERS[argv[0]]()
+    config = flags.parse(argv[1:])  # --help prints the help and exits 0; a mistake raises FlagError
+    print(f"DRY_RUN={int(config['dry_run'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

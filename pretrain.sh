@@ -135,9 +135,9 @@ count_visible_gpus() {
 # ----------------------------------------------------------------------------------------------------------------
 # main's steps, in order. They share the settings as globals of this script.
 
-# A flag pretrain.sh does not know itself goes on to base_train: first scripts/launch.py checks every flag against
-# pretrain.sh's and base_train's declarations (a misspelling gets "Did you mean", a value out of range its limits),
-# so a command that is going to fail stops here, before any download or torchrun. (Only then: it imports torch.)
+# A flag pretrain.sh does not know itself goes on to base_train: first base_train checks every flag against its
+# declarations and pretrain.sh's names (NANOCHAT_CHECK_FLAGS: parse, then exit; a misspelling gets "Did you mean", a
+# value out of range its limits), so a command that is going to fail stops here, before any download or torchrun.
 check_pass_through() {
     local arg name
     for arg in "$@"; do
@@ -149,7 +149,8 @@ check_pass_through() {
             *)
                 local -a py=(python)
                 [[ -z "${PYTHON:-}" ]] || read -r -a py <<<"$PYTHON"
-                (cd "$REPO_DIR" && "${py[@]}" -m scripts.launch pretrain.sh "$@" >/dev/null) || exit 2
+                (cd "$REPO_DIR" && NANOCHAT_CHECK_FLAGS="dry_run:bool posttrain:bool fullrun:bool num_shards:int \
+nproc_per_node:int prepare:bool" "${py[@]}" -m scripts.base_train "$@" >/dev/null) || exit 2
                 return 0
                 ;;
         esac

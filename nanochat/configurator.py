@@ -25,6 +25,7 @@ user_config).
 """
 
 import difflib
+import os
 import sys
 import textwrap
 
@@ -118,18 +119,16 @@ class Flag:
             return
         low, high = self.min, self.max
         if (low is not None and value < low) or (high is not None and value > high):
-            if low is not None and high is not None:
-                want = f"between {format_value(low)} and {format_value(high)}"
-            else:
-                want = f">= {format_value(low)}" if low is not None else f"<= {format_value(high)}"
-            raise FlagError(f"{self.display_name()} must be {want}, got {raw}")
+            raise FlagError(f"{self.display_name()} must be{self.range_text(words=True)}, got {raw}")
 
-    def range_text(self):
+    def range_text(self, words=False):
+        """The bounds: ` 0..1` / ` >= 1` in --help, ` between 0 and 1` / ` >= 1` in an error."""
+        low, high = (f"{v:g}" if isinstance(v, float) else v for v in (self.min, self.max))
         if self.min is not None and self.max is not None:
-            return f" {format_value(self.min)}..{format_value(self.max)}"
+            return f" between {low} and {high}" if words else f" {low}..{high}"
         if self.min is not None:
-            return f" >= {format_value(self.min)}"
-        return f" <= {format_value(self.max)}" if self.max is not None else ""
+            return f" >= {low}"
+        return f" <= {high}" if self.max is not None else ""
 
     def display_name(self):
         return self.name.upper() if self.positional else f"--{self.name}"
@@ -369,9 +368,14 @@ class Flags:
             self.error(str(e), prog)
 
     def _suggest(self, key):
-        names = [f.name for f in self.flags() if not f.positional and not f.hidden]
-        close = difflib.get_close_matches(key, names, n=3)
-        return f" Did you mean: {', '.join('--' + c for c in close)}?" if close else ""
+        return suggest(key, [f.name for f in self.flags() if not f.positional and not f.hidden])
+
+
+def suggest(key, names):
+    """" Did you mean: --a, --b?" for the names close to `key` ("" when none is): the hint after an unknown flag, here
+    and in the shell launchers (scripts/lib.sh's suggest_flag)."""
+    close = difflib.get_close_matches(key, names, n=3)
+    return f" Did you mean: {', '.join('--' + c for c in close)}?" if close else ""
 
 
 def _is_number(text):
@@ -402,9 +406,25 @@ def parse_flags(flags, argv=None, prog=None, description=None):
 
 
 def parse_flags_or_exit(flags, argv=None, description=None, prog=None):
-    """parse_flags for entrypoints: a bad flag prints the message and exits with status 2."""
+    """
+    parse_flags for entrypoints: a bad flag prints the message and exits with status 2.
+
+    A launcher checks the flags it will pass to a script before it starts any work (pretrain.sh and base_train):
+    with NANOCHAT_CHECK_FLAGS set, the script parses its flags, exits 0 if they are good, and runs nothing. The
+    variable lists the launcher's own flags as name:type (`dry_run:bool num_shards:int`), accepted and suggested
+    alongside the script's.
+    """
     flags = _as_flags(flags)
+    check = os.environ.get("NANOCHAT_CHECK_FLAGS")
+    if check is not None:
+        types = {"bool": False, "int": 0, "float": 0.0, "str": ""}
+        own = [Flag(n, types[t], "the launcher's own flag") for n, _, t in (s.partition(":") for s in check.split())
+               if n not in flags]
+        flags = Flags(flags.items, flags.rules, own, prog=flags.prog, description=flags.description)
     try:
-        return flags.parse(argv, prog=prog, description=description)
+        config = flags.parse(argv, prog=prog, description=description)
     except FlagError as e:
         exit_with(e)
+    if check is not None:
+        sys.exit(0)
+    return config

@@ -4,14 +4,11 @@ refuses a mistake the way a script does: one line naming the flag, "Did you mean
 
     python3 -m scripts.launch runcpu.sh ARGS...     -> shell assignments for the launcher to eval (DRY_RUN=0|1)
     python3 -m scripts.launch speedrun.sh ARGS...
-    python -m scripts.launch pretrain.sh ARGS...    -> checks pretrain.sh's flags together with base_train's, which
-                                                       pretrain.sh passes on: nothing starts with a flag base_train
-                                                       would refuse hours later
     python3 -m scripts.launch runcpu.sh --help      -> the launcher's header comment, then its flags
 
 scripts/lib.sh's launch_flags calls it first thing. runcpu.sh and speedrun.sh run it before a virtual environment
-exists, so the module imports only the standard library and nanochat.configurator at the top (pretrain.sh's check
-imports scripts.base_train, which needs torch: pretrain.sh runs where nanochat is installed).
+exists, so the module imports only the standard library and nanochat.configurator. (pretrain.sh passes flags on to
+base_train, so it asks base_train itself: NANOCHAT_CHECK_FLAGS, see nanochat.configurator.parse_flags_or_exit.)
 """
 
 import os
@@ -39,28 +36,11 @@ def dry_run_flag(what):
     return Flag("dry_run", os.environ.get("NANOCHAT_DRY_RUN", "0") not in ("", "0"), what)
 
 
-def pretrain_flags():
-    """pretrain.sh's own flags (the bash parses them; declared here for the check) and base_train's."""
-    from scripts.base_train import FLAGS as BASE_TRAIN
-
-    own = [
-        dry_run_flag("print the resolved settings and the commands, run nothing"),
-        Flag("posttrain", False, "mid_train -> chat_eval -> chat_sft -> chat_eval"),
-        Flag("fullrun", False, "pretraining, then post-training"),
-        Flag("num_shards", 0, "data shards to download (preset value by default)", min=0),
-        Flag("nproc_per_node", 1, "processes per node", min=1),
-        Flag("prepare", True, "download the data and train the tokenizer first"),
-    ]
-    return Flags(own, [item for item in BASE_TRAIN.items if not isinstance(item, str)], BASE_TRAIN.rules,
-                 prog="bash pretrain.sh", description=header("pretrain.sh"))
-
-
 LAUNCHERS = {
     "runcpu.sh": lambda: Flags(dry_run_flag("print the setup commands it would run (venv, Rust, install), then stop"),
                                prog="bash runcpu.sh", description=header("runcpu.sh")),
     "speedrun.sh": lambda: Flags(dry_run_flag("print every command, setup included, and run none"),
                                  prog="bash speedrun.sh", description=header("speedrun.sh")),
-    "pretrain.sh": pretrain_flags,
 }
 
 

@@ -277,7 +277,7 @@ class Flags:
                 lines += item.help_lines()
         if self.rules:
             lines += ["", "Checked together:"]
-            lines += [f"  {r.message.split(' (got ')[0]}" for r in self.rules]  # the message without its values
+            lines += [f"      {r.message.split(' (got ')[0]}" for r in self.rules]  # the message without its values
         return "\n".join(lines) + "\n"
 
     def error(self, message, prog=None):

@@ -55,7 +55,7 @@ FLAGS = Flags(
     "optimisation",
     optimizer_flags(),
     Flag("init_lr_frac", 0.05, "train at this fraction of the learning rates above"),
-    Rule(("init_lr_frac",), lambda frac: frac > 0, "--init_lr_frac must be > 0, got {init_lr_frac}"),
+    Rule(("init_lr_frac",), lambda frac: frac > 0, "--init_lr_frac must be > 0 (got {init_lr_frac})"),
     "memory (--tp_size is refused: sampling needs whole weights on each rank)",
     memory_flags(),
     "periodic actions (<= 0 turns one off)",

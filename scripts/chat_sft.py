@@ -48,7 +48,7 @@ FLAGS = Flags(
     "optimisation",
     optimizer_flags(),
     Flag("init_lr_frac", 0.02, "fine-tune at this fraction of the learning rates above"),
-    Rule(("init_lr_frac",), lambda frac: frac > 0, "--init_lr_frac must be > 0, got {init_lr_frac}"),
+    Rule(("init_lr_frac",), lambda frac: frac > 0, "--init_lr_frac must be > 0 (got {init_lr_frac})"),
     "evaluation (<= 0 turns one off)",
     Flag("eval_every", 100, "validation loss every this many steps"),
     Flag("eval_steps", 100, "validation batches per rank", min=1),

@@ -46,8 +46,12 @@ LAUNCHERS = {
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in LAUNCHERS:
-        raise FlagError(f"the first argument names the launcher: one of {', '.join(LAUNCHERS)}")
+    if not argv or argv[0] not in LAUNCHERS:  # --help, or a mistake: the launcher comes first
+        Flags(Flag("launcher", None, "the launcher whose flags follow", type=str, choices=list(LAUNCHERS),
+                   positional=True, required=True),
+              dry_run_flag("every launcher's: print what it would run, run nothing (its --help says what exactly)"),
+              prog="python3 -m scripts.launch", description=__doc__).parse(argv)
+        raise FlagError(f"flags go after the launcher's name: python3 -m scripts.launch LAUNCHER FLAGS ({argv})")
     flags = LAUNCHERS[argv[0]]()
     config = flags.parse(argv[1:])  # --help prints the help and exits 0; a mistake raises FlagError
     print(f"DRY_RUN={int(config['dry_run'])}")

@@ -50,7 +50,7 @@ FLAGS = Flags(
     "optimisation",
     optimizer_flags(),
     Flag("init_lr_frac", 1.0, "start at this fraction of the learning rates above"),
-    Rule(("init_lr_frac",), lambda frac: frac > 0, "--init_lr_frac must be > 0, got {init_lr_frac}"),
+    Rule(("init_lr_frac",), lambda frac: frac > 0, "--init_lr_frac must be > 0 (got {init_lr_frac})"),
     Flag("grad_clip", 1.0, "clip the gradient norm to this (<= 0: no clipping)"),
     "evaluation",
     Flag("eval_every", 150, "validation bits per byte every this many steps (<= 0: off)"),

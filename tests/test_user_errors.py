@@ -95,7 +95,7 @@ CASES = [
     ("scripts.base_eval", ["--dtype=float16"], "full", "--dtype must be one of"),
     # ---------------------------------------------------------------- mid_train
     ("scripts.mid_train", ["--device_batch_size=0"], "full", "--device_batch_size must be >= 1"),
-    ("scripts.mid_train", ["--init_lr_frac=0"], "full", "--init_lr_frac must be > 0"),
+    ("scripts.mid_train", ["--init_lr_frac=0"], "full", "--init_lr_frac must be > 0 (got 0.0)"),
     ("scripts.mid_train", ["--max_seq_len=-1"], "full", "--max_seq_len must be >= 1"),
     ("scripts.mid_train", ["--total_batch_size=0"], "full", "--total_batch_size must be >= 1"),
     ("scripts.mid_train", ["--eval_tokens=-3"], "full", "--eval_tokens must be >= 1"),
@@ -110,7 +110,7 @@ CASES = [
     ("scripts.chat_sft", ["--num_epochs=0"], "full", "--num_epochs must be >= 1"),
     ("scripts.chat_sft", ["--eval_steps=0"], "full", "--eval_steps must be >= 1"),
     ("scripts.chat_sft", ["--source=sft"], "full", "--source must be one of base|mid"),
-    ("scripts.chat_sft", ["--init_lr_frac=-1"], "full", "--init_lr_frac must be > 0"),
+    ("scripts.chat_sft", ["--init_lr_frac=-1"], "full", "--init_lr_frac must be > 0 (got -1"),
     ("scripts.chat_sft", ["--eval_metrics_max_problems=0"], "full", "--eval_metrics_max_problems must be >= 1"),
     ("scripts.chat_sft", [], "empty", "cannot load the mid model"),
     ("scripts.chat_sft", ["--source=base", "--model_step=8"], "full", "checkpoint step 8 is incomplete or missing"),

@@ -366,3 +366,32 @@ def test_torchrun_job_prints_the_line_once(worlds):
     assert p.returncode != 0
     assert out.count("error: --tp_size=3 does not divide the world size 2") == 1, out
     assert "exitcode  : 2" in out and "scripts/base_train.py" not in out, out
+
+
+def test_tok_train_keeps_the_tokenizer_checkpoints_use_unless_forced(base_dir, capfd):
+    """A tokenizer that a checkpoint was trained with is not replaced silently: the refusal names the checkpoint dir
+    and --force; with --force the new tokenizer is written (and the checkpoint then no longer loads, as it said)."""
+    from chat_fixtures import tiny_model
+    from nanochat.checkpoint_manager import resolve_checkpoint, save_checkpoint
+    from nanochat.tokenizer import RustBPETokenizer
+    from scripts import tok_train
+
+    tok_dir = base_dir / "tokenizer"
+    vocab = RustBPETokenizer.from_directory(str(tok_dir)).get_vocab_size()
+    meta = {"model_config": {"sequence_len": 64, "vocab_size": vocab, "n_layer": 1, "n_head": 1, "n_kv_head": 1,
+                             "n_embd": 64}}
+    ckpt = base_dir / "mid_checkpoints" / "d1"
+    save_checkpoint(str(ckpt), 3, tiny_model(vocab, depth=1, sequence_len=64).state_dict(), None, meta)
+    before = (tok_dir / "tokenizer.pkl").read_bytes()
+    with pytest.raises(SystemExit) as e:
+        run_main(tok_train.main, ["--vocab_size=300", "--max_chars=20000"])
+    err = capfd.readouterr().err
+    assert e.value.code == 2
+    check_one_error_line(err, f"1 checkpoint dir(s) were trained with ({ckpt})", "tok_train")
+    assert "--force" in err and (tok_dir / "tokenizer.pkl").read_bytes() == before
+    assert resolve_checkpoint("mid") == ("d1", 3)
+
+    tok_train.main(["--vocab_size=300", "--max_chars=20000", "--force"])
+    assert RustBPETokenizer.from_directory(str(tok_dir)).get_vocab_size() == 300
+    with pytest.raises(ValueError, match=f"tokenizer vocab 300 != model vocab {vocab}"):
+        resolve_checkpoint("mid")

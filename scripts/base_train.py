@@ -89,8 +89,9 @@ DEFAULTS = FLAGS.defaults()
 def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
-    # start-up checks, before any process group, model or compile: the data, and the step to resume from
+    # start-up checks, before any process group, model or compile: the data, the tokenizer, the step to resume from
     split_parquet_files("train"), split_parquet_files("val")
+    tokenizer = get_tokenizer()
     model_tag = config["model_tag"] or f"d{config['depth']}"
     checkpoint_dir = os.path.join(checkpoint_root("base"), model_tag)
     if isinstance(config["resume_from_step"], int) and config["resume_from_step"] >= 0:
@@ -117,7 +118,6 @@ def main(argv=None):
     print0(f"Batch: {B} x {Tlen} x {data_world} rank(s) x {grad_accum} accumulation = {total_batch:,} tokens/step")
 
     # tokenizer and model
-    tokenizer = get_tokenizer()
     token_bytes = get_token_bytes(device=device)
     vocab_size = tokenizer.get_vocab_size()
     model_config = config_for_depth(config["depth"], vocab_size, config["max_seq_len"])

@@ -64,6 +64,12 @@ CASES = [
     ("scripts.base_train", ["--num_iterations=-1", "--target_flops=-1", "--target_param_data_ratio=-1"], "full",
      "set one of --num_iterations, --target_flops or --target_param_data_ratio"),
     ("scripts.base_train", ["--depth=1"], "empty", "no parquet shards in"),
+    {"env": {"NANOCHAT_COMPILE": "maybe"}, "case": ("scripts.base_train", ["--device_type=cpu", "--depth=1"], "full",
+                                                  "--compile must be auto, 1 or 0")},
+    {"env": {"NANOCHAT_BASE_DIR": "{tmp}/broken_hf/config.json"},
+     "case": ("scripts.chat_cli", ["-p", "hi"], "empty", "is a file, not a directory")},
+    {"env": {"NANOCHAT_WEIGHTS_DTYPE": "fp16"},
+     "case": ("scripts.chat_cli", ["-i", "base", "-p", "hi", "--device_type=cpu"], "full", "NANOCHAT_WEIGHTS_DTYPE")},
     ("scripts.base_train", ["--device_type=cpu", "--fp8=1"], "full", "--fp8=1 needs"),
     ("scripts.base_train", ["--device_type=cpu", "--tp_size=2"], "full", "--tp_size=2 does not divide the world size 1"),
     ("scripts.base_train", ["--device_type=cpu", "--use_fsdp=1"], "full", "--use_fsdp=1 needs torch.distributed"),
@@ -187,9 +193,19 @@ CASES = [
 ]
 
 
-def _ids(case):
-    module, argv, world, _ = case.values if hasattr(case, "values") else case
-    return f"{module.split('.')[-1]} {' '.join(argv)} [{world}]".strip()
+def _row(row):
+    """A CASES row as pytest.param(module, argv, world, needle, env): env holds extra environment variables."""
+    env, marks = {}, ()
+    if isinstance(row, dict):
+        env, row = row["env"], row["case"]
+    elif hasattr(row, "values"):  # a pytest.param with marks
+        row, marks = row.values, row.marks
+    module, argv, world, needle = row
+    name = f"{module.split('.')[-1]} {' '.join(argv)} [{world}]" + "".join(f" {k}={v}" for k, v in env.items())
+    return pytest.param(module, argv, world, needle, env, marks=marks, id=name)
+
+
+ROWS = [_row(row) for row in CASES]
 
 
 def files_under(root):
@@ -235,10 +251,12 @@ def check_one_error_line(err, needle, where):
     assert lines[0].startswith("error: ") and needle in lines[0], f"{where}: {lines[0]!r} lacks {needle!r}"
 
 
-@pytest.mark.parametrize("module,argv,world,needle", CASES, ids=[_ids(c) for c in CASES])
-def test_mistake_is_one_line_and_changes_nothing(module, argv, world, needle, worlds, monkeypatch, capfd):
+@pytest.mark.parametrize("module,argv,world,needle,env", ROWS)
+def test_mistake_is_one_line_and_changes_nothing(module, argv, world, needle, env, worlds, monkeypatch, capfd):
     base = worlds[world]
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v.replace("{tmp}", str(worlds["tmp"])))
     monkeypatch.delenv("NANOCHAT_DATA_DIR", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setattr("nanochat.core_eval.EVAL_BUNDLE_URL", "http://127.0.0.1:9/eval_bundle.zip")

@@ -11,16 +11,21 @@ below with a message that names the flag or file and the fix:
 
 run_main prints `error: <message>` (one line) and exits with the status. Under torchrun every rank hits the same
 check (they run before any collective) and exits with the same status, but only global rank 0 prints, so the line
-appears once for the job; torchrun then lists the ranks' exit codes in its own failure summary (no Python traceback:
-a rank that exits through SystemExit writes no error file). Anything else is a bug and keeps its traceback (recorded
-for torchrun's summary by torch's `record`).
+appears once for the job. Rank 0 also writes it to its torchrun error file, so torchrun's closing failure summary (the
+last thing a cluster log shows) names it as the root cause instead of "error_file: <N/A>", without a traceback. The
+other ranks give rank 0 a head start before they exit (torchrun stops every rank as soon as one exits, which could
+cut rank 0 off before it prints); a mistake only one rank meets still reaches the summary through that rank's error
+file (local rank 0 of each node writes one). Anything else is a bug and keeps its traceback (recorded for torchrun's
+summary by torch's `record`).
 
 The errors subclass ValueError / FileNotFoundError / RuntimeError, so library callers that catch those still do.
 Standard library only: the launchers' flag checks (scripts/launch.py) run before torch is installed.
 """
 
+import json
 import os
 import sys
+import time
 
 
 class KnownError(Exception):
@@ -56,16 +61,30 @@ def one_line(message):
     return " ".join(part.strip() for part in str(message).splitlines() if part.strip())
 
 
+RANK0_HEAD_START_S = 5  # how long the other ranks of a torchrun job wait before exiting on a usage error
+
+
 def report(error):
     """Print `error: <message>` on stderr, on global rank 0 only (every rank of a torchrun job meets the same check)."""
-    if int(os.environ.get("RANK", "0") or 0) == 0:
+    if _env_int("RANK") == 0:
         print(f"error: {one_line(error)}", file=sys.stderr, flush=True)
 
 
 def exit_with(error):
-    """Report a KnownError and exit with its status."""
+    """Report a KnownError and exit with its status; under torchrun, also for torchrun's failure summary."""
     report(error)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        if _env_int("RANK") != 0:
+            time.sleep(RANK0_HEAD_START_S)  # rank 0 reports first; if it does, torchrun stops this rank meanwhile
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file and _env_int("LOCAL_RANK") == 0:  # torch's ErrorHandler format: a message, no traceback
+            with open(error_file, "w", encoding="utf-8") as f:
+                json.dump({"message": f"error: {one_line(error)}", "timestamp": str(int(time.time()))}, f)
     sys.exit(getattr(error, "status", 2))
+
+
+def _env_int(name):
+    return int(os.environ.get(name, "0") or 0)
 
 
 def run_main(main, argv=None):

@@ -375,15 +375,18 @@ def test_readme_shows_the_launchers_help():
 @pytest.mark.dist
 @pytest.mark.slow
 def test_torchrun_job_prints_the_line_once(worlds):
-    """Two ranks meet the same mistake; rank 0 alone prints it, both exit 2, and no rank prints a traceback (torchrun's
-    own failure summary follows, listing the exit codes)."""
+    """Two ranks meet the same mistake; rank 0 alone prints it, both exit 2, and no rank prints a traceback. torchrun's
+    own failure summary follows: its root cause is rank 0's line (from its error file), rank 1 only an exit code."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
            "-m", "scripts.base_train", "--", "--device_type=cpu", "--tp_size=3"]
     p = run(cmd, worlds["full"])
     out = p.stdout + p.stderr
     assert p.returncode != 0
-    assert out.count("error: --tp_size=3 does not divide the world size 2") == 1, out
-    assert "exitcode  : 2" in out and "scripts/base_train.py" not in out, out
+    line = "error: --tp_size=3 does not divide the world size 2"
+    assert [x for x in out.splitlines() if x.startswith(line)] == [line + "; use one of: 1, 2"], out
+    summary = out[out.index("Root Cause (first observed failure)"):]
+    assert "rank      : 0" in summary and line in summary, summary
+    assert "exitcode  : 2" in out and "scripts/base_train.py" not in out and "Traceback" not in summary, out
 
 
 def test_tok_train_keeps_the_tokenizer_checkpoints_use_unless_forced(base_dir, capfd):

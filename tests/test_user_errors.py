@@ -416,3 +416,13 @@ def test_tok_train_keeps_the_tokenizer_checkpoints_use_unless_forced(base_dir, c
     assert RustBPETokenizer.from_directory(str(tok_dir)).get_vocab_size() == 300
     with pytest.raises(ValueError, match=f"tokenizer vocab 300 != model vocab {vocab}"):
         resolve_checkpoint("mid")
+
+
+@pytest.mark.parametrize("launcher", ["runcpu.sh", "speedrun.sh"])
+def test_launcher_dry_run_spellings(launcher, tmp_path):
+    """What runcpu.sh/speedrun.sh eval: every spelling of the dry run turns it on, NANOCHAT_DRY_RUN still works, and
+    the flag wins over the environment."""
+    for args, env, want in [([], "", 0), (["--dry_run"], "", 1), (["--dry-run"], "", 1), (["--dry_run=1"], "", 1),
+                            (["--dry-run", "yes"], "", 1), ([], "1", 1), (["--dry_run=0"], "1", 0)]:
+        p = run(["python3", "-m", "scripts.launch", launcher, *args], tmp_path / "base", NANOCHAT_DRY_RUN=env)
+        assert (p.returncode, p.stdout) == (0, f"DRY_RUN={want}\n"), (args, env, p.stderr)

@@ -214,8 +214,7 @@ def resolve_checkpoint(source, model_tag=None, step=None):
 
     root = checkpoint_root(source)
     if not os.path.isdir(root):
-        raise Missing(f"no {source} checkpoints: {root} does not exist; train that stage first, or pick another "
-                      f"stage with --source (-i)")
+        raise Missing(f"no {source} checkpoints: {root} does not exist; train that stage first")
     tag = model_tag or find_largest_model(root)
     checkpoint_dir = os.path.join(root, tag)
     if not os.path.isdir(checkpoint_dir):

@@ -161,6 +161,10 @@ def main(argv=None):
     if config["examples_per_step"] % world_size != 0:
         raise BadValue(f"--examples_per_step={config['examples_per_step']} must be divisible by the {world_size} ranks")
     examples_per_rank = config["examples_per_step"] // world_size
+    from tasks.gsm8k import GSM8K
+
+    train_task = GSM8K(subset="main", split="train")  # before the model: missing data stops the run here
+    val_task = GSM8K(subset="main", split="test")
 
     model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
     model_config = model.config
@@ -169,10 +173,6 @@ def main(argv=None):
     pad_id = tokenizer.encode_special("<|assistant_end|>")
     print0(f"RL on the {config['source']} model (step {source_meta.get('step')}): {model_config}")
 
-    from tasks.gsm8k import GSM8K
-
-    train_task = GSM8K(subset="main", split="train")
-    val_task = GSM8K(subset="main", split="test")
     num_iterations = config["num_iterations"]
     if num_iterations <= 0:
         num_iterations = (len(train_task) // config["examples_per_step"]) * config["num_epochs"]

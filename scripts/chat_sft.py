@@ -116,21 +116,22 @@ def main(argv=None):
     device_type = device.type
     master = ctx.master
 
+    # batch arithmetic (whole conversations per step) and the data first: a batch that does not divide, or task data
+    # that is missing, stops the run before the model loads
+    B = config["device_batch_size"]
+    grad_accum = sft_batch_arithmetic(config["target_examples_per_step"], B, data_world)
+    train_ds, train_names = build_mixture(train_tasks(), "SFT data")
+    val_ds, _ = build_mixture(held_out_tasks(), "SFT validation")
+
     model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
     model_config = model.config
     model = parallel.wrap(apply_model_options(model, config, device, parallel), device)  # --activation_checkpointing
     print0(f"Fine-tuning the {config['source']} model (step {source_meta.get('step')}): {model_config}")
-
-    # batch arithmetic: whole conversations per step
-    B = config["device_batch_size"]
-    grad_accum = sft_batch_arithmetic(config["target_examples_per_step"], B, data_world)
     print0(f"Batch: {B} conversations x {data_world} rank(s) x {grad_accum} accumulation = "
            f"{config['target_examples_per_step']} conversations/step")
 
     # data: rows longer than the model's context are truncated (nanochat: 2048 = its sequence_len)
     max_tokens = model_config.sequence_len + 1
-    train_ds, train_names = build_mixture(train_tasks(), "SFT data")
-    val_ds, _ = build_mixture(held_out_tasks(), "SFT validation")
     train_iter = sft_batches(train_ds, tokenizer, B, device, data_rank, data_world, max_tokens)
 
     num_iterations = config["num_iterations"]

@@ -105,6 +105,14 @@ def main(argv=None):
     device_type = device.type
     master = ctx.master
 
+    # the batch and the data first: a batch that does not divide, or task data that is missing, stops the run before
+    # the model loads (the training mixture, packed; a held-out mixture for validation, rebuilt per eval)
+    B, Tlen = config["device_batch_size"], config["max_seq_len"]
+    grad_accum, tokens_per_fwdbwd = batch_arithmetic(config["total_batch_size"], B, Tlen, data_world)
+    total_batch = tokens_per_fwdbwd * grad_accum
+    train_ds, train_names = build_mixture(train_tasks(), "mid-training data")
+    val_ds, _ = build_mixture(held_out_tasks(), "mid-training validation")
+
     # the base model and its tokenizer
     model, tokenizer, base_meta = load_stage_model("base", device, config["model_tag"], config["model_step"])
     model_config = model.config
@@ -116,11 +124,8 @@ def main(argv=None):
     flops_per_token = orig_model.estimate_flops()
     print0(f"Base model step {base_meta.get('step')}: {model_config} | {orig_model.num_params():,} params")
 
-    B, Tlen = config["device_batch_size"], config["max_seq_len"]
     if Tlen != model_config.sequence_len:
         print0(f"Note: training at --max_seq_len={Tlen}; the base model was trained at {model_config.sequence_len}")
-    grad_accum, tokens_per_fwdbwd = batch_arithmetic(config["total_batch_size"], B, Tlen, data_world)
-    total_batch = tokens_per_fwdbwd * grad_accum
     print0(f"Batch: {B} x {Tlen} x {data_world} rank(s) x {grad_accum} accumulation = {total_batch:,} tokens/step")
     eval_steps = eval_steps_for(config["eval_tokens"], tokens_per_fwdbwd, device_type, enabled=config["eval_every"] > 0)
 
@@ -130,9 +135,6 @@ def main(argv=None):
     )
     scale_initial_lr(optimizers, config["init_lr_frac"])
 
-    # data: the training mixture, packed; a held-out mixture for validation (rebuilt per eval: same batches each time)
-    train_ds, train_names = build_mixture(train_tasks(), "mid-training data")
-    val_ds, _ = build_mixture(held_out_tasks(), "mid-training validation")
     train_loader = ConversationPacker(train_ds, tokenizer, B, Tlen, device, data_rank, data_world)
 
     def build_val_loader():

@@ -24,6 +24,9 @@ from nanochat.usage import run_main
 
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d - [\w.]+ - (DEBUG|INFO|WARNING) - ")
 NO_CUDA = not torch.cuda.is_available()
+# no task data anywhere: an empty HF cache, offline, and downloads through a proxy that does not answer
+NO_TASK_DATA = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": "{tmp}/hf_home",
+                "HTTPS_PROXY": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "NO_PROXY": "", "no_proxy": ""}
 
 # (module, argv, world, text the error line must contain). world: "empty" = a base dir with nothing in it; "full" =
 # shards, a 512-token tokenizer and a base checkpoint d1 at step 7. Status 2 unless a row is a dict saying otherwise.
@@ -110,6 +113,9 @@ CASES = [
     ("scripts.mid_train", ["--model_step=99"], "full", "checkpoint step 99 is incomplete or missing"),
     ("scripts.mid_train", ["--model_tag=d7"], "full", "no checkpoints for model tag 'd7'"),
     ("scripts.mid_train", ["--totl_batch_size=8"], "full", "Did you mean: --total_batch_size"),
+    {"env": NO_TASK_DATA,  # the task data: not local, not in an HF cache, no network; stops before the model loads
+     "case": ("scripts.mid_train", ["--device_type=cpu", "--device_batch_size=4", "--max_seq_len=64",
+                                    "--total_batch_size=256"], "full", "no data for the mid-training data")},
     # ---------------------------------------------------------------- chat_sft
     ("scripts.chat_sft", ["--target_examples_per_step=0"], "full", "--target_examples_per_step must be >= 1"),
     ("scripts.chat_sft", ["--device_batch_size=0"], "full", "--device_batch_size must be >= 1"),
@@ -119,6 +125,11 @@ CASES = [
     ("scripts.chat_sft", ["--init_lr_frac=-1"], "full", "--init_lr_frac must be > 0 (got -1"),
     ("scripts.chat_sft", ["--eval_metrics_max_problems=0"], "full", "--eval_metrics_max_problems must be >= 1"),
     ("scripts.chat_sft", [], "empty", "cannot load the mid model"),
+    {"env": NO_TASK_DATA,
+     "case": ("scripts.chat_sft", ["--source=base", "--device_type=cpu", "--target_examples_per_step=8"], "full",
+              "no data for the SFT data")},
+    ("scripts.chat_sft", ["--source=base", "--device_type=cpu", "--device_batch_size=3"], "full",
+     "--target_examples_per_step=32 is not divisible by device_batch_size * world_size = 3 * 1"),
     ("scripts.chat_sft", ["--source=base", "--model_step=8"], "full", "checkpoint step 8 is incomplete or missing"),
     # ---------------------------------------------------------------- chat_rl
     ("scripts.chat_rl", ["--examples_per_step=0"], "full", "--examples_per_step must be >= 1"),

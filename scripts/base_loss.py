@@ -13,10 +13,10 @@ from nanochat.dataset import split_parquet_files
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes
-from nanochat.usage import run_main
 from nanochat.training import (
     CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, autocast_ctx, dtype_flag, eval_steps_for, resolve_dtype, source_flags
 )
+from nanochat.usage import run_main
 
 FLAGS = Flags(
     device_type_flag(),

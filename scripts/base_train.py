@@ -14,6 +14,7 @@ import os
 import time
 
 import torch
+
 from nanochat.checkpoint_manager import checkpoint_root, require_step
 from nanochat.compile import compile_flag, maybe_compile
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
@@ -27,7 +28,6 @@ from nanochat.metrics import MetricsLogger
 from nanochat.parallel import parallel_from_config
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
-from nanochat.usage import BadValue, run_main
 from nanochat.training import (
     CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, ProgressMeter, apply_schedule, assert_finite, batch_arithmetic,
     build_model, eval_steps_for, every, format_duration, apply_model_options, check_model_options, load_train_state,
@@ -35,6 +35,7 @@ from nanochat.training import (
     schedule_flags, setup_run,
     train_step
 )
+from nanochat.usage import BadValue, run_main
 
 CORE_MAX_PER_TASK = 500  # --core_metric_max_per_task=auto on GPU (nanochat's)
 CPU_CORE_MAX_PER_TASK = 16  # and on CPU

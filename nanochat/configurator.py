@@ -60,9 +60,8 @@ class Flag:
         self.choices = list(choices) if choices is not None else None
         self.short, self.positional, self.required, self.hidden = short, positional, required, hidden
         self.check = check  # optional: check(value) raises ValueError with the message for a bad value
-        self.min, self.max = min, max  # inclusive bounds of a number (a value that is not a number, e.g. auto, skips)
-        if (min is not None or max is not None) and type not in (int, float):
-            raise ValueError(f"flag --{name}: min/max bound a number, not a {_TYPE_NAMES[type]}")
+        # inclusive bounds of a number; a value that is not one passes them (e.g. --resume_from_step=auto)
+        self.min, self.max = min, max
         self.many = many  # a list of one or more values (`--val_paths a b`, nanochat.dataset import's PATHS)
         if many and default is not None:
             raise ValueError(f"flag --{name}: a flag of many values defaults to None (auto or none given)")

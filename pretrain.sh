@@ -135,7 +135,30 @@ count_visible_gpus() {
 # ----------------------------------------------------------------------------------------------------------------
 # main's steps, in order. They share the settings as globals of this script.
 
+# A flag pretrain.sh does not know itself goes on to base_train: first base_train checks every flag against its
+# declarations and pretrain.sh's names (NANOCHAT_CHECK_FLAGS: parse, then exit; a misspelling gets "Did you mean", a
+# value out of range its limits), so a command that is going to fail stops here, before any download or torchrun.
+check_pass_through() {
+    local arg name
+    for arg in "$@"; do
+        [[ "$arg" == --* ]] || continue
+        name="${arg#--}" name="${name%%=*}" name="${name//-/_}"
+        case "$name" in
+            help | dry_run | posttrain | fullrun | depth | num_shards | device_batch_size | use_fsdp | \
+                activation_checkpointing | ac_every | tp_size | model_tag | run | nproc_per_node | prepare) ;;
+            *)
+                local -a py=(python)
+                [[ -z "${PYTHON:-}" ]] || read -r -a py <<<"$PYTHON"
+                (cd "$REPO_DIR" && NANOCHAT_CHECK_FLAGS="dry_run:bool posttrain:bool fullrun:bool num_shards:int \
+nproc_per_node:int prepare:bool" "${py[@]}" -m scripts.base_train "$@" >/dev/null) || exit 2
+                return 0
+                ;;
+        esac
+    done
+}
+
 parse_flags() {
+    check_pass_through "$@"
     DEPTH="${MODEL_DEPTH:-20}" NUM_SHARDS="" DBS="" USE_FSDP="" MODEL_TAG="" RUN_NAME="${WANDB_RUN:-dummy}"
     AC="" AC_EVERY="" TP=""
     NPROC="${NPROC_PER_NODE:-}" PREPARE=1 MODE_POST=0 MODE_FULL=0 DRY_RUN=0

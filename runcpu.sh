@@ -11,12 +11,12 @@
 # Environment: NANOCHAT_BASE_DIR (default ~/.cache/nanochat), NANOCHAT_VENV (default .venv),
 #              NANOCHAT_DATA_DIR (local task/eval data), RUNCPU_BASE_STEPS (default 500),
 #              NANOCHAT_DRY_RUN=1 (or --dry-run): print the setup commands it would run (venv, Rust, install), then stop.
+#   bash runcpu.sh [--dry-run] [--help]
 set -euo pipefail
 cd "$(dirname "$0")"
 LIB_TAG=runcpu.sh
 source scripts/lib.sh
-DRY_RUN="${NANOCHAT_DRY_RUN:-0}"
-[[ "${1:-}" == --dry-run ]] && DRY_RUN=1
+launch_flags python3 runcpu.sh "$@" # --help, --dry_run (= --dry-run); anything else is refused, nothing run
 
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc 2>/dev/null || echo 2)}"
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"

@@ -17,13 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 LIB_TAG=speedrun.sh
 source scripts/lib.sh
-DRY_RUN="${NANOCHAT_DRY_RUN:-0}"
-case "${1:-}" in
-    --dry-run | --dry_run) DRY_RUN=1 ;;
-    -h | --help) usage "$0"; exit 0 ;;
-    "") ;;
-    *) die "unexpected argument '$1' (speedrun.sh takes --dry-run or --help; settings come from the environment)" ;;
-esac
+launch_flags python3 speedrun.sh "$@" # --help, --dry_run (= --dry-run); anything else is refused, nothing run
 export OMP_NUM_THREADS=1
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
 WANDB_RUN="${WANDB_RUN:-dummy}"

@@ -23,6 +23,7 @@ import torch
 
 from nanochat.atomic import atomic_write, short_error, torch_file_problem
 from nanochat.common import barrier, get_base_dir, setup_default_logging
+from nanochat.usage import BadValue, Missing
 
 setup_default_logging()
 logger = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ PHASE_DIRS = {
 
 def checkpoint_root(source):
     if source not in PHASE_DIRS:
-        raise ValueError(f"unknown checkpoint source {source!r}: use one of {', '.join(PHASE_DIRS)}")
+        raise BadValue(f"unknown checkpoint source {source!r}: use one of {', '.join(PHASE_DIRS)}")
     return os.path.join(get_base_dir(), PHASE_DIRS[source])
 
 
@@ -147,7 +148,7 @@ def _torch_load_file(path, what, checkpoint_dir, step, **kwargs):
         why = torch_file_problem(path) or f"cannot be read ({short_error(e)})"
         also = (f" (the model of step {step} does not need it: later stages still load it)"
                 if what == "optimizer state" else "")
-        raise ValueError(f"checkpoint {what} {path} {why}: {_move_aside_hint(checkpoint_dir, step)}{also}") from e
+        raise BadValue(f"checkpoint {what} {path} {why}: {_move_aside_hint(checkpoint_dir, step)}{also}") from e
 
 
 def read_meta(meta_path, checkpoint_dir, step):
@@ -156,12 +157,12 @@ def read_meta(meta_path, checkpoint_dir, step):
         with open(meta_path, "r", encoding="utf-8") as f:
             meta = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(
+        raise BadValue(
             f"checkpoint meta {meta_path} is truncated, empty or not JSON ({short_error(e)}): "
             f"{_move_aside_hint(checkpoint_dir, step)}"
         ) from e
     if not isinstance(meta, dict):
-        raise ValueError(
+        raise BadValue(
             f"checkpoint meta {meta_path} holds a JSON {type(meta).__name__}, not an object: "
             f"{_move_aside_hint(checkpoint_dir, step)}"
         )
@@ -181,23 +182,17 @@ def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=0):
 
     if not os.path.exists(model_path) and is_sharded_step_complete(checkpoint_dir, step):
         return _load_sharded_model(checkpoint_dir, step, load_optimizer)
-    for p in (model_path, meta_path):
-        if not os.path.exists(p):
-            steps = complete_steps(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
-            where = (f"complete steps in {checkpoint_dir}: {', '.join(map(str, steps))}" if steps
-                     else f"{checkpoint_dir} holds no complete step" if os.path.isdir(checkpoint_dir)
-                     else f"{checkpoint_dir} does not exist")
-            raise FileNotFoundError(f"checkpoint step {step} is incomplete or missing: {p} does not exist ({where})")
+    require_step(checkpoint_dir, step)
     meta_data = read_meta(meta_path, checkpoint_dir, step)
     model_data = _torch_load_file(model_path, "model", checkpoint_dir, step, map_location="cpu", mmap=True,
                                   weights_only=True)
     if not isinstance(model_data, dict):
-        raise ValueError(f"checkpoint model {model_path} holds a {type(model_data).__name__}, not a state dict: "
+        raise BadValue(f"checkpoint model {model_path} holds a {type(model_data).__name__}, not a state dict: "
                          f"{_move_aside_hint(checkpoint_dir, step)}")
     optimizer_data = None
     if load_optimizer:
         if not os.path.exists(optim_path):
-            raise FileNotFoundError(
+            raise Missing(
                 f"{optim_path} does not exist: optimizer state is saved per rank, so resume with the same number of "
                 f"ranks as the run that wrote step {step} (or pass the model only)"
             )
@@ -212,20 +207,74 @@ def _load_sharded_model(checkpoint_dir, step, load_optimizer):
 
     step_dir = sharded_step_dir(checkpoint_dir, step)
     if load_optimizer:
-        raise ValueError(f"step {step} in {checkpoint_dir} is a sharded checkpoint: its optimizer state resumes on the "
+        raise BadValue(f"step {step} in {checkpoint_dir} is a sharded checkpoint: its optimizer state resumes on the "
                          f"FSDP path (--use_fsdp=1, any number of ranks), or consolidate it into per-rank files first "
                          f"(python -m scripts.consolidate_checkpoint)")
     meta = read_meta(os.path.join(step_dir, META_FILE.format(step=step)), checkpoint_dir, step)
     return read_model_state_dict(step_dir), None, meta
 
 
+def _meta_path_of_step(checkpoint_dir, step):
+    """Where step's meta json is: in its sharded folder for a complete sharded step, beside model_<step>.pt else."""
+    from nanochat.sharded_checkpoint import META_FILE, is_sharded_step_complete, sharded_step_dir
+
+    model_path, meta_path, _ = _paths(checkpoint_dir, step)
+    if not os.path.exists(model_path) and is_sharded_step_complete(checkpoint_dir, step):
+        return os.path.join(sharded_step_dir(checkpoint_dir, step), META_FILE.format(step=step))
+    return meta_path
+
+
+def require_step(checkpoint_dir, step):
+    """Missing unless `step` is complete in checkpoint_dir, naming the steps there: a start-up check, run before
+    anything is built, compiled or downloaded. A complete sharded step (nanochat/sharded_checkpoint.py) counts."""
+    from nanochat.sharded_checkpoint import is_sharded_step_complete
+
+    if is_sharded_step_complete(checkpoint_dir, step):
+        return
+    for p in _paths(checkpoint_dir, step)[:2]:
+        if not os.path.exists(p):
+            steps = complete_steps(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
+            where = (f"complete steps in {checkpoint_dir}: {', '.join(map(str, steps))}" if steps
+                     else f"{checkpoint_dir} holds no complete step" if os.path.isdir(checkpoint_dir)
+                     else f"{checkpoint_dir} does not exist")
+            raise Missing(f"checkpoint step {step} is incomplete or missing: {p} does not exist ({where})")
+
+
+def resolve_checkpoint(source, model_tag=None, step=None):
+    """
+    (model_tag, step) of the checkpoint a script is about to load, checked at start-up: the stage has checkpoints,
+    the tag and step exist, and the tokenizer in the base dir is there and has the model's vocabulary. Each problem
+    is a usage error (nanochat/usage.py) naming what there is.
+    """
+    from nanochat.tokenizer import get_tokenizer
+
+    root = checkpoint_root(source)
+    if not os.path.isdir(root):
+        raise Missing(f"no {source} checkpoints: {root} does not exist; train that stage first")
+    tag = model_tag or find_largest_model(root)
+    checkpoint_dir = os.path.join(root, tag)
+    if not os.path.isdir(checkpoint_dir):
+        tags = sorted(t for t in os.listdir(root) if os.path.isdir(os.path.join(root, t))) if os.path.isdir(root) else []
+        raise Missing(f"no checkpoints for model tag {tag!r} in {root}"
+                      + (f": the tags there are {', '.join(tags)}" if tags else ": train that stage first"))
+    step = find_last_step(checkpoint_dir) if step is None else step
+    require_step(checkpoint_dir, step)
+    meta_path = _meta_path_of_step(checkpoint_dir, step)
+    vocab = (read_meta(meta_path, checkpoint_dir, step).get("model_config") or {}).get("vocab_size")
+    tokenizer_vocab = get_tokenizer().get_vocab_size()
+    if vocab is not None and tokenizer_vocab != vocab:
+        raise BadValue(f"tokenizer vocab {tokenizer_vocab} != model vocab {vocab}: the tokenizer in "
+                       f"{get_base_dir()}/tokenizer is not the one {checkpoint_dir} step {step} was trained with")
+    return tag, step
+
+
 def find_largest_model(checkpoints_dir):
     """The model tag to use by default: the largest d<N> tag, else the most recently modified directory."""
     if not os.path.isdir(checkpoints_dir):
-        raise FileNotFoundError(f"no checkpoints directory at {checkpoints_dir}: train that stage first")
+        raise Missing(f"no checkpoints directory at {checkpoints_dir}: train that stage first")
     tags = [t for t in os.listdir(checkpoints_dir) if os.path.isdir(os.path.join(checkpoints_dir, t))]
     if not tags:
-        raise FileNotFoundError(f"no model tags in {checkpoints_dir}: train that stage first")
+        raise Missing(f"no model tags in {checkpoints_dir}: train that stage first")
     depth_tags = []
     for t in tags:
         m = re.fullmatch(r"d(\d+)", t)
@@ -243,7 +292,7 @@ def find_last_step(checkpoint_dir):
     for s in sorted(steps - set(complete)):
         logger.warning(f"skipping incomplete checkpoint step {s} in {checkpoint_dir} (no meta_{s:06d}.json)")
     if not complete:
-        raise FileNotFoundError(f"no complete checkpoint in {checkpoint_dir}")
+        raise Missing(f"no complete checkpoint in {checkpoint_dir}")
     return complete[-1]
 
 
@@ -271,7 +320,7 @@ def weights_dtype_for(device_type, phase, requested=None):
     """
     requested = requested or os.environ.get("NANOCHAT_WEIGHTS_DTYPE") or "auto"
     if requested not in WEIGHTS_DTYPES:
-        raise ValueError(f"weights dtype must be one of {'|'.join(WEIGHTS_DTYPES)} (NANOCHAT_WEIGHTS_DTYPE), got {requested!r}")
+        raise BadValue(f"weights dtype must be one of {'|'.join(WEIGHTS_DTYPES)} (NANOCHAT_WEIGHTS_DTYPE), got {requested!r}")
     if WEIGHTS_DTYPES[requested] is not None:
         return WEIGHTS_DTYPES[requested]
     return torch.bfloat16 if device_type == "cuda" and phase == "eval" else torch.float32
@@ -304,14 +353,14 @@ def model_config_from_meta(meta, meta_path):
 
     cfg = meta.get("model_config")
     if not isinstance(cfg, dict):
-        raise ValueError(
+        raise BadValue(
             f"checkpoint meta {meta_path} has no model_config object (its keys: {sorted(meta)}), so the model cannot "
             f"be rebuilt: it was not written by nanochat's save_checkpoint; copy the meta of that step again"
         )
     try:
         return GPTConfig(**cfg)
     except TypeError as e:
-        raise ValueError(f"the model_config in {meta_path} is not a GPTConfig ({e}): {cfg}") from e
+        raise BadValue(f"the model_config in {meta_path} is not a GPTConfig ({e}): {cfg}") from e
 
 
 def _describe_weights(state_dict):
@@ -345,7 +394,7 @@ def check_weights_match_config(state_dict, config, model_path, meta_path):
                       f"{list(expected[shapes[0]])} for the config")
     meta_cfg = ", ".join(f"{f}={getattr(config, f)}" for f in SHAPE_FIELDS)
     weights_cfg = ", ".join(f"{f}={v}" for f, v in _describe_weights(state_dict).items())
-    raise ValueError(
+    raise BadValue(
         f"the model_config in {meta_path} ({meta_cfg}) does not match the weights in {model_path} ({weights_cfg}): "
         f"{'; '.join(detail)}. The two files come from different models: copy both from the same run and step"
     )
@@ -357,7 +406,7 @@ def build_model(checkpoint_dir, step, device, phase, weights_dtype=None):
     from nanochat.tokenizer import get_tokenizer
 
     if phase not in ("train", "eval"):
-        raise ValueError(f"phase must be 'train' or 'eval', got {phase!r}")
+        raise BadValue(f"phase must be 'train' or 'eval', got {phase!r}")
     device = torch.device(device)
     dtype = weights_dtype_for(device.type, phase, weights_dtype)
     model_data, _, meta = load_checkpoint(checkpoint_dir, step, device, load_optimizer=False)
@@ -370,7 +419,7 @@ def build_model(checkpoint_dir, step, device, phase, weights_dtype=None):
     model.train() if phase == "train" else model.eval()
     tokenizer = get_tokenizer()
     if tokenizer.get_vocab_size() != config.vocab_size:
-        raise ValueError(
+        raise BadValue(
             f"tokenizer vocab {tokenizer.get_vocab_size()} != model vocab {config.vocab_size}: the tokenizer in "
             f"{get_base_dir()}/tokenizer is not the one this model was trained with"
         )
@@ -383,7 +432,7 @@ def load_model_from_dir(checkpoints_dir, device, phase, model_tag=None, step=Non
         logger.info(f"No model tag given, using {model_tag}")
     checkpoint_dir = os.path.join(checkpoints_dir, model_tag)
     if not os.path.isdir(checkpoint_dir):
-        raise FileNotFoundError(f"no checkpoints for model tag {model_tag!r} in {checkpoints_dir}")
+        raise Missing(f"no checkpoints for model tag {model_tag!r} in {checkpoints_dir}")
     if step is None:
         step = find_last_step(checkpoint_dir)
     return build_model(checkpoint_dir, step, device, phase, weights_dtype)

@@ -12,6 +12,7 @@ import torch
 
 # torch.distributed setup lives in nanochat/dist.py; nanochat's scripts import these names from here
 from nanochat.dist import autodetect_device_type, barrier, compute_cleanup, compute_init, get_dist_info, is_ddp_initialized  # noqa: F401
+from nanochat.usage import BadValue
 
 # -----------------------------------------------------------------------------
 # Logging: one format for every entrypoint, colours only on a terminal.
@@ -55,6 +56,8 @@ def get_base_dir():
     base = os.environ.get("NANOCHAT_BASE_DIR")
     if not base:
         base = os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
+    if os.path.exists(base) and not os.path.isdir(base):
+        raise BadValue(f"NANOCHAT_BASE_DIR={base} is a file, not a directory: point it at a directory")
     os.makedirs(base, exist_ok=True)
     return base
 

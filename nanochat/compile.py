@@ -23,6 +23,7 @@ from collections import Counter
 import torch
 
 from nanochat.common import print0
+from nanochat.usage import BadValue
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -39,7 +40,7 @@ def parse_compile_flag(value):
         return True
     if low in _FALSE:
         return False
-    raise ValueError(f"--compile must be auto, 1 or 0 (or true/false), got {value!r}")
+    raise BadValue(f"--compile must be auto, 1 or 0 (or true/false; NANOCHAT_COMPILE takes the same), got {value!r}")
 
 
 def compiler_unavailable_reason(device_type):

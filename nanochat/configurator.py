@@ -16,16 +16,23 @@ is declared (`-i sft`), and positional arguments where declared (import_hf's DIR
 `type=` when the default is None. None means "auto": the script works the value out (from the device, the model...),
 `--help` prints it as `auto`, and `--flag=auto` asks for it explicitly; a value the user passes always wins, even one
 equal to what auto would pick. Booleans take 1/0/true/false/yes/no/on/off, or nothing (`--fp8` = `--fp8=1`).
-`choices` (or a `check` function) are checked here, once, with an error that lists them; unknown flags are errors
-that suggest close names. Scripts read the result as a plain dict (checkpoints store it as user_config).
+`choices`, `min`/`max` (inclusive bounds of a number) and a `check` function are checked here, once, with an error
+that names the flag and the values it takes; relations between flags are declared beside them as Rule items
+(`Rule(("warmup_ratio", "warmdown_ratio"), lambda a, b: a + b <= 1, "...")`) and checked after parsing, before the
+script does any work. Unknown flags are errors that suggest close names. A FlagError is a usage error
+(nanochat/usage.py): one line, exit status 2. Scripts read the result as a plain dict (checkpoints store it as
+user_config).
 """
 
 import difflib
+import os
 import sys
 import textwrap
 
+from nanochat.usage import BadValue, exit_with
 
-class FlagError(ValueError):
+
+class FlagError(BadValue):
     pass
 
 
@@ -38,7 +45,7 @@ class Flag:
     """One flag: its name (a_b spelling), default, help text and optional choices / type / short alias."""
 
     def __init__(self, name, default, help, choices=None, type=None, short=None, positional=False, required=False,
-                 hidden=False, check=None, many=False):
+                 hidden=False, check=None, many=False, min=None, max=None):
         if not help or not help.strip():
             raise ValueError(f"flag --{name} needs a help text (what it does, what its values mean)")
         if type is None:
@@ -53,6 +60,8 @@ class Flag:
         self.choices = list(choices) if choices is not None else None
         self.short, self.positional, self.required, self.hidden = short, positional, required, hidden
         self.check = check  # optional: check(value) raises ValueError with the message for a bad value
+        # inclusive bounds of a number; a value that is not one passes them (e.g. --resume_from_step=auto)
+        self.min, self.max = min, max
         self.many = many  # a list of one or more values (`--val_paths a b`, nanochat.dataset import's PATHS)
         if many and default is not None:
             raise ValueError(f"flag --{name}: a flag of many values defaults to None (auto or none given)")
@@ -96,12 +105,29 @@ class Flag:
             value = raw
         if self.choices is not None and value not in self.choices:
             raise FlagError(f"{name} must be one of {'|'.join(map(str, self.choices))}, got {raw!r}")
+        self.check_range(value, raw)
         if self.check is not None:
             try:
                 self.check(value)
             except ValueError as e:
                 raise FlagError(str(e)) from None
         return value
+
+    def check_range(self, value, raw):
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return
+        low, high = self.min, self.max
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise FlagError(f"{self.display_name()} must be{self.range_text(words=True)}, got {raw}")
+
+    def range_text(self, words=False):
+        """The bounds: ` 0..1` / ` >= 1` in --help, ` between 0 and 1` / ` >= 1` in an error."""
+        low, high = (f"{v:g}" if isinstance(v, float) else v for v in (self.min, self.max))
+        if self.min is not None and self.max is not None:
+            return f" between {low} and {high}" if words else f" {low}..{high}"
+        if self.min is not None:
+            return f" >= {low}"
+        return f" <= {high}" if self.max is not None else ""
 
     def display_name(self):
         return self.name.upper() if self.positional else f"--{self.name}"
@@ -116,7 +142,7 @@ class Flag:
             auto = ["auto"] if self.default is None and not self.required else []
             kind = " | ".join(auto + [format_value(c) for c in self.choices])
         else:
-            kind = _TYPE_NAMES[self.type]
+            kind = _TYPE_NAMES[self.type] + self.range_text()
         lines = [f"{head}  [{kind}{' ...' if self.many else ''}]"]
         lines += textwrap.wrap(self.help, width=width, initial_indent=" " * 6, subsequent_indent=" " * 6)
         return lines
@@ -152,17 +178,42 @@ class Config(dict):
         self[key] = value
 
 
+class Rule:
+    """
+    A relation between flags, declared with them and checked after parsing (skipped while one of them is auto):
+    Rule(("warmup_ratio", "warmdown_ratio"), lambda up, down: up + down <= 1,
+         "--warmup_ratio + --warmdown_ratio must be <= 1 (got {warmup_ratio} + {warmdown_ratio})")
+    The message is formatted with the parsed flags; it names them and the way out. --help lists the rules (their
+    message up to " (got ").
+    """
+
+    def __init__(self, names, test, message):
+        self.names, self.test, self.message = tuple(names), test, message
+
+    def check(self, config):
+        values = [config.get(n) for n in self.names]
+        if any(v is None for v in values):
+            return
+        if not self.test(*values):
+            raise FlagError(self.message.format(**config))
+
+
 class Flags:
     """
-    An ordered set of Flag. Items: Flag, a string (a heading for the flags after it in --help), or a list of those
-    (so shared lists such as nanochat.training.run_flags() splice in).
+    An ordered set of Flag. Items: Flag, a string (a heading for the flags after it in --help), a Rule, or a list of
+    those (so shared lists such as nanochat.training.run_flags() splice in).
     """
 
     def __init__(self, *items, description=None, prog=None):
         self.description, self.prog = description, prog
         self.items = []  # Flag or heading str, in order
         self.by_name, self.by_short = {}, {}
+        self.rules = []
         self._add(items)
+        for rule in self.rules:
+            unknown = [n for n in rule.names if n not in self.by_name]
+            if unknown:
+                raise ValueError(f"a rule names flags that are not declared: {unknown}")
 
     def _add(self, items):
         for item in items:
@@ -170,6 +221,8 @@ class Flags:
                 self._add(item)
             elif isinstance(item, str):
                 self.items.append(item)
+            elif isinstance(item, Rule):
+                self.rules.append(item)
             elif isinstance(item, Flag):
                 if item.name in self.by_name:
                     raise ValueError(f"flag --{item.name} is declared twice")
@@ -180,7 +233,7 @@ class Flags:
                 if item.short:
                     self.by_short[item.short] = item
             else:
-                raise TypeError(f"Flags takes Flag, a heading string or a list of them, got {item!r}")
+                raise TypeError(f"Flags takes Flag, Rule, a heading string or a list of them, got {item!r}")
 
     @classmethod
     def from_defaults(cls, defaults):
@@ -221,12 +274,14 @@ class Flags:
                 lines += ["", f"{item}:"]
             elif not item.hidden:
                 lines += item.help_lines()
+        if self.rules:
+            lines += ["", "Checked together:"]
+            lines += [f"      {r.message.split(' (got ')[0]}" for r in self.rules]  # the message without its values
         return "\n".join(lines) + "\n"
 
     def error(self, message, prog=None):
-        """argparse's parser.error: usage and `error: message` on stderr, exit status 2."""
-        print(f"{self.usage(prog)}\n{_prog_name(prog or self.prog)}: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        """argparse's parser.error, as one line: `error: message` on stderr, exit status 2 (nanochat/usage.py)."""
+        exit_with(FlagError(message))
 
     # ------------------------------------------------------------------ parsing
 
@@ -300,19 +355,26 @@ class Flags:
         missing = [f.display_name() for f in self.flags() if f.required and f.name not in given]
         if missing:
             raise FlagError(f"missing required {', '.join(missing)} (run with --help for what each means)")
+        for rule in self.rules:
+            rule.check(config)
         return config
 
     def parse_args(self, argv=None, prog=None, description=None):
-        """argparse's contract, for the CLIs that were argparse: a bad flag prints usage + the error, exit status 2."""
+        """argparse's contract, for the CLIs that were argparse: a bad flag prints the error, exit status 2."""
         try:
             return self.parse(argv, prog=prog, description=description)
         except FlagError as e:
             self.error(str(e), prog)
 
     def _suggest(self, key):
-        names = [f.name for f in self.flags() if not f.positional and not f.hidden]
-        close = difflib.get_close_matches(key, names, n=3)
-        return f" Did you mean: {', '.join('--' + c for c in close)}?" if close else ""
+        return suggest(key, [f.name for f in self.flags() if not f.positional and not f.hidden])
+
+
+def suggest(key, names):
+    """" Did you mean: --a, --b?" for the names close to `key` ("" when none is): the hint after an unknown flag, here
+    and in the shell launchers (scripts/lib.sh's suggest_flag)."""
+    close = difflib.get_close_matches(key, names, n=3)
+    return f" Did you mean: {', '.join('--' + c for c in close)}?" if close else ""
 
 
 def _is_number(text):
@@ -343,10 +405,25 @@ def parse_flags(flags, argv=None, prog=None, description=None):
 
 
 def parse_flags_or_exit(flags, argv=None, description=None, prog=None):
-    """parse_flags for entrypoints: a bad flag prints the message and exits with status 2."""
+    """
+    parse_flags for entrypoints: a bad flag prints the message and exits with status 2.
+
+    A launcher checks the flags it will pass to a script before it starts any work (pretrain.sh and base_train):
+    with NANOCHAT_CHECK_FLAGS set, the script parses its flags, exits 0 if they are good, and runs nothing. The
+    variable lists the launcher's own flags as name:type (`dry_run:bool num_shards:int`), accepted and suggested
+    alongside the script's.
+    """
     flags = _as_flags(flags)
+    check = os.environ.get("NANOCHAT_CHECK_FLAGS")
+    if check is not None:
+        types = {"bool": False, "int": 0, "float": 0.0, "str": ""}
+        own = [Flag(n, types[t], "the launcher's own flag") for n, _, t in (s.partition(":") for s in check.split())
+               if n not in flags]
+        flags = Flags(flags.items, flags.rules, own, prog=flags.prog, description=flags.description)
     try:
-        return flags.parse(argv, prog=prog, description=description)
+        config = flags.parse(argv, prog=prog, description=description)
     except FlagError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_with(e)
+    if check is not None:
+        sys.exit(0)
+    return config

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from nanochat.common import get_base_dir
 from nanochat.data_sources import TaskDataNotFound
 from nanochat.dist import collective_device, dist_world_size, raise_on_every_rank
+from nanochat.usage import BadValue, Missing
 
 # the command that produces each checkpoint source, for "no checkpoint" errors
 STAGE_COMMANDS = {
@@ -227,25 +228,36 @@ def _sft_batches(dataset, tokenizer, B, device, rank, world_size, max_tokens):
 # loading the previous stage, saving this one
 
 
-def load_stage_model(source, device, model_tag=None, model_step=None, phase="train"):
-    """checkpoint_manager.load_model with flags as the scripts take them (None, "" or -1 = the latest), and an error that says
-    which command makes the missing checkpoint."""
-    from nanochat.checkpoint_manager import checkpoint_root, load_model
+def check_stage_model(source, model_tag=None, model_step=None):
+    """
+    The start-up check of a post-training script, before anything is built: (model_tag, step) of the checkpoint it
+    will load, with the flags as the scripts take them (None, "" or -1 = the latest). A missing one is a usage error
+    that says which command makes it.
+    """
+    from nanochat.checkpoint_manager import checkpoint_root, resolve_checkpoint
 
     try:
-        return load_model(source, device, phase, model_tag=model_tag or None, step=None if model_step is None or model_step < 0 else model_step)
+        return resolve_checkpoint(source, model_tag or None, None if model_step is None or model_step < 0 else model_step)
     except FileNotFoundError as e:
-        raise FileNotFoundError(
+        raise Missing(
             f"cannot load the {source} model ({e}). Checkpoints are looked for in {checkpoint_root(source)}; "
             f"make one with `{STAGE_COMMANDS[source]}` (with NANOCHAT_BASE_DIR={get_base_dir()})."
         ) from e
+
+
+def load_stage_model(source, device, model_tag=None, model_step=None, phase="train"):
+    """checkpoint_manager.load_model of the checkpoint check_stage_model finds."""
+    from nanochat.checkpoint_manager import load_model
+
+    tag, step = check_stage_model(source, model_tag, model_step)
+    return load_model(source, device, phase, model_tag=tag, step=step)
 
 
 def scale_initial_lr(optimizers, frac):
     """Start fine-tuning at a fraction of the pretraining learning rates: every group's lr and initial_lr *= frac
     (the schedule then multiplies initial_lr)."""
     if frac <= 0:
-        raise ValueError(f"--init_lr_frac must be > 0, got {frac}")
+        raise BadValue(f"--init_lr_frac must be > 0, got {frac}")
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * frac

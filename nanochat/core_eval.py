@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanochat.dist import data_rank_world
+from nanochat.usage import BadValue, Missing
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 
@@ -62,7 +63,7 @@ def download_eval_bundle(base_dir, url=None):
         # nanochat's zip holds a top-level eval_bundle/ folder; accept a zip of the folder's contents too
         root = staging / "eval_bundle" if _is_bundle(staging / "eval_bundle") else staging
         if not _is_bundle(root):
-            raise ValueError(f"{url} does not contain an eval bundle (no core.yaml at its top or in eval_bundle/)")
+            raise BadValue(f"{url} does not contain an eval bundle (no core.yaml at its top or in eval_bundle/)")
         if not _is_bundle(target):  # else another node sharing this base dir finished first: keep theirs
             if target.exists():
                 shutil.rmtree(target)  # a leftover without core.yaml is not a bundle
@@ -80,7 +81,7 @@ def resolve_bundle_dir(bundle_dir=None, base_dir=None, download=True, url=None):
     """
     if bundle_dir is not None:
         if not _is_bundle(bundle_dir):
-            raise FileNotFoundError(f"--bundle_dir {bundle_dir} is not a CORE eval bundle: it has no core.yaml "
+            raise Missing(f"--bundle_dir {bundle_dir} is not a CORE eval bundle: it has no core.yaml "
                                     f"(expected core.yaml, eval_meta_data.csv and eval_data/ as in nanochat's eval_bundle)")
         return Path(bundle_dir)
     looked = []
@@ -104,7 +105,7 @@ def resolve_bundle_dir(bundle_dir=None, base_dir=None, download=True, url=None):
             return download_eval_bundle(base_dir, url)
         except (OSError, zipfile.BadZipFile, ValueError) as e:
             looked.append(f"download from {url} failed ({type(e).__name__}: {e})")
-    raise FileNotFoundError("could not find the CORE eval bundle. Looked in:\n" + "\n".join(f"  - {x}" for x in looked)
+    raise Missing("could not find the CORE eval bundle. Looked in:\n" + "\n".join(f"  - {x}" for x in looked)
                             + "\nPass --bundle_dir, set NANOCHAT_DATA_DIR to a dir with core_eval/, or allow the download.")
 
 
@@ -128,7 +129,7 @@ def get_bundle_dir(bundle_dir=None, url=None):
     dist.all_gather_object(errors, error)
     errors = [e for e in errors if e]
     if errors:
-        raise FileNotFoundError(errors[0])
+        raise Missing(errors[0])
     return resolve_bundle_dir(bundle_dir, download=False)
 
 

@@ -18,11 +18,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from nanochat.usage import Missing
+
 HUB_PROBE_TIMEOUT = 3.0  # seconds; the hub answers a HEAD in well under a second when it is reachable
 
 
-class TaskDataNotFound(FileNotFoundError):
-    """A task's data is in none of the places it looked. `looked` lists those places, one string each."""
+class TaskDataNotFound(Missing):
+    """A task's data is in none of the places it looked. `looked` lists those places, one string each. A usage error
+    (nanochat/usage.py): a script that cannot go on without the data stops with its one line."""
 
     def __init__(self, what, looked):
         self.what = what

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from nanochat.atomic import short_error
 from nanochat.configurator import Flag, Flags
+from nanochat.usage import Missing, report, run_main
 
 # -----------------------------------------------------------------------------
 # Where the shards live
@@ -70,9 +71,9 @@ def split_parquet_files(split, data_dir=None):
     paths = list_parquet_files(data_dir)
     where = get_data_dir(data_dir)
     if not paths:
-        raise FileNotFoundError(f"no parquet shards in {where}: {_fill_hint()}")
+        raise Missing(f"no parquet shards in {where}: {_fill_hint()}")
     if len(paths) == 1:
-        raise FileNotFoundError(
+        raise Missing(
             f"only one shard in {where} ({os.path.basename(paths[0])}); the last shard is the validation split, "
             f"so at least 2 are needed: {_fill_hint()}"
         )
@@ -169,7 +170,7 @@ def download_main(argv):
     try:
         refuse_imported_corpus(data_dir)
     except FileExistsError as e:
-        print(f"error: {e}", file=sys.stderr)
+        report(e)
         return 1
     workers = min(args.num_workers, num)
     print(f"Downloading {num} shards using {workers} workers...")
@@ -177,9 +178,9 @@ def download_main(argv):
     failed = download_shards(range(num), data_dir, args.base_url, workers, args.max_attempts)
     print(f"Done! Downloaded: {num - len(failed)}/{num} shards to {data_dir}")
     if failed:
-        print(f"error: {len(failed)} shard(s) failed: {', '.join(index_to_filename(i) for i in failed[:10])}"
-              f"{' ...' if len(failed) > 10 else ''}; run the same command again to resume (partial files are kept). "
-              f"Offline? Import local text instead: python -m nanochat.dataset import PATH", file=sys.stderr)
+        report(f"{len(failed)} shard(s) failed: {', '.join(index_to_filename(i) for i in failed[:10])}"
+               f"{' ...' if len(failed) > 10 else ''}; run the same command again to resume (partial files are kept). "
+               f"Offline? Import local text instead: python -m nanochat.dataset import PATH")
         return 1
     return 0
 
@@ -222,7 +223,7 @@ def import_main(argv):
             txt_split=args.txt_split, separator=args.separator, split_on=args.split_on,
         )
     except (ValueError, FileExistsError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        report(e)
         return 1
     return 0
 
@@ -255,4 +256,4 @@ def __getattr__(name):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

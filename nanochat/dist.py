@@ -25,6 +25,9 @@ import sys
 
 import torch
 import torch.distributed as dist
+
+from nanochat.usage import BadValue, CannotRun
+
 # Before any process group exists: torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when
 # it is imported, and torch._dynamo imports it (a script's first torch.compile or optimizer). Imported after
 # init_process_group it would hold the world group for the life of the process (see release_process_groups); imported
@@ -101,7 +104,7 @@ def dist_timeout():
     except ValueError:
         minutes = -1
     if not minutes > 0:
-        raise ValueError(f"NANOCHAT_DIST_TIMEOUT_MIN must be a positive number of minutes, got {raw!r}")
+        raise BadValue(f"NANOCHAT_DIST_TIMEOUT_MIN must be a positive number of minutes, got {raw!r}")
     return datetime.timedelta(minutes=minutes)
 
 
@@ -112,11 +115,11 @@ def compute_init(device_type=None, seed=42):
     """
     device_type = device_type or autodetect_device_type()
     if device_type not in ("cuda", "mps", "cpu"):
-        raise ValueError(f"device_type must be one of cuda|mps|cpu, got {device_type!r}")
+        raise BadValue(f"device_type must be one of cuda|mps|cpu, got {device_type!r}")
     if device_type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device_type=cuda was asked for but torch sees no CUDA device; use --device_type=cpu")
+        raise CannotRun("--device_type=cuda was asked for but torch sees no CUDA device; use --device_type=cpu")
     if device_type == "mps" and not torch.backends.mps.is_available():
-        raise RuntimeError("--device_type=mps was asked for but MPS is not available; use --device_type=cpu")
+        raise CannotRun("--device_type=mps was asked for but MPS is not available; use --device_type=cpu")
     if device_type == "cuda":
         # Before the first CUDA allocation: growable segments instead of fixed blocks, so the memory a compiled training
         # step freed can serve an eager evaluation's differently shaped tensors (on an H100, d20 at device batch 32
@@ -139,7 +142,7 @@ def compute_init(device_type=None, seed=42):
         dist.barrier()
     elif ddp:
         if device_type == "mps":
-            raise RuntimeError("distributed training on MPS is not supported; use --device_type=cpu under torchrun")
+            raise CannotRun("distributed training on MPS is not supported; use --device_type=cpu under torchrun")
         device = torch.device("cpu")
         if not dist.is_initialized():
             dist.init_process_group(backend="gloo", timeout=dist_timeout())

@@ -30,6 +30,8 @@ import sys
 import torch
 import torch.nn as nn
 
+from nanochat.usage import BadValue, CannotRun
+
 FP8_RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)
 
@@ -37,15 +39,15 @@ MIN_CAPABILITY = (8, 9)
 def check_fp8_supported(device, recipe="tensorwise"):
     """Raise RuntimeError naming the device and the fix when FP8 training cannot run on `device`."""
     if recipe not in FP8_RECIPES:
-        raise ValueError(f"--fp8_recipe must be one of {'|'.join(FP8_RECIPES)}, got {recipe!r}")
+        raise BadValue(f"--fp8_recipe must be one of {'|'.join(FP8_RECIPES)}, got {recipe!r}")
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
-        raise RuntimeError(f"--fp8=1 needs an NVIDIA GPU of compute capability >= 8.9 (Hopper/Ada), but this run is on "
+        raise CannotRun(f"--fp8=1 needs an NVIDIA GPU of compute capability >= 8.9 (Hopper/Ada), but this run is on "
                            f"{device.type}: use --fp8=0")
     cap = torch.cuda.get_device_capability(device)
     if tuple(cap) < MIN_CAPABILITY:
         name = torch.cuda.get_device_name(device)
-        raise RuntimeError(f"--fp8=1 needs compute capability >= 8.9 (Hopper/Ada FP8 tensor cores), but {name} has "
+        raise CannotRun(f"--fp8=1 needs compute capability >= 8.9 (Hopper/Ada FP8 tensor cores), but {name} has "
                            f"{cap[0]}.{cap[1]}: use --fp8=0")
 
 
@@ -53,7 +55,7 @@ def _import_torchao():
     try:
         from torchao import float8
     except ImportError as e:
-        raise RuntimeError(f"--fp8=1 needs torchao ({e}): pip install -e '.[fp8]' (or pip install torchao), or use --fp8=0") from None
+        raise CannotRun(f"--fp8=1 needs torchao ({e}): pip install -e '.[fp8]' (or pip install torchao), or use --fp8=0") from None
     return float8
 
 
@@ -64,7 +66,7 @@ def fp8_config(recipe, fsdp=False, emulate=False):
     FP8 numerics run on any device (tests/test_fp8.py trains with it on CPU). No speedup; not a training option.
     """
     if recipe not in FP8_RECIPES:
-        raise ValueError(f"--fp8_recipe must be one of {'|'.join(FP8_RECIPES)}, got {recipe!r}")
+        raise BadValue(f"--fp8_recipe must be one of {'|'.join(FP8_RECIPES)}, got {recipe!r}")
     float8 = _import_torchao()
     if recipe == "tensorwise":
         return float8.Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp, emulate=emulate)

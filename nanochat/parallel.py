@@ -41,6 +41,7 @@ import torch
 from nanochat.checkpoint_manager import clean_state_dict
 from nanochat.dist import is_ddp_initialized
 from nanochat.fp8 import precompute_fp8_scales, uses_fp8_all_gather
+from nanochat.usage import BadValue, CannotRun
 
 REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -91,7 +92,7 @@ class DataParallel:
         """Refuse optimizer state saved by another strategy or tp size (its per-rank files hold other shapes)."""
         saved = saved_flag(meta)
         if saved != self.flag:
-            raise ValueError(
+            raise BadValue(
                 f"step {step} was saved by the {saved} path, whose optimizer state this {self.flag} run cannot "
                 f"resume: resume with {saved}. (The model file itself is the same on every path: later stages "
                 f"such as mid_train load it with any strategy and tp size.)"
@@ -108,7 +109,7 @@ class FSDP(DataParallel):
 
     def __init__(self, reduce_dtype="float32", defer_grad_sync=False, sharded_checkpoint=True, async_save=False):
         if reduce_dtype not in REDUCE_DTYPES:
-            raise ValueError(f"--fsdp_reduce_dtype must be float32 or bfloat16, got {reduce_dtype!r}")
+            raise BadValue(f"--fsdp_reduce_dtype must be float32 or bfloat16, got {reduce_dtype!r}")
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
         self.defer_grad_sync = defer_grad_sync
         self.sharded_checkpoint, self.async_save = sharded_checkpoint, async_save
@@ -118,7 +119,7 @@ class FSDP(DataParallel):
         from nanochat.fsdp import apply_fsdp
 
         if not is_ddp_initialized():
-            raise RuntimeError("--use_fsdp=1 needs torch.distributed: launch with torchrun (even --nproc_per_node=1)")
+            raise CannotRun("--use_fsdp=1 needs torch.distributed: launch with torchrun (even --nproc_per_node=1)")
         # bf16 all-gathered weights for compute on CUDA (the sharded masters stay fp32), fp32 on CPU
         param_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else None
         model = apply_fsdp(model, param_dtype=param_dtype, reduce_dtype=self.reduce_dtype)
@@ -179,7 +180,7 @@ class TensorParallel(FSDP):
 
     def data_rank_and_world(self, rank, world):
         if world % self.tp_size != 0:
-            raise ValueError(f"--tp_size={self.tp_size} does not divide the world size {world}; use one of: "
+            raise BadValue(f"--tp_size={self.tp_size} does not divide the world size {world}; use one of: "
                              f"{', '.join(str(t) for t in range(1, world + 1) if world % t == 0)}")
         return rank // self.tp_size, world // self.tp_size
 
@@ -190,12 +191,12 @@ class TensorParallel(FSDP):
         from nanochat.tensor_parallel import apply_tp
 
         if not is_ddp_initialized():
-            raise RuntimeError(f"--tp_size={self.tp_size} needs torch.distributed: launch with torchrun --nproc_per_node={self.tp_size} (or a multiple)")
+            raise CannotRun(f"--tp_size={self.tp_size} needs torch.distributed: launch with torchrun --nproc_per_node={self.tp_size} (or a multiple)")
         param_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else None
         return apply_tp(model, self.tp_size, param_dtype=param_dtype, reduce_dtype=self.reduce_dtype)
 
     def full_weights(self, model):
-        raise ValueError(f"{self.flag}: the blocks' matrices stay split over the tp ranks, so every forward is a "
+        raise BadValue(f"{self.flag}: the blocks' matrices stay split over the tp ranks, so every forward is a "
                          f"collective and ranks cannot sample on their own; use --tp_size=1 here (--use_fsdp=1 shards "
                          f"the model and gathers it whole for sampling)")
 
@@ -235,23 +236,23 @@ def parallel_from_config(config):
     defer = bool(config.get("fsdp_defer_grad_sync", False))
     tp_size = config.get("tp_size", 1)
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"--tp_size must be a whole number >= 1 (1 = no tensor parallelism), got {tp_size!r}")
+        raise BadValue(f"--tp_size must be a whole number >= 1 (1 = no tensor parallelism), got {tp_size!r}")
     fmt = config.get("checkpoint_format", "auto")
     if fmt not in ("auto", "sharded", "single"):
-        raise ValueError(f"--checkpoint_format must be auto, sharded or single, got {fmt!r}")
+        raise BadValue(f"--checkpoint_format must be auto, sharded or single, got {fmt!r}")
     if fmt == "sharded" and (tp_size > 1 or not use_fsdp):
-        raise ValueError("--checkpoint_format=sharded needs --use_fsdp=1 (and --tp_size=1): the DDP and tensor-parallel "
+        raise BadValue("--checkpoint_format=sharded needs --use_fsdp=1 (and --tp_size=1): the DDP and tensor-parallel "
                          "paths write nanochat's single files; use --checkpoint_format=auto")
     if node_local_base_dirs():
         # every rank writes into one sharded directory: nodes with their own base dirs cannot share it
         if fmt == "sharded":
-            raise ValueError("--checkpoint_format=sharded needs a checkpoint directory every node sees, and "
+            raise BadValue("--checkpoint_format=sharded needs a checkpoint directory every node sees, and "
                              "NANOCHAT_SHARED_FS=0 says the nodes have their own base dirs: use --checkpoint_format=auto "
                              "(single files, docs/multinode.md) or put NANOCHAT_BASE_DIR on a shared filesystem")
         if fmt == "auto":
             fmt = "single"
     if config.get("async_save") and (fmt == "single" or tp_size > 1 or not use_fsdp):
-        raise ValueError("--async_save=1 writes sharded checkpoints in the background: it needs --use_fsdp=1 with "
+        raise BadValue("--async_save=1 writes sharded checkpoints in the background: it needs --use_fsdp=1 with "
                          "--checkpoint_format=auto or sharded, and a checkpoint directory every node sees (not "
                          "NANOCHAT_SHARED_FS=0 on several nodes); use --async_save=0 here")
     if tp_size > 1:
@@ -259,7 +260,7 @@ def parallel_from_config(config):
         return TensorParallel(tp_size, config.get("fsdp_reduce_dtype", "float32"), defer)
     if not use_fsdp:
         if defer:
-            raise ValueError("--fsdp_defer_grad_sync=1 needs --use_fsdp=1 (or --tp_size > 1)")
+            raise BadValue("--fsdp_defer_grad_sync=1 needs --use_fsdp=1 (or --tp_size > 1)")
         return DataParallel()
     return FSDP(config.get("fsdp_reduce_dtype", "float32"), defer, sharded_checkpoint=fmt != "single",
                 async_save=bool(config.get("async_save", False)))

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 from nanochat.batching import batch_arithmetic, sft_batch_arithmetic
+from nanochat.usage import report, run_main
 
 
 @dataclass(frozen=True)
@@ -280,14 +281,6 @@ def markdown_table(world_size=8):
     return "\n".join(rows)
 
 
-def _at_least(name, minimum):
-    """A Flag check: a whole number >= minimum."""
-    def check(value):
-        if value < minimum:
-            raise ValueError(f"--{name} expects a whole number >= {minimum}, got {value}")
-    return check
-
-
 def _whole(name, text, minimum):
     """The whole number in `text`, from an environment variable or a training flag (`name` says which)."""
     try:
@@ -313,18 +306,18 @@ def _flags():
 
     return Flags(
         Flag("depth", None, "model depth (a preset, or any depth with both --num_shards and --device_batch_size)",
-             type=int, check=_at_least("depth", 1)),
-        Flag("num_shards", None, "override the preset's shards of pretraining data", type=int, check=_at_least("num_shards", 0)),
+             type=int, min=1),
+        Flag("num_shards", None, "override the preset's shards of pretraining data", type=int, min=0),
         Flag("device_batch_size", None, "override the preset's rows per GPU (then it is never halved)", type=int,
-             check=_at_least("device_batch_size", 0)),
+             min=0),
         Flag("use_fsdp", None, "override the FSDP default (on from d40)", type=bool),
         Flag("activation_checkpointing", None, "override the preset's activation checkpointing", type=str,
              choices=list(AC_MODES)),
-        Flag("tp_size", None, "override the preset's tensor-parallel degree", type=int, check=_at_least("tp_size", 1)),
-        Flag("world_size", 1, "processes over all nodes", check=_at_least("world_size", 1)),
+        Flag("tp_size", None, "override the preset's tensor-parallel degree", type=int, min=1),
+        Flag("world_size", 1, "processes over all nodes", min=1),
         Flag("mode", "pretrain", "which stages the launch runs", choices=["pretrain", "posttrain", "fullrun"]),
         Flag("max_shards", None, f"shards the dataset has (auto: $NANOCHAT_MAX_SHARDS or {FINEWEB_SHARDS})", type=int,
-             check=_at_least("max_shards", 2)),
+             min=2),
         Flag("format", "text", "text: key=value lines; shell: lines for pretrain.sh to eval; markdown: the preset table",
              choices=["text", "shell", "markdown"]),
         prog="python -m nanochat.presets", description=__doc__,
@@ -350,7 +343,7 @@ def main(argv=None):
                          _train_flag(train_args, "max_seq_len", MAX_SEQ_LEN), args.mode, args.max_shards,
                          args.activation_checkpointing, args.tp_size, _train_flag(train_args, "ac_every", 2))
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        report(e)
         return 2
     if args.format == "shell":
         print("\n".join(shell_lines(launch)))
@@ -361,4 +354,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -18,6 +18,7 @@ import sys
 
 from nanochat.atomic import atomic_write
 from nanochat.common import get_base_dir, get_dist_info
+from nanochat.usage import BadValue, exit_with
 
 # The order sections appear in the report (others are appended after these, in file-name order).
 SECTION_ORDER = [
@@ -324,5 +325,4 @@ if __name__ == "__main__":
         path = get_report().generate()
         print(f"Report written to {path} (and ./report.md)")
     else:
-        print("usage: python -m nanochat.report reset|generate", file=sys.stderr)
-        sys.exit(2)
+        exit_with(BadValue(f"unknown command {cmd!r}: python -m nanochat.report reset|generate"))

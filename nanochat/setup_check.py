@@ -27,6 +27,8 @@ import warnings
 from importlib import metadata
 from pathlib import Path
 
+from nanochat.usage import report, run_main
+
 DIST = "nanochat"
 REPO = Path(__file__).resolve().parents[1]
 
@@ -208,7 +210,7 @@ def main(argv=None):
         return 1 if problems else 0
     problem = gpu_problem()
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
+        report(problem)
         return 1
     import torch
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees {torch.cuda.device_count()} GPU(s)")
@@ -216,4 +218,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -16,6 +16,7 @@ import sys
 import tiktoken
 
 from nanochat.atomic import atomic_write, short_error, torch_file_problem
+from nanochat.usage import BadValue, Missing
 
 SPECIAL_TOKENS = [
     # every document begins with the Beginning of Sequence token, which also delimits documents
@@ -92,7 +93,7 @@ class RustBPETokenizer:
     def from_directory(cls, tokenizer_dir):
         path = os.path.join(tokenizer_dir, TOKENIZER_FILENAME)
         if not os.path.exists(path):
-            raise FileNotFoundError(
+            raise Missing(
                 f"no tokenizer at {path}: train one with `python -m scripts.tok_train` "
                 f"(it writes base_dir/tokenizer/{TOKENIZER_FILENAME})"
             )
@@ -106,9 +107,9 @@ class RustBPETokenizer:
             why = ("is empty (0 bytes)" if size == 0
                    else f"is truncated or not a pickled tokenizer ({size:,} bytes)"
                    if isinstance(e, (EOFError, pickle.UnpicklingError)) else f"cannot be unpickled ({size:,} bytes)")
-            raise ValueError(f"{path} {why} ({short_error(e)}): {_TOKENIZER_FIX}") from e
+            raise BadValue(f"{path} {why} ({short_error(e)}): {_TOKENIZER_FIX}") from e
         if not isinstance(enc, tiktoken.Encoding):
-            raise ValueError(f"{path} does not hold a tiktoken.Encoding (got {type(enc).__name__}): {_TOKENIZER_FIX}")
+            raise BadValue(f"{path} does not hold a tiktoken.Encoding (got {type(enc).__name__}): {_TOKENIZER_FIX}")
         return cls(enc, "<|bos|>")
 
     def save(self, tokenizer_dir):
@@ -341,7 +342,7 @@ def get_token_bytes(device="cpu"):
     have_tokenizer = os.path.exists(os.path.join(tokenizer_dir, TOKENIZER_FILENAME))
     if not os.path.exists(path):
         fix = _TOKEN_BYTES_FIX if have_tokenizer else "train the tokenizer with `python -m scripts.tok_train`"
-        raise FileNotFoundError(f"no token bytes at {path}: {fix}")
+        raise Missing(f"no token bytes at {path}: {fix}")
     try:
         with open(path, "rb") as f:
             token_bytes = torch.load(f, map_location=device)
@@ -349,15 +350,15 @@ def get_token_bytes(device="cpu"):
         raise
     except Exception as e:
         why = torch_file_problem(path) or "cannot be read"
-        raise ValueError(f"{path} {why} ({short_error(e)}): {_TOKEN_BYTES_FIX}") from e
+        raise BadValue(f"{path} {why} ({short_error(e)}): {_TOKEN_BYTES_FIX}") from e
     if not isinstance(token_bytes, torch.Tensor) or token_bytes.dim() != 1 or token_bytes.is_floating_point():
         what = f"a {tuple(token_bytes.shape)} {token_bytes.dtype} tensor" if isinstance(token_bytes, torch.Tensor) \
             else f"a {type(token_bytes).__name__}"
-        raise ValueError(f"{path} holds {what}, not one integer byte count per token id: {_TOKEN_BYTES_FIX}")
+        raise BadValue(f"{path} holds {what}, not one integer byte count per token id: {_TOKEN_BYTES_FIX}")
     if have_tokenizer:
         vocab_size = RustBPETokenizer.from_directory(tokenizer_dir).get_vocab_size()
         if len(token_bytes) != vocab_size:
-            raise ValueError(
+            raise BadValue(
                 f"{path} has {len(token_bytes):,} entries but the tokenizer beside it has {vocab_size:,} tokens: "
                 f"they come from different tokenizers; {_TOKEN_BYTES_FIX}"
             )

@@ -30,6 +30,7 @@ from nanochat.checkpoint_manager import SHAPE_FIELDS, load_checkpoint, save_chec
 from nanochat.common import device_type_flag, peak_flops_for, print0
 from nanochat.dist import all_reduce_mean, compute_init, gather_objects, get_dist_info
 from nanochat.parallel import DataParallel
+from nanochat.usage import BadValue
 
 # -----------------------------------------------------------------------------
 # precision
@@ -41,7 +42,7 @@ def resolve_dtype(dtype, device_type):
         return torch.bfloat16 if device_type == "cuda" else torch.float32
     table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
     if dtype not in table:
-        raise ValueError(f"--dtype must be auto, bfloat16 or float32, got {dtype!r}")
+        raise BadValue(f"--dtype must be auto, bfloat16 or float32, got {dtype!r}")
     return table[dtype]
 
 
@@ -119,7 +120,7 @@ def apply_model_options(model, config, device, parallel=None):
 
         if parallel is not None and parallel.name == "tp":
             # torchao's float8 linears need their own TP styles (Float8ColwiseParallel...), not wired up here
-            raise ValueError(f"--fp8=1 does not work with {parallel.flag} yet: use --fp8=0, or --tp_size=1 (--use_fsdp=1)")
+            raise BadValue(f"--fp8=1 does not work with {parallel.flag} yet: use --fp8=0, or --tp_size=1 (--use_fsdp=1)")
         fsdp = parallel is not None and parallel.name == "fsdp"
         apply_fp8(model, config.get("fp8_recipe", "tensorwise"), device, fsdp=fsdp, log=print0)
     return model
@@ -358,7 +359,7 @@ def load_train_state(checkpoint_dir, step, model, optimizers, device, parallel=N
     model_sd, optim_sd, meta = load_checkpoint(checkpoint_dir, step, device, load_optimizer=True, rank=rank)
     saved_world = meta.get("world_size", 1)
     if saved_world != world_size:
-        raise ValueError(
+        raise BadValue(
             f"step {step} was saved by {saved_world} rank(s) but this run has {world_size}: the optimizer state and "
             f"data position are per rank, so resume with --nproc_per_node/--nnodes giving {saved_world} ranks"
         )
@@ -367,13 +368,13 @@ def load_train_state(checkpoint_dir, step, model, optimizers, device, parallel=N
     optim_path = os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank:d}.pt")
     fix = _resume_fix(meta, step)
     if len(optim_sd) != len(optimizers):
-        raise ValueError(f"{optim_path} holds {len(optim_sd)} optimizer states but this run built {len(optimizers)}: {fix}")
+        raise BadValue(f"{optim_path} holds {len(optim_sd)} optimizer states but this run built {len(optimizers)}: {fix}")
     parallel.load_model_state_dict(model, model_sd)
     for opt, sd in zip(optimizers, optim_sd):
         try:
             opt.load_state_dict(sd)
         except (ValueError, KeyError) as e:  # torch: "loaded state dict contains a parameter group that doesn't match"
-            raise ValueError(f"{optim_path} does not fit this run's {type(opt).__name__} ({e}): {fix}") from e
+            raise BadValue(f"{optim_path} does not fit this run's {type(opt).__name__} ({e}): {fix}") from e
     loader_states = meta.get("loader_state") or [meta.get("dataloader_state_dict")]
     return meta, loader_states[rank] if rank < len(loader_states) else None
 
@@ -414,7 +415,7 @@ def check_resume_model_config(meta, model, checkpoint_dir, step):
     diff = [f for f in SHAPE_FIELDS if f in saved and saved[f] != getattr(run_config, f, None)]
     if diff:
         depth = (meta.get("user_config") or {}).get("depth")
-        raise ValueError(
+        raise BadValue(
             f"step {step} in {checkpoint_dir} holds a model with "
             f"{', '.join(f'{f}={saved[f]}' for f in diff)} but this run builds "
             f"{', '.join(f'{f}={getattr(run_config, f, None)}' for f in diff)}: resume with the model flags of the run "
@@ -428,7 +429,7 @@ def resume_loop_state(meta, checkpoint_dir, step, keys):
     loop = meta.get("loop_state")
     missing = sorted(set(keys) - set(loop)) if isinstance(loop, dict) else sorted(keys)
     if missing:
-        raise ValueError(
+        raise BadValue(
             f"{os.path.join(checkpoint_dir, f'meta_{step:06d}.json')} has no loop state to resume from (missing "
             f"loop_state {', '.join(missing)}): step {step} was not saved by this repo's base_train (a nanochat "
             f"checkpoint, or a hand-edited meta), so the run cannot continue from it"
@@ -509,10 +510,11 @@ def optimizer_flags():
     from nanochat.configurator import Flag
 
     return [
-        Flag("embedding_lr", 0.2, "learning rate of the token embedding (AdamW)"),
-        Flag("unembedding_lr", 0.004, "learning rate of the lm_head (AdamW)"),
-        Flag("matrix_lr", 0.02, "learning rate of the transformer's matrices (Muon; AdamW with --use_muon=0)"),
-        Flag("weight_decay", 0.0, "weight decay of the AdamW groups"),
+        Flag("embedding_lr", 0.2, "learning rate of the token embedding (AdamW)", min=0.0),
+        Flag("unembedding_lr", 0.004, "learning rate of the lm_head (AdamW)", min=0.0),
+        Flag("matrix_lr", 0.02, "learning rate of the transformer's matrices (Muon; AdamW with --use_muon=0)",
+             min=0.0),
+        Flag("weight_decay", 0.0, "weight decay of the AdamW groups", min=0.0),
     ]
 
 
@@ -525,18 +527,36 @@ def memory_flags():
         Flag("activation_checkpointing", "none", "recompute block activations in the backward instead of keeping them "
              "(less memory, ~1/3 more compute): none, full (every block) or selective (every --ac_every-th block)",
              choices=list(AC_MODES)),
-        Flag("ac_every", 2, "selective activation checkpointing: checkpoint blocks 0, k, 2k, ... for k = ac_every"),
+        Flag("ac_every", 2, "selective activation checkpointing: checkpoint blocks 0, k, 2k, ... for k = ac_every",
+             min=1),
         Flag("use_fsdp", False, "shard parameters, gradients and optimizer state over the ranks (FSDP2; "
              "nanochat/parallel.py) instead of replicating the model on every rank"),
         Flag("fsdp_reduce_dtype", "float32", "FSDP: dtype of the gradient reduce-scatter",
              choices=["float32", "bfloat16"]),
         Flag("tp_size", 1, "tensor parallelism over this many ranks (attention heads and the MLP split across them; "
-             "nanochat/tensor_parallel.py), FSDP over the rest; must divide the world size"),
+             "nanochat/tensor_parallel.py), FSDP over the rest; must divide the world size", min=1),
         Flag("checkpoint_format", "auto", "auto = sharded with --use_fsdp=1 (single when NANOCHAT_SHARED_FS=0 on "
              "several nodes), single otherwise; sharded = every rank writes its shard (torch.distributed.checkpoint; "
              "resumes on any number of ranks; FSDP only); single = nanochat's files, the model gathered to rank 0",
              choices=["auto", "sharded", "single"]),
         Flag("async_save", False, "sharded checkpoints: write them in a background thread while training goes on"),
+    ]
+
+
+def schedule_flags(warmdown_ratio=0.2):
+    """The learning-rate schedule of base_train: warmup, warmdown, final fraction (fractions of the run, checked
+    together: warmup and warmdown may not overlap)."""
+    from nanochat.configurator import Flag, Rule
+
+    return [
+        Flag("warmup_ratio", 0.0, "fraction of the steps spent warming the learning rate up from 0", min=0.0, max=1.0),
+        Flag("warmdown_ratio", warmdown_ratio, "fraction of the steps at the end spent decaying the learning rate",
+             min=0.0, max=1.0),
+        Flag("final_lr_frac", 0.0, "learning rate at the end of the warmdown, as a fraction of the peak", min=0.0,
+             max=1.0),
+        Rule(("warmup_ratio", "warmdown_ratio"), lambda up, down: up + down <= 1,
+             "--warmup_ratio + --warmdown_ratio must be <= 1: the warmup and the warmdown are parts of the same run "
+             "(got {warmup_ratio} + {warmdown_ratio})"),
     ]
 
 
@@ -549,5 +569,5 @@ def source_flags(source=None, choices=None):
         flags.append(Flag("source", source, "the stage whose checkpoint to load", choices=choices))
     return flags + [
         Flag("model_tag", None, "checkpoint tag, e.g. d20; auto = the largest model", type=str),
-        Flag("model_step", None, "checkpoint step; auto = the last", type=int),
+        Flag("model_step", None, "checkpoint step; auto = the last", type=int, min=0),
     ]

@@ -22,7 +22,6 @@ import io
 import os
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from nanochat.atomic import atomic_write
 from nanochat.common import (
@@ -30,6 +29,7 @@ from nanochat.common import (
 )
 from nanochat.configurator import Flag, Flags
 from nanochat.core_eval import evaluate_model, get_bundle_dir
+from nanochat.usage import BadValue, CannotRun, Missing, run_main
 
 
 def write_results_csv(path, out):
@@ -106,7 +106,7 @@ def load_hf_model(hf_path, device):
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
-        raise RuntimeError(f"--hf_path needs transformers ({e}): pip install -e '.[hf]'") from None
+        raise CannotRun(f"--hf_path needs transformers ({e}): pip install -e '.[hf]'") from None
     model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).to(device)
     tokenizer = AutoTokenizer.from_pretrained(hf_path)
     name = os.path.normpath(hf_path).strip(os.sep).replace(os.sep, "-")  # openai-community/gpt2 -> openai-community-gpt2
@@ -118,7 +118,7 @@ FLAGS = Flags(
          "checkpoint (needs the hf extra); auto = none, the base checkpoint", type=str),
     Flag("model_tag", None, "base checkpoint tag, e.g. d20; auto = the largest model", type=str, short="g"),
     Flag("step", None, "checkpoint step; auto = the last", type=int, short="s"),
-    Flag("max_per_task", -1, "examples per task, -1 = all (fewer for quick checks)"),
+    Flag("max_per_task", -1, "examples per task, -1 = all (fewer for quick checks)", min=-1),
     Flag("bundle_dir", None, "a local eval bundle dir (core.yaml, eval_data/...); auto = $NANOCHAT_DATA_DIR/core_eval, "
          "else <base_dir>/eval_bundle, else nanochat's eval_bundle.zip is downloaded there", type=str),
     device_type_flag(),
@@ -130,30 +130,26 @@ FLAGS = Flags(
 def main(argv=None):
     args = FLAGS.parse_args(argv)
     if args.hf_path is not None and (args.model_tag is not None or args.step is not None):
-        raise ValueError("--hf_path evaluates that model: leave out --model_tag/--step (they pick a nanochat checkpoint)")
+        raise BadValue("--hf_path evaluates that model: leave out --model_tag/--step (they pick a nanochat checkpoint)")
+    if args.max_per_task == 0:
+        raise BadValue("--max_per_task must be -1 (all) or a positive number of examples, got 0")
 
-    from nanochat.checkpoint_manager import load_model
+    from nanochat.checkpoint_manager import load_model, resolve_checkpoint
 
+    # start-up checks, before anything loads: the model (a local --hf_path directory, or the checkpoint and its
+    # tokenizer), then the eval bundle (found, or downloaded now)
+    if args.hf_path is not None:
+        if args.hf_path.startswith((os.sep, ".", "~")) and not os.path.isdir(os.path.expanduser(args.hf_path)):
+            raise Missing(f"--hf_path {args.hf_path} is not a directory (a local path; a Hub id looks like org/name)")
+    else:
+        model_tag, step = resolve_checkpoint("base", args.model_tag, args.step)
     device_type = args.device_type or autodetect_device_type()
     ddp, rank, local_rank, world_size, device = compute_init(device_type)
-    try:
-        bundle_dir = get_bundle_dir(args.bundle_dir)
-    except FileNotFoundError as e:
-        if args.bundle_dir is not None:
-            raise  # the user named a directory: a wrong path is an error, not a skip
-        # no data at all: say so (here and in the report) and let a pipeline go on with the stages that can run
-        print0(f"Skipping CORE evaluation: {e}")
-        if rank == 0:
-            from nanochat.report import get_report
-
-            get_report().log(section="Base model evaluation",
-                             data=[{"CORE metric": "skipped (no eval bundle)", "Missing data": str(e).splitlines()[1:]}])
-        compute_cleanup()
-        return None
+    bundle_dir = get_bundle_dir(args.bundle_dir)  # none anywhere: a usage error naming where it looked
     if args.hf_path is not None:
         model, tokenizer, model_name = load_hf_model(args.hf_path, device)
     else:
-        model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=args.model_tag, step=args.step)
+        model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=model_tag, step=step)
         model_name = f"base_model_{meta['step']:06d}" if "step" in meta else "base_model"
     autocast = (torch.amp.autocast(device_type="cuda", dtype=torch.bfloat16)
                 if device_type == "cuda" and args.dtype == "bfloat16" else contextlib.nullcontext())
@@ -192,4 +188,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    record(main)()  # under torchrun, the launcher's failure summary shows this error and its traceback
+    run_main(main)  # a usage error: one line, exit 2 (nanochat/usage.py); a bug keeps its traceback

@@ -5,28 +5,28 @@ Bits per byte of a saved base model on the train and val shards, plus a few gree
     torchrun --nproc_per_node=8 -m scripts.base_loss --model_tag=d20 --split_tokens=20971520
 """
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from nanochat.checkpoint_manager import PHASE_DIRS, load_model
+from nanochat.checkpoint_manager import PHASE_DIRS, load_model, resolve_checkpoint
 from nanochat.common import compute_cleanup, compute_init, device_type_flag, print0
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.dataloader import tokenizing_distributed_data_loader
+from nanochat.dataset import split_parquet_files
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes
 from nanochat.training import (
     CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, autocast_ctx, dtype_flag, eval_steps_for, resolve_dtype, source_flags
 )
+from nanochat.usage import run_main
 
 FLAGS = Flags(
     device_type_flag(),
     dtype_flag(),
     source_flags("base", list(PHASE_DIRS)),
-    Flag("device_batch_size", 32, "rows per forward pass on each GPU"),
+    Flag("device_batch_size", 32, "rows per forward pass on each GPU", min=1),
     Flag("split_tokens", None, f"tokens evaluated per split; auto = {DEFAULT_EVAL_TOKENS:,} ({CPU_EVAL_STEPS} batches "
-         f"on CPU, where that would take hours)", type=int),
-    Flag("max_seq_len", None, "tokens per row; auto = the model's sequence_len", type=int),
-    Flag("num_samples_tokens", 16, "tokens of each greedy sample"),
+         f"on CPU, where that would take hours)", type=int, min=1),
+    Flag("max_seq_len", None, "tokens per row; auto = the model's sequence_len", type=int, min=1),
+    Flag("num_samples_tokens", 16, "tokens of each greedy sample", min=0),
 )
 DEFAULTS = FLAGS.defaults()
 
@@ -43,12 +43,13 @@ PROMPTS = [
 
 def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
+    # start-up checks, before the model loads: the checkpoint and tokenizer, then the shards it is measured on
+    model_tag, step = resolve_checkpoint(config["source"], config["model_tag"], config["model_step"])
+    split_parquet_files("train"), split_parquet_files("val")
     ddp, rank, local_rank, world_size, device = compute_init(config["device_type"] or None)
     dtype = resolve_dtype(config["dtype"], device.type)
-    step = config["model_step"] if config["model_step"] is not None and config["model_step"] >= 0 else None
-    model, tokenizer, meta = load_model(config["source"], device, phase="eval", model_tag=config["model_tag"] or None,
-                                        step=step)
-    T = config["max_seq_len"] if (config["max_seq_len"] or 0) > 0 else model.config.sequence_len  # auto (or -1)
+    model, tokenizer, meta = load_model(config["source"], device, phase="eval", model_tag=model_tag, step=step)
+    T = config["max_seq_len"] or model.config.sequence_len  # auto: the model's
     B = config["device_batch_size"]
     steps = eval_steps_for(config["split_tokens"], B * T * world_size, device.type, flag="split_tokens")
     token_bytes = get_token_bytes(device=device)
@@ -74,4 +75,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    record(main)()  # under torchrun, the launcher's failure summary shows this error and its traceback
+    run_main(main)  # a usage error: one line, exit 2 (nanochat/usage.py); a bug keeps its traceback

@@ -14,13 +14,13 @@ import os
 import time
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
 
-from nanochat.checkpoint_manager import checkpoint_root
+from nanochat.checkpoint_manager import checkpoint_root, require_step
 from nanochat.compile import compile_flag, maybe_compile
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.dataloader import loader_states_for_world, tokenizing_distributed_data_loader
+from nanochat.dataset import split_parquet_files
 from nanochat.fp8 import FP8_RECIPES
 from nanochat.gpt import config_for_depth
 from nanochat.loss_eval import evaluate_bpb
@@ -31,9 +31,11 @@ from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.training import (
     CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, ProgressMeter, apply_schedule, assert_finite, batch_arithmetic,
     build_model, eval_steps_for, every, format_duration, apply_model_options, check_model_options, load_train_state,
-    lr_multiplier, memory_flags, muon_momentum, optimizer_flags, resume_loop_state, run_flags, save_train_state, setup_run,
+    lr_multiplier, memory_flags, muon_momentum, optimizer_flags, resume_loop_state, run_flags, save_train_state,
+    schedule_flags, setup_run,
     train_step
 )
+from nanochat.usage import BadValue, run_main
 
 CORE_MAX_PER_TASK = 500  # --core_metric_max_per_task=auto on GPU (nanochat's)
 CPU_CORE_MAX_PER_TASK = 16  # and on CPU
@@ -42,8 +44,8 @@ FLAGS = Flags(
     "run",
     run_flags(),
     "model",
-    Flag("depth", 20, "transformer blocks; width (64 x depth) and heads follow from it, as nanochat"),
-    Flag("max_seq_len", 2048, "context length in tokens (rows of the training batch)"),
+    Flag("depth", 20, "transformer blocks; width (64 x depth) and heads follow from it, as nanochat", min=1),
+    Flag("max_seq_len", 2048, "context length in tokens (rows of the training batch)", min=1),
     Flag("init", "normal", "weight init: normal (arXiv 2310.17813's scaling), or nanochat's exact scheme "
          "(nanochat/gpt.py)", choices=["normal", "nanochat"]),
     Flag("attn", "auto", "attention kernel: auto = FlashAttention-3 where it runs (Hopper), else PyTorch SDPA",
@@ -54,25 +56,23 @@ FLAGS = Flags(
     Flag("target_param_data_ratio", 20, "train on ratio x parameters tokens (Chinchilla: 20)"),
     "batch",
     Flag("device_batch_size", 32, "rows per forward pass on each GPU; gradient accumulation makes up the rest of "
-         "--total_batch_size"),
-    Flag("total_batch_size", 524288, "tokens per optimisation step, over all ranks and micro-steps"),
+         "--total_batch_size", min=1),
+    Flag("total_batch_size", 524288, "tokens per optimisation step, over all ranks and micro-steps", min=1),
     "optimisation",
     optimizer_flags(),
     Flag("use_muon", True, "Muon for the matrices (0: AdamW for everything)"),
     Flag("grad_clip", 1.0, "clip the gradient norm to this (<= 0: no clipping)"),
-    Flag("warmup_ratio", 0.0, "fraction of the steps spent warming the learning rate up from 0"),
-    Flag("warmdown_ratio", 0.2, "fraction of the steps at the end spent decaying the learning rate"),
-    Flag("final_lr_frac", 0.0, "learning rate at the end of the warmdown, as a fraction of the peak"),
+    schedule_flags(),
     "periodic actions (<= 0 turns one off)",
     Flag("eval_every", 250, "validation bits per byte every this many steps"),
     Flag("eval_tokens", None, f"tokens per validation; auto = {DEFAULT_EVAL_TOKENS:,} ({CPU_EVAL_STEPS} batches on "
-         f"CPU, where that would take hours)", type=int),
+         f"CPU, where that would take hours)", type=int, min=1),
     Flag("core_metric_every", 2000, "CORE metric (nanochat/core_eval.py) every this many steps"),
     Flag("core_metric_max_per_task", None, f"examples per CORE task, -1 = all; auto = {CORE_MAX_PER_TASK} "
-         f"({CPU_CORE_MAX_PER_TASK} on CPU, where {CORE_MAX_PER_TASK} means ~11k forwards)", type=int),
+         f"({CPU_CORE_MAX_PER_TASK} on CPU, where {CORE_MAX_PER_TASK} means ~11k forwards)", type=int, min=-1),
     Flag("sample_every", 2000, "print a few greedy samples every this many steps"),
     Flag("save_every", -1, "intermediate checkpoint every this many steps (the final step is always saved)"),
-    Flag("resume_from_step", -1, "resume from this saved step of --model_tag (-1: start fresh)"),
+    Flag("resume_from_step", -1, "resume from this saved step of --model_tag (-1: start fresh)", min=-1),
     Flag("model_tag", None, "checkpoint directory name under base_checkpoints/; auto = d<depth>", type=str),
     "systems",
     compile_flag(),
@@ -82,7 +82,7 @@ FLAGS = Flags(
     Flag("fp8", False, "FP8 matmuls in the blocks via torchao (CUDA, compute capability >= 8.9; nanochat/fp8.py)"),
     Flag("fp8_recipe", "tensorwise", "FP8 scaling granularity", choices=list(FP8_RECIPES)),
     Flag("data_world_size", 1, "single process only: read the data as W ranks would, to reproduce a W-rank run "
-         "exactly"),
+         "exactly", min=1),
 )
 DEFAULTS = FLAGS.defaults()
 
@@ -90,6 +90,15 @@ DEFAULTS = FLAGS.defaults()
 def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
+    # start-up checks, before any process group, model or compile: the data, the tokenizer, the step to resume from
+    split_parquet_files("train"), split_parquet_files("val")
+    tokenizer = get_tokenizer()
+    model_tag = config["model_tag"] or f"d{config['depth']}"
+    checkpoint_dir = os.path.join(checkpoint_root("base"), model_tag)
+    if isinstance(config["resume_from_step"], int) and config["resume_from_step"] >= 0:
+        require_step(checkpoint_dir, config["resume_from_step"])
+    if config["num_iterations"] <= 0 and config["target_flops"] <= 0 and config["target_param_data_ratio"] <= 0:
+        raise BadValue("set one of --num_iterations, --target_flops or --target_param_data_ratio to a positive value")
     print_banner()
 
     ctx = setup_run(config)
@@ -99,12 +108,17 @@ def main(argv=None):
     device_type = device.type
     master = ctx.master
     if config["data_world_size"] > 1 and world_size > 1:
-        raise ValueError("--data_world_size is for single-process runs that reproduce a multi-rank run; unset it")
+        raise BadValue("--data_world_size is for single-process runs that reproduce a multi-rank run; unset it")
     data_rank, dp_world = parallel.data_rank_and_world(rank, world_size)  # tp ranks of a group read the same data
     data_world = max(dp_world, config["data_world_size"])
 
+    # batch arithmetic (before the model: a batch that does not divide stops here)
+    B, Tlen = config["device_batch_size"], config["max_seq_len"]
+    grad_accum, tokens_per_fwdbwd = batch_arithmetic(config["total_batch_size"], B, Tlen, data_world)
+    total_batch = tokens_per_fwdbwd * grad_accum
+    print0(f"Batch: {B} x {Tlen} x {data_world} rank(s) x {grad_accum} accumulation = {total_batch:,} tokens/step")
+
     # tokenizer and model
-    tokenizer = get_tokenizer()
     token_bytes = get_token_bytes(device=device)
     vocab_size = tokenizer.get_vocab_size()
     model_config = config_for_depth(config["depth"], vocab_size, config["max_seq_len"])
@@ -118,21 +132,13 @@ def main(argv=None):
     print0(f"Model d{config['depth']}: {model_config} | {num_params:,} params | attn {orig_model.attn_backend} | "
            f"{flops_per_token:.3e} FLOPs/token")
 
-    # batch arithmetic
-    B, Tlen = config["device_batch_size"], config["max_seq_len"]
-    grad_accum, tokens_per_fwdbwd = batch_arithmetic(config["total_batch_size"], B, Tlen, data_world)
-    total_batch = tokens_per_fwdbwd * grad_accum
-    print0(f"Batch: {B} x {Tlen} x {data_world} rank(s) x {grad_accum} accumulation = {total_batch:,} tokens/step")
-
     # horizon
     if config["num_iterations"] > 0:
         num_iterations = config["num_iterations"]
     elif config["target_flops"] > 0:
         num_iterations = round(config["target_flops"] / (flops_per_token * total_batch))
-    elif config["target_param_data_ratio"] > 0:
-        num_iterations = config["target_param_data_ratio"] * num_params // total_batch
     else:
-        raise ValueError("set one of --num_iterations, --target_flops or --target_param_data_ratio to a positive value")
+        num_iterations = config["target_param_data_ratio"] * num_params // total_batch
     num_iterations = max(int(num_iterations), 1)
     print0(f"Training for {num_iterations:,} steps = {num_iterations * total_batch:,} tokens "
            f"(tokens:params = {num_iterations * total_batch / num_params:.2f}), "
@@ -167,8 +173,6 @@ def main(argv=None):
     )
 
     # checkpoints and resume
-    model_tag = config["model_tag"] or f"d{config['depth']}"
-    checkpoint_dir = os.path.join(checkpoint_root("base"), model_tag)
     meter = ProgressMeter(total_batch, flops_per_token, device, world_size, num_iterations)
     start_step, min_val_bpb, val_bpb = 0, float("inf"), None
     loader_states = [None] * (data_world if world_size == 1 else 1)
@@ -303,4 +307,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    record(main)()  # under torchrun, the launcher's failure summary shows this error and its traceback
+    run_main(main)  # a usage error: one line, exit 2 (nanochat/usage.py); a bug keeps its traceback

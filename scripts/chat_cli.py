@@ -17,14 +17,15 @@ from nanochat.common import autodetect_device_type, compute_init, device_type_fl
 from nanochat.checkpoint_manager import checkpoint_flags
 from nanochat.configurator import Flag, Flags
 from nanochat.engine import Engine, TextStreamer
+from nanochat.usage import run_main
 
 
 FLAGS = Flags(
     checkpoint_flags("sft"),
     Flag("prompt", "", "answer this one prompt and exit (for scripts); empty = interactive", short="p"),
-    Flag("temperature", 0.6, "sampling temperature (0 = greedy)", short="t"),
-    Flag("top_k", 50, "sample among the k most likely tokens (0 = all)", short="k"),
-    Flag("max_tokens", 256, "max tokens per reply", short="m"),
+    Flag("temperature", 0.6, "sampling temperature (0 = greedy)", short="t", min=0.0),
+    Flag("top_k", 50, "sample among the k most likely tokens (0 = all)", short="k", min=0),
+    Flag("max_tokens", 256, "max tokens per reply", short="m", min=1),
     Flag("seed", 42, "sampling seed (turn i uses seed + i)"),
     device_type_flag(),
     Flag("dtype", "bfloat16", "autocast dtype on CUDA", choices=["bfloat16", "float32"]),
@@ -92,18 +93,13 @@ class Chat:
 def main(argv=None):
     parser = build_arg_parser()
     args = parser.parse_args(argv)
-    if args.temperature < 0:
-        parser.error("--temperature must be >= 0")
-    if args.top_k < 0:
-        parser.error("--top_k must be >= 0 (0 = no top-k)")
-    if args.max_tokens < 1:
-        parser.error("--max_tokens must be >= 1")
 
-    from nanochat.checkpoint_manager import load_model
+    from nanochat.checkpoint_manager import load_model, resolve_checkpoint
 
+    model_tag, step = resolve_checkpoint(args.source, args.model_tag, args.step)  # start-up check: it exists
     device_type = args.device_type or autodetect_device_type()
     _, _, _, _, device = compute_init(device_type)
-    model, tokenizer, _ = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.step)
+    model, tokenizer, _ = load_model(args.source, device, phase="eval", model_tag=model_tag, step=step)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     if device_type == "cuda" and dtype != torch.float32:
         autocast_ctx = lambda: torch.amp.autocast(device_type="cuda", dtype=dtype)  # noqa: E731
@@ -139,4 +135,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -13,13 +13,13 @@ every rank found its data (the ranks agree before evaluating it, so their counts
 import contextlib
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from nanochat.chat_eval import TASK_NAMES, chatcore, evaluate_task
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, device_type_flag, print0
-from nanochat.checkpoint_manager import checkpoint_flags
+from nanochat.checkpoint_manager import checkpoint_flags, resolve_checkpoint
 from nanochat.configurator import Flag, Flags
 from nanochat.data_sources import TaskDataNotFound
+from nanochat.usage import BadValue, CannotRun, run_main
 from tasks.suites import build_eval_task_on_every_rank
 
 
@@ -31,16 +31,16 @@ FLAGS = Flags(
     device_type_flag(),
     "tasks",
     Flag("task_name", "all", "a task, several joined by '|', or all: " + ", ".join(TASK_NAMES), short="a"),
-    Flag("max_problems", None, "evaluate at most this many problems per task; auto = all", type=int, short="x"),
+    Flag("max_problems", None, "evaluate at most this many problems per task; auto = all", type=int, short="x", min=1),
     Flag("data_dir", None, "local task data dir; auto = $NANOCHAT_DATA_DIR", type=str),
     Flag("unsafe_sandbox", False, "run HumanEval's generated code even where the sandbox lacks its process, "
          "filesystem or network layer (see README, 'Code sandbox')"),
     "generation",
-    Flag("temperature", 0.0, "sampling temperature of generative tasks (0 = greedy)", short="t"),
-    Flag("max_new_tokens", 512, "most tokens per generated answer", short="m"),
-    Flag("num_samples", 1, "samples per generative problem (pass@n)", short="n"),
-    Flag("top_k", 50, "sample among the k most likely tokens", short="k"),
-    Flag("batch_size", 8, "batch size of categorical evaluation", short="b"),
+    Flag("temperature", 0.0, "sampling temperature of generative tasks (0 = greedy)", short="t", min=0.0),
+    Flag("max_new_tokens", 512, "most tokens per generated answer", short="m", min=1),
+    Flag("num_samples", 1, "samples per generative problem (pass@n)", short="n", min=1),
+    Flag("top_k", 50, "sample among the k most likely tokens (0 = all)", short="k", min=0),
+    Flag("batch_size", 8, "batch size of categorical evaluation", short="b", min=1),
     description=__doc__,
 )
 
@@ -51,7 +51,7 @@ def parse_task_names(spec):
     names = [s.strip() for s in spec.split("|") if s.strip()]
     unknown = [s for s in names if s not in TASK_NAMES]
     if unknown:
-        raise SystemExit(f"error: unknown task(s) {unknown}; choose from {', '.join(TASK_NAMES)} or all")
+        raise BadValue(f"-a/--task_name: unknown task(s) {', '.join(unknown)}; choose from {'|'.join(TASK_NAMES)} or all")
     return names
 
 
@@ -64,7 +64,8 @@ def main(argv=None):
         try:
             require_isolation(args.unsafe_sandbox)
         except SandboxUnavailable as e:
-            raise SystemExit(f"error: {e}") from None
+            raise CannotRun(str(e)) from None
+    model_tag, step = resolve_checkpoint(args.source, args.model_tag, args.step)  # start-up check: it exists
 
     from nanochat.checkpoint_manager import load_model
     from nanochat.engine import Engine
@@ -73,7 +74,7 @@ def main(argv=None):
     ddp, rank, local_rank, world_size, device = compute_init(device_type)
     autocast = (torch.amp.autocast(device_type="cuda", dtype=torch.bfloat16)
                 if device_type == "cuda" and args.dtype == "bfloat16" else contextlib.nullcontext())
-    model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.step)
+    model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=model_tag, step=step)
     engine = Engine(model, tokenizer)
 
     results, missing = {}, {}
@@ -114,4 +115,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    record(main)()  # under torchrun, the launcher's failure summary shows this error and its traceback
+    run_main(main)  # a usage error: one line, exit 2 (nanochat/usage.py); a bug keeps its traceback

@@ -21,12 +21,11 @@ import os
 import time
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
-from nanochat.configurator import Flag, Flags, parse_flags_or_exit
-from nanochat.conversation_data import collate_sft, load_stage_model, scale_initial_lr
+from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
+from nanochat.conversation_data import check_stage_model, collate_sft, load_stage_model, scale_initial_lr
 from nanochat.dist import all_reduce_sum, dist_world_size, get_dist_info
 from nanochat.engine import Engine
 from nanochat.metrics import MetricsLogger
@@ -35,6 +34,7 @@ from nanochat.training import (
     apply_model_options, apply_schedule, assert_finite, every, lr_multiplier, memory_flags, optimizer_flags, run_flags,
     save_stage_model, setup_run, source_flags, train_step
 )
+from nanochat.usage import BadValue, run_main
 
 FLAGS = Flags(
     "run",
@@ -42,23 +42,25 @@ FLAGS = Flags(
     "input model (--model_tag also names the output checkpoint)",
     source_flags("sft", ["sft", "mid"]),
     "sampling",
-    Flag("num_samples", 16, "completions sampled per question"),
-    Flag("max_new_tokens", 256, "most tokens per completion"),
-    Flag("temperature", 1.0, "sampling temperature"),
-    Flag("top_k", 50, "sample among the k most likely tokens (0 = all)"),
+    Flag("num_samples", 16, "completions sampled per question", min=1),
+    Flag("max_new_tokens", 256, "most tokens per completion", min=1),
+    Flag("temperature", 1.0, "sampling temperature", min=0.0),
+    Flag("top_k", 50, "sample among the k most likely tokens (0 = all)", min=0),
     "horizon and batch",
-    Flag("device_batch_size", 8, "sequences per forward pass (sampling and training)"),
-    Flag("examples_per_step", 16, "questions per optimisation step, over all ranks (a multiple of the world size)"),
-    Flag("num_epochs", 1, "passes over GSM8K train when --num_iterations is -1"),
+    Flag("device_batch_size", 8, "sequences per forward pass (sampling and training)", min=1),
+    Flag("examples_per_step", 16, "questions per optimisation step, over all ranks (a multiple of the world size)",
+         min=1),
+    Flag("num_epochs", 1, "passes over GSM8K train when --num_iterations is -1", min=1),
     Flag("num_iterations", -1, "optimisation steps; -1 = --num_epochs over GSM8K train"),
     "optimisation",
     optimizer_flags(),
     Flag("init_lr_frac", 0.05, "train at this fraction of the learning rates above"),
+    Rule(("init_lr_frac",), lambda frac: frac > 0, "--init_lr_frac must be > 0 (got {init_lr_frac})"),
     "memory (--tp_size is refused: sampling needs whole weights on each rank)",
     memory_flags(),
     "periodic actions (<= 0 turns one off)",
     Flag("eval_every", 60, "pass@k on GSM8K test every this many steps"),
-    Flag("eval_examples", 400, "GSM8K test questions for pass@k"),
+    Flag("eval_examples", 400, "GSM8K test questions for pass@k", min=1),
     Flag("save_every", 60, "checkpoint every this many steps (the final step is always saved)"),
 )
 DEFAULTS = FLAGS.defaults()
@@ -145,21 +147,24 @@ def evaluate_pass_at_k(task, engine, tokenizer, num_examples, num_samples, devic
 def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
+    if config["tp_size"] > 1:
+        raise BadValue(f"chat_rl samples on each rank alone, which --tp_size={config['tp_size']} cannot do (the "
+                       f"blocks' matrices stay split over the tp ranks): use --tp_size=1, with --use_fsdp=1 for a "
+                       f"model too big for DDP")
+    check_stage_model(config["source"], config["model_tag"], config["model_step"])  # start-up check: the model exists
     print_banner()
-    if config["num_samples"] < 1 or config["device_batch_size"] < 1:
-        raise ValueError("--num_samples and --device_batch_size must be >= 1")
 
     ctx = setup_run(config)
     rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
     master = ctx.master
     parallel = parallel_from_config(config)  # the DDP path or FSDP2 (nanochat/parallel.py)
-    if parallel.name == "tp":
-        raise ValueError(f"chat_rl samples on each rank alone, which {parallel.flag} cannot do (the blocks' matrices "
-                         f"stay split over the tp ranks): use --tp_size=1, with --use_fsdp=1 for a model too big for DDP")
-
     if config["examples_per_step"] % world_size != 0:
-        raise ValueError(f"--examples_per_step={config['examples_per_step']} must be divisible by the {world_size} ranks")
+        raise BadValue(f"--examples_per_step={config['examples_per_step']} must be divisible by the {world_size} ranks")
     examples_per_rank = config["examples_per_step"] // world_size
+    from tasks.gsm8k import GSM8K
+
+    train_task = GSM8K(subset="main", split="train")  # before the model: missing data stops the run here
+    val_task = GSM8K(subset="main", split="test")
 
     model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
     model_config = model.config
@@ -168,10 +173,6 @@ def main(argv=None):
     pad_id = tokenizer.encode_special("<|assistant_end|>")
     print0(f"RL on the {config['source']} model (step {source_meta.get('step')}): {model_config}")
 
-    from tasks.gsm8k import GSM8K
-
-    train_task = GSM8K(subset="main", split="train")
-    val_task = GSM8K(subset="main", split="test")
     num_iterations = config["num_iterations"]
     if num_iterations <= 0:
         num_iterations = (len(train_task) // config["examples_per_step"]) * config["num_epochs"]
@@ -273,4 +274,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    record(main)()  # under torchrun, the launcher's failure summary shows this error and its traceback
+    run_main(main)  # a usage error: one line, exit 2 (nanochat/usage.py); a bug keeps its traceback

@@ -18,13 +18,12 @@ import os
 import time
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from nanochat.batching import sft_batch_arithmetic
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
-from nanochat.configurator import Flag, Flags, parse_flags_or_exit
-from nanochat.conversation_data import load_stage_model, scale_initial_lr, sft_batches
+from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
+from nanochat.conversation_data import check_stage_model, load_stage_model, scale_initial_lr, sft_batches
 from nanochat.dist import all_reduce_mean
 from nanochat.metrics import MetricsLogger
 from nanochat.parallel import parallel_from_config
@@ -32,6 +31,7 @@ from nanochat.training import (
     MicroBatches, ProgressMeter, apply_model_options, apply_schedule, assert_finite, every, lr_multiplier, memory_flags,
     optimizer_flags, run_flags, save_stage_model, setup_run, source_flags, train_step
 )
+from nanochat.usage import BadValue, run_main
 from tasks.suites import build_mixture, held_out_tasks
 
 FLAGS = Flags(
@@ -40,18 +40,20 @@ FLAGS = Flags(
     "input model (--model_tag also names the output checkpoint)",
     source_flags("mid", ["base", "mid"]),
     "horizon and batch",
-    Flag("device_batch_size", 4, "conversations per forward pass (rows are padded to the longest, so keep it small)"),
-    Flag("num_epochs", 1, "passes over the training mixture when --num_iterations is -1"),
+    Flag("device_batch_size", 4, "conversations per forward pass (rows are padded to the longest, so keep it small)",
+         min=1),
+    Flag("num_epochs", 1, "passes over the training mixture when --num_iterations is -1", min=1),
     Flag("num_iterations", -1, "optimisation steps; -1 = --num_epochs over the training mixture"),
-    Flag("target_examples_per_step", 32, "conversations per optimisation step, over all ranks"),
+    Flag("target_examples_per_step", 32, "conversations per optimisation step, over all ranks", min=1),
     "optimisation",
     optimizer_flags(),
     Flag("init_lr_frac", 0.02, "fine-tune at this fraction of the learning rates above"),
+    Rule(("init_lr_frac",), lambda frac: frac > 0, "--init_lr_frac must be > 0 (got {init_lr_frac})"),
     "evaluation (<= 0 turns one off)",
     Flag("eval_every", 100, "validation loss every this many steps"),
-    Flag("eval_steps", 100, "validation batches per rank"),
+    Flag("eval_steps", 100, "validation batches per rank", min=1),
     Flag("eval_metrics_every", 200, "MMLU and ARC-Easy accuracy every this many steps"),
-    Flag("eval_metrics_max_problems", 1024, "problems per task for those accuracies"),
+    Flag("eval_metrics_max_problems", 1024, "problems per task for those accuracies", min=1),
     "systems",
     memory_flags(),
 )
@@ -104,9 +106,8 @@ def chat_metrics(model, tokenizer, batch_size, max_problems, autocast, lockstep=
 def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
+    check_stage_model(config["source"], config["model_tag"], config["model_step"])  # start-up check: the model exists
     print_banner()
-    if config["eval_every"] > 0 and config["eval_steps"] < 1:
-        raise ValueError("--eval_steps must be >= 1 (or turn the validation off with --eval_every=-1)")
 
     ctx = setup_run(config)
     rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
@@ -115,28 +116,29 @@ def main(argv=None):
     device_type = device.type
     master = ctx.master
 
+    # batch arithmetic (whole conversations per step) and the data first: a batch that does not divide, or task data
+    # that is missing, stops the run before the model loads
+    B = config["device_batch_size"]
+    grad_accum = sft_batch_arithmetic(config["target_examples_per_step"], B, data_world)
+    train_ds, train_names = build_mixture(train_tasks(), "SFT data")
+    val_ds, _ = build_mixture(held_out_tasks(), "SFT validation")
+
     model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
     model_config = model.config
     model = parallel.wrap(apply_model_options(model, config, device, parallel), device)  # --activation_checkpointing
     print0(f"Fine-tuning the {config['source']} model (step {source_meta.get('step')}): {model_config}")
-
-    # batch arithmetic: whole conversations per step
-    B = config["device_batch_size"]
-    grad_accum = sft_batch_arithmetic(config["target_examples_per_step"], B, data_world)
     print0(f"Batch: {B} conversations x {data_world} rank(s) x {grad_accum} accumulation = "
            f"{config['target_examples_per_step']} conversations/step")
 
     # data: rows longer than the model's context are truncated (nanochat: 2048 = its sequence_len)
     max_tokens = model_config.sequence_len + 1
-    train_ds, train_names = build_mixture(train_tasks(), "SFT data")
-    val_ds, _ = build_mixture(held_out_tasks(), "SFT validation")
     train_iter = sft_batches(train_ds, tokenizer, B, device, data_rank, data_world, max_tokens)
 
     num_iterations = config["num_iterations"]
     if num_iterations <= 0:
         num_iterations = (len(train_ds) // config["target_examples_per_step"]) * config["num_epochs"]
         if num_iterations < 1:
-            raise ValueError(f"{len(train_ds)} conversations make no step of {config['target_examples_per_step']}: "
+            raise BadValue(f"{len(train_ds)} conversations make no step of {config['target_examples_per_step']}: "
                              f"lower --target_examples_per_step or set --num_iterations")
     print0(f"Training for {num_iterations:,} steps")
 
@@ -237,4 +239,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    record(main)()  # under torchrun, the launcher's failure summary shows this error and its traceback
+    run_main(main)  # a usage error: one line, exit 2 (nanochat/usage.py); a bug keeps its traceback

@@ -52,6 +52,7 @@ from nanochat.chat_schema import (
 )
 from nanochat.common import setup_default_logging
 from nanochat.engine import Engine, TextStreamer
+from nanochat.usage import run_main
 
 setup_default_logging()
 logger = logging.getLogger("nanochat.chat_web")
@@ -782,4 +783,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # a usage error (a missing checkpoint...): one line, exit 2 (nanochat/usage.py)

@@ -22,6 +22,7 @@ from nanochat.atomic import fsync_dir
 from nanochat.checkpoint_manager import checkpoint_flags
 from nanochat.configurator import Flag, Flags
 from nanochat.hf_format import CHAT_TEMPLATE, hf_config_dict, state_dict_to_hf, tokenizer_config_dict, tokenizer_json
+from nanochat.usage import CannotRun, run_main
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -46,10 +47,10 @@ def _require_hf():
         import safetensors  # noqa: F401
         import transformers
     except ImportError as e:
-        raise SystemExit(f"export needs transformers>=5 and safetensors ({e}); install them with: pip install -e '.[hf]'") from None
+        raise CannotRun(f"export needs transformers>=5 and safetensors ({e}); install them with: pip install -e '.[hf]'") from None
     major = int(transformers.__version__.split(".")[0])
     if major < 5:
-        raise SystemExit(f"transformers {transformers.__version__} has no NanoChat model; install transformers>=5")
+        raise CannotRun(f"transformers {transformers.__version__} has no NanoChat model; install transformers>=5")
 
 
 def _check_out_dir(out_dir):
@@ -340,4 +341,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -22,6 +22,7 @@ from nanochat.common import get_base_dir
 from nanochat.configurator import Flag, Flags
 from nanochat.hf_format import VARIED_TEXT, encoding_from_hf_tokenizer, gpt_config_from_hf, model_meta, state_dict_from_hf
 from nanochat.tokenizer import RustBPETokenizer, compute_token_bytes, save_token_bytes
+from nanochat.usage import BadValue, CannotRun, run_main
 
 
 FLAGS = Flags(
@@ -40,8 +41,11 @@ def build_arg_parser():
 
 
 def _read_json(path):
-    with open(path, "r", encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadValue(f"{path} is not valid JSON ({e}): copy the model directory again") from None
 
 
 def load_safetensors(hf_dir):
@@ -141,7 +145,7 @@ def main(argv=None):
         import safetensors  # noqa: F401
         import tokenizers  # noqa: F401
     except ImportError as e:
-        raise SystemExit(f"import needs safetensors and tokenizers ({e}); install them with: pip install -e '.[hf]'") from None
+        raise CannotRun(f"import needs safetensors and tokenizers ({e}); install them with: pip install -e '.[hf]'") from None
     try:
         checkpoint_dir, config = import_model(args.dir, args.source, args.model_tag, args.step)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
@@ -151,4 +155,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -14,6 +14,26 @@ die() {
 usage() { sed -n '2,/^set -euo pipefail/p' "$1" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
+# suggest_flag NAME KNOWN...: " Did you mean: --x?" for an unknown option (nanochat.configurator.suggest, the hint
+# every script gives), or nothing when no python3 is at hand.
+suggest_flag() {
+    PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" python3 -c \
+        'import sys; from nanochat.configurator import suggest; print(suggest(sys.argv[1], sys.argv[2:]), end="")' \
+        "$@" 2>/dev/null || true
+}
+
+# launch_flags PYTHON LAUNCHER ARGS...: the launcher's flags parsed by scripts/launch.py (nanochat's Flags: --help,
+# "Did you mean", value checks, exit 2 on a mistake) before anything runs; sets DRY_RUN. Run from the repo root.
+launch_flags() {
+    local py="$1" a out
+    shift
+    for a in "${@:2}"; do
+        case "$a" in -h | --help) "$py" -m scripts.launch "$@"; exit 0 ;; esac
+    done
+    out="$("$py" -m scripts.launch "$@")" || exit $?
+    eval "$out"
+}
+
 to_bool01() { # $1 = flag name, $2 = value
     case "$(echo "$2" | tr '[:upper:]' '[:lower:]')" in
         1 | true | yes | on) echo 1 ;;

@@ -16,13 +16,12 @@ import os
 import time
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.compile import compile_flag, maybe_compile
-from nanochat.configurator import Flag, Flags, parse_flags_or_exit
-from nanochat.conversation_data import ConversationPacker, load_stage_model, scale_initial_lr
+from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
+from nanochat.conversation_data import ConversationPacker, check_stage_model, load_stage_model, scale_initial_lr
 from nanochat.dist import all_reduce_mean, any_rank
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.metrics import MetricsLogger
@@ -33,6 +32,7 @@ from nanochat.training import (
     batch_arithmetic, eval_steps_for, every, format_duration, memory_flags, muon_momentum, optimizer_flags, run_flags,
     save_train_state, setup_run, source_flags, train_step
 )
+from nanochat.usage import run_main
 from tasks.suites import build_mixture, held_out_tasks
 
 FLAGS = Flags(
@@ -43,18 +43,19 @@ FLAGS = Flags(
     source_flags(),
     "horizon and batch",
     Flag("num_iterations", -1, "optimisation steps; -1 = one epoch of the mixture"),
-    Flag("max_seq_len", 2048, "tokens per packed row"),
+    Flag("max_seq_len", 2048, "tokens per packed row", min=1),
     Flag("device_batch_size", 32, "rows per forward pass on each GPU; gradient accumulation makes up the rest of "
-         "--total_batch_size"),
-    Flag("total_batch_size", 524288, "tokens per optimisation step, over all ranks and micro-steps"),
+         "--total_batch_size", min=1),
+    Flag("total_batch_size", 524288, "tokens per optimisation step, over all ranks and micro-steps", min=1),
     "optimisation",
     optimizer_flags(),
     Flag("init_lr_frac", 1.0, "start at this fraction of the learning rates above"),
+    Rule(("init_lr_frac",), lambda frac: frac > 0, "--init_lr_frac must be > 0 (got {init_lr_frac})"),
     Flag("grad_clip", 1.0, "clip the gradient norm to this (<= 0: no clipping)"),
     "evaluation",
     Flag("eval_every", 150, "validation bits per byte every this many steps (<= 0: off)"),
     Flag("eval_tokens", None, f"tokens per validation; auto = {DEFAULT_EVAL_TOKENS:,} ({CPU_EVAL_STEPS} batches on "
-         f"CPU, where that would take hours)", type=int),
+         f"CPU, where that would take hours)", type=int, min=1),
     "systems",
     compile_flag(),
     memory_flags(),
@@ -94,6 +95,7 @@ def lr_multiplier(progress):
 def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
+    check_stage_model("base", config["model_tag"], config["model_step"])  # start-up check: the model exists
     print_banner()
 
     ctx = setup_run(config)
@@ -102,6 +104,14 @@ def main(argv=None):
     data_rank, data_world = parallel.data_rank_and_world(rank, world_size)  # tp ranks of a group read the same data
     device_type = device.type
     master = ctx.master
+
+    # the batch and the data first: a batch that does not divide, or task data that is missing, stops the run before
+    # the model loads (the training mixture, packed; a held-out mixture for validation, rebuilt per eval)
+    B, Tlen = config["device_batch_size"], config["max_seq_len"]
+    grad_accum, tokens_per_fwdbwd = batch_arithmetic(config["total_batch_size"], B, Tlen, data_world)
+    total_batch = tokens_per_fwdbwd * grad_accum
+    train_ds, train_names = build_mixture(train_tasks(), "mid-training data")
+    val_ds, _ = build_mixture(held_out_tasks(), "mid-training validation")
 
     # the base model and its tokenizer
     model, tokenizer, base_meta = load_stage_model("base", device, config["model_tag"], config["model_step"])
@@ -114,11 +124,8 @@ def main(argv=None):
     flops_per_token = orig_model.estimate_flops()
     print0(f"Base model step {base_meta.get('step')}: {model_config} | {orig_model.num_params():,} params")
 
-    B, Tlen = config["device_batch_size"], config["max_seq_len"]
     if Tlen != model_config.sequence_len:
         print0(f"Note: training at --max_seq_len={Tlen}; the base model was trained at {model_config.sequence_len}")
-    grad_accum, tokens_per_fwdbwd = batch_arithmetic(config["total_batch_size"], B, Tlen, data_world)
-    total_batch = tokens_per_fwdbwd * grad_accum
     print0(f"Batch: {B} x {Tlen} x {data_world} rank(s) x {grad_accum} accumulation = {total_batch:,} tokens/step")
     eval_steps = eval_steps_for(config["eval_tokens"], tokens_per_fwdbwd, device_type, enabled=config["eval_every"] > 0)
 
@@ -128,9 +135,6 @@ def main(argv=None):
     )
     scale_initial_lr(optimizers, config["init_lr_frac"])
 
-    # data: the training mixture, packed; a held-out mixture for validation (rebuilt per eval: same batches each time)
-    train_ds, train_names = build_mixture(train_tasks(), "mid-training data")
-    val_ds, _ = build_mixture(held_out_tasks(), "mid-training validation")
     train_loader = ConversationPacker(train_ds, tokenizer, B, Tlen, device, data_rank, data_world)
 
     def build_val_loader():
@@ -229,4 +233,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    record(main)()  # under torchrun, the launcher's failure summary shows this error and its traceback
+    run_main(main)  # a usage error: one line, exit 2 (nanochat/usage.py); a bug keeps its traceback

@@ -13,10 +13,11 @@ import threading
 from nanochat.common import print0
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.tokenizer import get_tokenizer
+from nanochat.usage import RunFailure, run_main
 
 FLAGS = Flags(
-    Flag("reference_timeout", 15.0, "seconds to wait for tiktoken to load (download) a reference vocabulary"),
-    Flag("max_shard_chars", 2_000_000, "characters of train/val shard text to measure"),
+    Flag("reference_timeout", 15.0, "seconds to wait for tiktoken to load (download) a reference vocabulary", min=0.0),
+    Flag("max_shard_chars", 2_000_000, "characters of train/val shard text to measure", min=0),
 )
 
 # Short texts of different kinds, written for this script.
@@ -138,7 +139,7 @@ def main(argv=None):
         for name, encode in encoders.items():
             ids = encode(text)
             if name == "ours" and ours.decode(ids) != text:
-                raise SystemExit(f"error: our tokenizer does not round-trip the {text_name!r} text")
+                raise RunFailure(f"our tokenizer does not round-trip the {text_name!r} text")
             row[name] = (len(ids), nbytes / max(len(ids), 1))
         results[text_name] = (nbytes, row)
 
@@ -172,4 +173,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -6,23 +6,51 @@ Train the tokenizer on the pretraining shards (rustbpe), in nanochat's way.
     python -m scripts.tok_train --max-chars 5000000 --doc-cap 2000 --vocab-size 4096   # a quick CPU run
 
 Writes base_dir/tokenizer/tokenizer.pkl (tiktoken encoding) and base_dir/tokenizer/token_bytes.pt (bytes per
-token id, used to report losses in bits per byte).
+token id, used to report losses in bits per byte). A tokenizer that checkpoints in the base dir were trained with is
+not replaced (they would no longer load) unless --force.
 """
 
+import glob
+import json
 import os
 import time
 
+from nanochat.checkpoint_manager import PHASE_DIRS, checkpoint_root
 from nanochat.common import get_base_dir, print0
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.dataset import list_parquet_files, parquets_iter_batched
 from nanochat.report import get_report
-from nanochat.tokenizer import RustBPETokenizer, compute_token_bytes, save_token_bytes
+from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, compute_token_bytes, save_token_bytes
+from nanochat.usage import BadValue, Missing, RunFailure, UsageError, run_main
 
 FLAGS = Flags(
-    Flag("max_chars", 10_000_000_000, "train on at most this many characters"),
-    Flag("doc_cap", 10_000, "characters kept from the start of each document"),
-    Flag("vocab_size", 65536, "tokens in the vocabulary, including the 9 special tokens"),
+    Flag("max_chars", 10_000_000_000, "train on at most this many characters", min=1),
+    Flag("doc_cap", 10_000, "characters kept from the start of each document", min=1),
+    Flag("vocab_size", 65536, "tokens in the vocabulary, including the 9 special tokens", min=265),
+    Flag("force", False, "replace the tokenizer even when checkpoints in the base dir were trained with it (they "
+         "will no longer load with the new one)"),
 )
+
+
+def checkpoints_using(tokenizer_dir):
+    """The checkpoint directories (<stage dir>/<tag>) whose models have the vocabulary of the tokenizer in
+    tokenizer_dir: they were trained with it, and a new tokenizer would make them unloadable."""
+    if not os.path.exists(os.path.join(tokenizer_dir, TOKENIZER_FILENAME)):
+        return []
+    vocab = RustBPETokenizer.from_directory(tokenizer_dir).get_vocab_size()
+    users = []
+    for source in PHASE_DIRS:
+        for tag_dir in sorted(glob.glob(os.path.join(checkpoint_root(source), "*"))):
+            for meta_path in glob.glob(os.path.join(tag_dir, "meta_*.json")):
+                try:
+                    with open(meta_path, encoding="utf-8") as f:
+                        model_vocab = (json.load(f).get("model_config") or {}).get("vocab_size")
+                except (OSError, ValueError, AttributeError):
+                    continue  # a damaged meta says nothing about the tokenizer; loading it names the problem
+                if model_vocab == vocab:
+                    users.append(tag_dir)
+                    break
+    return users
 
 
 def text_iterator(max_chars, doc_cap):
@@ -40,25 +68,28 @@ def text_iterator(max_chars, doc_cap):
 def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     max_chars, doc_cap, vocab_size = config["max_chars"], config["doc_cap"], config["vocab_size"]
-    if max_chars < 1 or doc_cap < 1:
-        raise SystemExit(f"error: --max_chars and --doc_cap must be positive, got {max_chars} and {doc_cap}")
+    tokenizer_dir = os.path.join(get_base_dir(), "tokenizer")
+    users = [] if config["force"] else checkpoints_using(tokenizer_dir)
+    if users:
+        raise UsageError(f"the tokenizer in {tokenizer_dir} is the one {len(users)} checkpoint dir(s) were trained "
+                         f"with ({', '.join(users)}); a new one would stop them loading. Pass --force to replace it "
+                         f"anyway, or use another NANOCHAT_BASE_DIR")
     print0(f"max_chars: {max_chars:,}\ndoc_cap: {doc_cap:,}\nvocab_size: {vocab_size:,}")
 
     shards = list_parquet_files()
     if len(shards) < 2:
         data_dir = os.path.join(get_base_dir(), "base_data")
-        raise SystemExit(
-            f"error: the tokenizer trains on the train shards in {data_dir}, which has {len(shards)} shard(s) "
-            f"(the last shard is validation, so at least 2 are needed). Get data first:\n"
-            f"  python -m nanochat.dataset -n 8          # download FineWeb-Edu shards\n"
-            f"  python -m nanochat.dataset import PATH   # or import local .txt/.jsonl/.json/.parquet text (offline)"
+        raise Missing(
+            f"the tokenizer trains on the train shards in {data_dir}, which has {len(shards)} shard(s) (the last "
+            f"shard is validation, so at least 2 are needed). Get data first: `python -m nanochat.dataset -n 8` "
+            f"downloads FineWeb-Edu shards, `python -m nanochat.dataset import PATH` imports local text (offline)"
         )
 
     t0 = time.time()
     try:
         tokenizer = RustBPETokenizer.train_from_iterator(text_iterator(max_chars, doc_cap), vocab_size)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise BadValue(str(e)) from None
     train_time = time.time() - t0
     print0(f"Training time: {train_time:.2f}s")
     if tokenizer.get_vocab_size() != vocab_size:
@@ -67,14 +98,13 @@ def main(argv=None):
             f"tokens instead of {vocab_size:,} (train on more text or ask for a smaller --vocab_size)"
         )
 
-    tokenizer_dir = os.path.join(get_base_dir(), "tokenizer")
     tokenizer.save(tokenizer_dir)
 
     # quick sanity check: ordinary text and special-token-looking text survive a round trip
     test_text = "Round trip check: 3.14159 and 2,048 items\n\tindented, we'll see; ÅÄÖ ñ 東京 🚀 <|bos|> ~$%&*"
     decoded = tokenizer.decode(tokenizer.encode(test_text))
     if decoded != test_text:
-        raise SystemExit(f"error: the trained tokenizer does not round-trip text: {test_text!r} -> {decoded!r}")
+        raise RunFailure(f"the trained tokenizer does not round-trip text: {test_text!r} -> {decoded!r}")
 
     token_bytes = compute_token_bytes(tokenizer)
     path = save_token_bytes(token_bytes, tokenizer_dir)
@@ -96,4 +126,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

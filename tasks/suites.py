@@ -13,6 +13,7 @@ from nanochat.chat_eval import TASK_NAMES
 from nanochat.common import print0
 from nanochat.conversation_data import build_on_every_rank
 from nanochat.data_sources import TaskDataNotFound
+from nanochat.usage import Missing
 from tasks.common import TaskMixture
 
 
@@ -38,7 +39,7 @@ def build_mixture(specs, what):
         tasks.append(task)
         used.append(name)
     if not tasks:
-        raise FileNotFoundError(
+        raise Missing(
             f"no data for the {what}: every task was unavailable ({', '.join(missing)}). Point NANOCHAT_DATA_DIR at a "
             f"directory laid out like ../shared/data (see docs/data.md) or run with access to the Hugging Face hub."
         )

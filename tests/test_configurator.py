@@ -151,9 +151,9 @@ def test_legacy_dict_of_defaults_and_exit_status(capsys):
     with pytest.raises(SystemExit) as e:
         parse_flags_or_exit(FLAGS, ["--depht=3"])
     assert e.value.code == 2 and "Did you mean: --depth?" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:  # the argparse contract of the CLIs that were argparse
+    with pytest.raises(SystemExit) as e:  # the argparse contract of the CLIs that were argparse, as one line
         FLAGS.parse_args(["--source=chat"])
-    assert e.value.code == 2 and "usage:" in capsys.readouterr().err
+    assert e.value.code == 2 and capsys.readouterr().err == "error: --source must be one of base|mid|sft|rl, got 'chat'\n"
 
 
 def test_explicit_eval_tokens_equal_to_the_old_default_are_honoured_on_cpu():
@@ -224,3 +224,40 @@ def test_help_from_the_command_line():
     p = subprocess.run([sys.executable, "-m", "scripts.chat_cli", "--device-type", "tpu"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--device_type must be one of cuda|cpu|mps, got 'tpu'" in p.stderr
+
+
+def test_ranges_and_rules_are_declared_with_the_flags_and_shown_in_help():
+    from nanochat.configurator import Rule
+
+    flags = Flags(
+        Flag("ratio", 0.2, "a fraction", min=0.0, max=1.0),
+        Flag("other", None, "a fraction or auto", type=float, min=0.0, max=1.0),
+        Flag("steps", 10, "at least one", min=1),
+        Rule(("ratio", "other"), lambda a, b: a + b <= 1, "--ratio + --other must be <= 1 (got {ratio} + {other})"),
+    )
+    assert parse_flags(flags, ["--ratio=1", "--steps=1"]) == {"ratio": 1.0, "other": None, "steps": 1}  # auto skips
+    for argv, message in [(["--ratio=1.5"], "--ratio must be between 0 and 1, got 1.5"),
+                          (["--steps=0"], "--steps must be >= 1, got 0"),
+                          (["--ratio=0.6", "--other=0.5"], "--ratio + --other must be <= 1 (got 0.6 + 0.5)")]:
+        with pytest.raises(FlagError) as e:
+            parse_flags(flags, argv)
+        assert str(e.value) == message
+    text = flags.help_text(prog="x")
+    assert "--ratio=0.2  [float 0..1]" in text and "--steps=10  [int >= 1]" in text
+    assert text.endswith("Checked together:\n      --ratio + --other must be <= 1\n")
+    with pytest.raises(ValueError, match="not declared"):
+        Flags(Flag("a", 1, "a"), Rule(("a", "b"), lambda a, b: True, "never"))
+
+
+def test_check_flags_mode_parses_then_stops(monkeypatch, capsys):
+    """NANOCHAT_CHECK_FLAGS (pretrain.sh's check of the flags it passes to base_train): good flags exit 0 before the
+    script does anything, the launcher's own names are accepted and suggested, a mistake is the usual one line."""
+    monkeypatch.setenv("NANOCHAT_CHECK_FLAGS", "dry_run:bool num_shards:int")
+    with pytest.raises(SystemExit) as e:
+        parse_flags_or_exit(FLAGS, ["--depth=4", "--dry_run", "--num_shards=3"])
+    assert e.value.code == 0
+    with pytest.raises(SystemExit) as e:
+        parse_flags_or_exit(FLAGS, ["--dryrun"])
+    assert e.value.code == 2 and "Did you mean: --dry_run" in capsys.readouterr().err
+    monkeypatch.delenv("NANOCHAT_CHECK_FLAGS")
+    assert parse_flags_or_exit(FLAGS, ["--depth=4"])["depth"] == 4  # and without it, parsing returns as always

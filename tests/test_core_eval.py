@@ -396,7 +396,12 @@ def test_base_eval_script(bundle, tmp_path, monkeypatch):
     assert f"- CORE metric: {out['core_metric']:.4f}" in report and "- Model: base_model_000007" in report
 
 
-def test_base_eval_without_any_bundle_skips_and_says_why(tmp_path, monkeypatch):
+def test_base_eval_without_a_model_or_a_bundle_stops_before_loading(tmp_path, monkeypatch):
+    """No checkpoint, then no eval bundle anywhere: each is a usage error (nanochat/usage.py) at start-up, naming
+    where it looked, and nothing is written (no report section claiming an evaluation)."""
+    from chat_fixtures import tiny_model, tiny_tokenizer
+    from nanochat.checkpoint_manager import save_checkpoint
+    from nanochat.usage import Missing
     from scripts.base_eval import main
 
     base = tmp_path / "base"
@@ -406,9 +411,18 @@ def test_base_eval_without_any_bundle_skips_and_says_why(tmp_path, monkeypatch):
 
     dead = f"http://127.0.0.1:{closed_port()}/eval_bundle.zip"
     monkeypatch.setattr(nanochat.core_eval, "EVAL_BUNDLE_URL", dead)
-    assert main(["--device_type", "cpu"]) is None  # no checkpoint needed: it stops before loading the model
-    report = (base / "report" / "base-model-evaluation.md").read_text()
-    assert "- CORE metric: skipped (no eval bundle)" in report and dead in report
+    with pytest.raises(Missing, match="base_checkpoints"):
+        main(["--device_type", "cpu"])
+    tok = tiny_tokenizer()
+    tok.save(str(base / "tokenizer"))
+    meta = {"model_config": {"sequence_len": 64, "vocab_size": tok.get_vocab_size(), "n_layer": 1, "n_head": 1,
+                             "n_kv_head": 1, "n_embd": 64}, "step": 7}
+    save_checkpoint(str(base / "base_checkpoints" / "d1"), 7, tiny_model(tok.get_vocab_size(), depth=1,
+                                                                          sequence_len=64).state_dict(), None, meta)
+    with pytest.raises(Missing, match="could not find the CORE eval bundle") as e:
+        main(["--device_type", "cpu"])
+    assert dead in str(e.value)
+    assert not (base / "report").exists() and not (base / "base_eval").exists()
     with pytest.raises(FileNotFoundError, match="no core.yaml"):
         main(["--device_type", "cpu", "--bundle_dir", str(tmp_path)])  # a named dir that is wrong is an error
 

@@ -73,9 +73,8 @@ def test_refused_on_cpu():
         check_fp8_supported("cpu")
 
 
-def test_base_train_refuses_fp8_on_cpu(tmp_path, monkeypatch):
-    # the public entry stops before the tokenizer or any data is needed (NANOCHAT_BASE_DIR is empty)
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+def test_base_train_refuses_fp8_on_cpu(base_dir):
+    # the public entry stops before the tokenizer or the model is loaded (after the start-up check of the shards)
     from scripts import base_train
 
     with pytest.raises(RuntimeError, match="use --fp8=0") as e:

@@ -78,6 +78,13 @@ while [[ $# -gt 0 ]]; do
     fi
     opt="$(echo "$opt" | tr '-' '_')"
     case "$opt" in
+        dry_run | no_upload | preemptible | task_name | image | queue | queue_id | queue_name | flavor | nnodes | \
+            framework | code_dir | upload_dir | storage | base_dir | env | setup | priority | deadline | out) ;;
+        *) die "unknown option --$opt.$(suggest_flag "$opt" dry_run no_upload preemptible task_name image queue \
+            queue_name flavor nnodes framework code_dir upload_dir storage base_dir env setup priority deadline out) \
+The command to run goes after the options (see --help)" ;;
+    esac
+    case "$opt" in
         dry_run) DRY=1; continue ;;
         no_upload) NO_UPLOAD=1; continue ;;
         preemptible) PREEMPTIBLE=1; continue ;;
@@ -104,7 +111,6 @@ while [[ $# -gt 0 ]]; do
         priority) PRIORITY="$val" ;;
         deadline) DEADLINE="$val" ;;
         out) OUT="$val" ;;
-        *) die "unknown option --$opt (see --help); the command to run goes after the options" ;;
     esac
 done
 CMD=("$@")

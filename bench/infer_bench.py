@@ -52,7 +52,7 @@ FLAGS = Flags(
          "one in $NANOCHAT_BASE_DIR/tokenizer", choices=["wikitext", "base_dir"]),
     device_type_flag(),
     Flag("threads", 0, "torch CPU threads (0: torch's default)"),
-    "server (scripts/chat_web.py's app, in process)",
+    "server (nanochat/serving's app, as scripts.chat_web serves it, in process)",
     Flag("skip_server", False, "skip the server benchmark"),
     Flag("server_depth", 4, "model depth of the served model"),
     Flag("server_requests", 32, "requests sent"),
@@ -159,7 +159,8 @@ def run_server_benchmark(args, tokenizer, device):
     import httpx
     import uvicorn
 
-    from scripts.chat_web import Worker, create_app
+    from nanochat.serving.app import create_app
+    from nanochat.serving.workers import Worker
 
     model = build_model(args.server_depth, tokenizer.get_vocab_size(), device)
     app = create_app([Worker(Engine(model, tokenizer), device=device)], max_tokens=args.server_max_tokens)
@@ -249,7 +250,7 @@ def main(argv=None):
     if server_row:
         r = server_row
         print()
-        print(f"Server: `scripts.chat_web` app under uvicorn on 127.0.0.1 in the benchmark process, 1 worker (d{r['depth']}), "
+        print(f"Server: `nanochat.serving` app under uvicorn on 127.0.0.1 in the benchmark process, 1 worker (d{r['depth']}), "
               f"{r['requests']} streaming requests of up to {r['max_tokens']} tokens from {r['concurrency']} concurrent clients.")
         print()
         print("| requests/s | generated tok/s | latency p50 / p95 (s) | TTFT p50 / p95 (s) |")

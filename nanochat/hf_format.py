@@ -373,7 +373,7 @@ def _split_pattern(pre_tokenizer):
 #   output are parts of the assistant message ({"type": "python"} / {"type": "python_output"}); nor does it take tool
 #   definitions (tools=...) or OpenAI tool_calls.
 # Content is a string or a list of parts. OpenAI's list form ([{"type": "text", "text": ...}, ...]) is accepted for
-# every role; several text parts are concatenated, as our chat server does (nanochat/chat_schema.py), so the ids are
+# every role; several text parts are concatenated, as our chat server does (nanochat/serving/schema.py), so the ids are
 # those of render_conversation with the parts joined into one string. Assistant lists may also hold our python /
 # python_output parts; any other part type (image_url, input_audio, refusal, ...) is an error naming it.
 CHAT_TEMPLATE = r"""{#- nanochat's chat format (nanochat/tokenizer.py render_conversation; roles and content: docs/hf.md).

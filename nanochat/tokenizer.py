@@ -188,12 +188,14 @@ class RustBPETokenizer:
     # ------------------------------------------------------------------------------------------------
     # chat
 
-    def render_conversation(self, conversation, max_tokens=2048):
+    def render_conversation(self, conversation, max_tokens=2048, strict=True):
         """
         Token ids of a chat conversation and a mask of the same length: 1 on the tokens the model learns to
         produce (assistant text, python tool calls with their delimiters, <|assistant_end|>), 0 elsewhere
         (<|bos|>, user turns, <|assistant_start|>, tool outputs, which the tool and not the model produces).
         A leading system message is merged into the first user message. Truncated to max_tokens.
+        strict=False (the chat server's requests) lets user and assistant turns come in any order, as OpenAI
+        clients send them, and a system message with no user message after it becomes a user turn of its own.
         """
         ids, mask = [], []
 
@@ -203,7 +205,7 @@ class RustBPETokenizer:
             ids.extend(token_ids)
             mask.extend([m] * len(token_ids))
 
-        messages = _checked_messages(conversation)
+        messages = _checked_messages(conversation, strict)
         bos = self.get_bos_token_id()
         user_start, user_end = self.encode_special("<|user_start|>"), self.encode_special("<|user_end|>")
         assistant_start = self.encode_special("<|assistant_start|>")
@@ -252,19 +254,22 @@ class RustBPETokenizer:
 
         return ids[:max_tokens], mask[:max_tokens]
 
-    def render_for_completion(self, conversation):
+    def render_for_completion(self, conversation, strict=True):
         """
         Prompt ids for generating the next assistant reply: the conversation without its last assistant message
-        (if it ends with one), then <|assistant_start|>. Not truncated.
+        (if it ends with one), then <|assistant_start|>. Not truncated. The one chat-prompt renderer: chat_eval,
+        chat_rl, the chat server and (for each user turn) chat_cli all go through here.
+        strict=False (the chat server): every message is part of the prompt, in any order (see
+        render_conversation), and a trailing assistant message is a finished turn, not a reply to regenerate.
         """
         conversation = copy.deepcopy(conversation)
         messages = conversation.get("messages") if isinstance(conversation, dict) else None
-        if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+        if strict and messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
             messages.pop()
-        if not messages or messages[-1].get("role") != "user":
+        if strict and (not messages or messages[-1].get("role") != "user"):
             raise ValueError("render_for_completion: the conversation must end with a user message (or a user "
                              "message followed by the assistant reply to be regenerated)")
-        ids, _ = self.render_conversation(conversation, max_tokens=sys.maxsize)
+        ids, _ = self.render_conversation(conversation, max_tokens=sys.maxsize, strict=strict)
         ids.append(self.encode_special("<|assistant_start|>"))
         return ids
 
@@ -274,8 +279,9 @@ class RustBPETokenizer:
         return "|".join(f"{green if m else red}{self.decode([i])}{reset}" for i, m in zip(ids, mask))
 
 
-def _checked_messages(conversation):
-    """The messages with a leading system message merged into the first user message; strict alternation."""
+def _checked_messages(conversation, strict=True):
+    """The messages with a leading system message merged into the first user message; strict: roles alternate
+    user, assistant, ... (else user and assistant in any order, and a lone system message becomes a user turn)."""
     if not isinstance(conversation, dict) or not isinstance(conversation.get("messages"), list):
         raise ValueError('a conversation is a dict {"messages": [{"role": ..., "content": ...}, ...]}')
     messages = conversation["messages"]
@@ -285,12 +291,19 @@ def _checked_messages(conversation):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r:.100}")
     if messages[0]["role"] == "system":
-        if len(messages) < 2 or messages[1]["role"] != "user":
+        followed = len(messages) >= 2 and messages[1]["role"] == "user"
+        if strict and not followed:
             raise ValueError("a system message must be followed by a user message (it is merged into it)")
-        system, user = messages[0]["content"], messages[1]["content"]
-        if not isinstance(system, str) or not isinstance(user, str):
+        system, user = messages[0]["content"], messages[1]["content"] if followed else None
+        if not isinstance(system, str) or not isinstance(user, (str, type(None))):
             raise TypeError("the system message and the first user message must have str content")
-        messages = [{"role": "user", "content": system + "\n\n" + user}] + list(messages[2:])
+        merged = system + "\n\n" + user if followed else system
+        messages = [{"role": "user", "content": merged}] + list(messages[2 if followed else 1 :])
+    if not strict:
+        for i, m in enumerate(messages):
+            if m["role"] not in ("user", "assistant"):
+                raise ValueError(f"message {i} has role {m['role']!r}: use 'user' or 'assistant' (or 'system' first)")
+        return messages
     for i, m in enumerate(messages):
         expected = "user" if i % 2 == 0 else "assistant"
         if m["role"] != expected:

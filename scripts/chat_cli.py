@@ -46,9 +46,7 @@ class Chat:
         self.autocast_ctx = autocast_ctx
         self.gen_kwargs = dict(temperature=temperature, top_k=top_k or None, max_tokens=max_tokens)
         self.seed = seed
-        special = self.tokenizer.encode_special
-        self.user_start, self.user_end = special("<|user_start|>"), special("<|user_end|>")
-        self.assistant_start, self.assistant_end = special("<|assistant_start|>"), special("<|assistant_end|>")
+        self.assistant_end = self.tokenizer.encode_special("<|assistant_end|>")
         self.stop_ids = {engine.assistant_end, engine.bos}
         self.turn = 0
         self.clear()
@@ -58,7 +56,10 @@ class Chat:
 
     def reply(self, user_text, out):
         """Stream the assistant's answer to `out`; the turn is added to the conversation. Returns the reply text."""
-        prompt = self.tokens + [self.user_start] + self.tokenizer.encode(user_text) + [self.user_end, self.assistant_start]
+        # The new user turn is rendered by the tokenizer, like every chat prompt (without its <|bos|>: the conversation
+        # has it). Earlier replies stay as the ids that were sampled: their text might encode to other ids.
+        turn = self.tokenizer.render_for_completion({"messages": [{"role": "user", "content": user_text}]})
+        prompt = self.tokens + turn[1:]
         room = self.engine.max_positions() - len(prompt)
         if room < 1:
             raise ValueError(f"the conversation is {len(prompt)} tokens, more than the model can address; type `clear` to start over")

@@ -108,7 +108,7 @@ def free_port():
 
 class ServerThread:
     """uvicorn serving `app` on 127.0.0.1:<free port> in a background thread (options: more uvicorn settings, e.g.
-    chat_web.server_options()); use as a context manager."""
+    nanochat.serving.app.server_options()); use as a context manager."""
 
     def __init__(self, app, **options):
         import uvicorn

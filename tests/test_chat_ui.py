@@ -14,7 +14,8 @@ import torch
 
 from chat_fixtures import ServerThread, tiny_model, tiny_tokenizer
 from nanochat.engine import Engine
-from scripts.chat_web import Worker, create_app
+from nanochat.serving.app import create_app
+from nanochat.serving.workers import Worker
 
 pytestmark = pytest.mark.slow  # drives a headless browser
 

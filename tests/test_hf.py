@@ -503,7 +503,7 @@ def _text(*texts):
 
 
 # (OpenAI-style messages, the equivalent nanochat conversation): list content is its text parts joined, as our chat
-# server reads it (nanochat/chat_schema.py); "developer" is OpenAI's newer name for the system role
+# server reads it (nanochat/serving/schema.py); "developer" is OpenAI's newer name for the system role
 OPENAI_EQUIVALENTS = [
     ([{"role": "user", "content": _text("What is ", "the capital", " of France?")}],
      [{"role": "user", "content": "What is the capital of France?"}]),
@@ -537,7 +537,7 @@ def test_chat_template_takes_openai_list_content(env):
     split = tok.encode("What is ") + tok.encode("the capital") + tok.encode(" of France?")
     assert split != tok.encode("What is the capital of France?")
     # and what our chat server makes of the same request body renders the same ids
-    from nanochat.chat_schema import validate_messages
+    from nanochat.serving.schema import validate_messages
 
     for openai, _ in OPENAI_EQUIVALENTS[:3]:
         served = validate_messages(openai, allow_system=True)

@@ -46,10 +46,10 @@ def imported_modules(path, package):
 
 
 def violations(root):
-    """'path:line imports module' for every import in root/{nanochat,tasks,scripts}/*.py that points the wrong way."""
+    """'path:line imports module' for every import in root/{nanochat,tasks,scripts}/**/*.py that points the wrong way."""
     bad = []
     for package, forbidden in FORBIDDEN.items():
-        for path in sorted((root / package).glob("*.py")):
+        for path in sorted((root / package).rglob("*.py")):  # subpackages too (nanochat/serving, ...)
             for line, module in imported_modules(path, package):
                 if module.split(".")[0] in forbidden:
                     bad.append(f"{path.relative_to(root)}:{line} imports {module}")
@@ -67,6 +67,7 @@ def test_every_package_is_checked():
         assert list((REPO / package).glob("*.py")), f"no modules found in {package}/"
     names = {p.name for p in (REPO / "nanochat").glob("*.py")}
     assert {"conversation_data.py", "core_eval.py", "chat_eval.py", "dataset.py"} <= names
+    assert REPO / "nanochat" / "serving" / "app.py" in set((REPO / "nanochat").rglob("*.py"))  # subpackages are read too
 
 
 @pytest.mark.parametrize("source, expected", [

@@ -265,6 +265,25 @@ def test_render_for_completion(trained):
                                                 {"role": "assistant", "content": "c"}]})
 
 
+def test_render_for_completion_not_strict(trained):
+    """strict=False (the chat server): turns in any order, a lone system message becomes a user turn, a trailing
+    assistant turn is kept; what strict rendering accepts renders the same; other roles are still refused."""
+    tok, _, _ = trained
+    user, assistant = {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}
+    start, end = _ids(tok, "<|assistant_start|>"), _ids(tok, "<|assistant_end|>")
+    for messages in ([user], [{"role": "system", "content": "s"}, user], [user, assistant, user]):
+        assert tok.render_for_completion({"messages": messages}, strict=False) == tok.render_for_completion({"messages": messages})
+    two_users, _ = tok.render_conversation({"messages": [user]})
+    assert tok.render_for_completion({"messages": [user, user]}, strict=False) == two_users + two_users[1:] + [start]
+    finished, _ = tok.render_conversation({"messages": [user, assistant]})
+    assert finished[-1] == end and tok.render_for_completion({"messages": [user, assistant]}, strict=False) == finished + [start]
+    alone = tok.render_for_completion({"messages": [{"role": "system", "content": "a"}]}, strict=False)
+    assert alone == tok.render_for_completion({"messages": [user]})
+    for role in ("tool", "function"):
+        with pytest.raises(ValueError, match=f"role '{role}'"):
+            tok.render_for_completion({"messages": [user, {"role": role, "content": "x"}]}, strict=False)
+
+
 # ---------------------------------------------------------------------------------------------------
 # scripts end to end
 

@@ -7,6 +7,7 @@ Bits per byte of a saved base model on the train and val shards, plus a few gree
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from nanochat.attention import attn_flag
 from nanochat.checkpoint_manager import PHASE_DIRS, load_model
 from nanochat.common import compute_cleanup, compute_init, device_type_flag, print0
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
@@ -21,6 +22,7 @@ from nanochat.training import (
 FLAGS = Flags(
     device_type_flag(),
     dtype_flag(),
+    attn_flag(),
     source_flags("base", list(PHASE_DIRS)),
     Flag("device_batch_size", 32, "rows per forward pass on each GPU"),
     Flag("split_tokens", None, f"tokens evaluated per split; auto = {DEFAULT_EVAL_TOKENS:,} ({CPU_EVAL_STEPS} batches "
@@ -48,6 +50,7 @@ def main(argv=None):
     step = config["model_step"] if config["model_step"] is not None and config["model_step"] >= 0 else None
     model, tokenizer, meta = load_model(config["source"], device, phase="eval", model_tag=config["model_tag"] or None,
                                         step=step)
+    print0(f"attention: {model.set_attn(config['attn']).describe()}")
     T = config["max_seq_len"] if (config["max_seq_len"] or 0) > 0 else model.config.sequence_len  # auto (or -1)
     B = config["device_batch_size"]
     steps = eval_steps_for(config["split_tokens"], B * T * world_size, device.type, flag="split_tokens")

@@ -32,6 +32,7 @@ from nanochat.dist import compute_cleanup, compute_init, dist_world_size, is_ddp
 from nanochat.parallel import parallel_from_config  # noqa: E402
 from nanochat.compile import compile_flag, maybe_compile, resolve_compile  # noqa: E402
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit  # noqa: E402
+from nanochat.fp8 import FP8_FILTER_HELP  # noqa: E402
 from nanochat.gpt import config_for_depth  # noqa: E402
 
 FLAGS = Flags(
@@ -41,7 +42,8 @@ FLAGS = Flags(
     Flag("device_batch_size", 8, "rows per step"),
     Flag("vocab_size", 65536, "vocabulary size (nanochat's tokenizer: 2**16)"),
     Flag("init", "normal", "weight init (as base_train)", choices=["normal", "nanochat"]),
-    Flag("attn", "auto", "attention kernel: auto | sdpa | fa3, or a comma list such as sdpa,fa3 to compare them"),
+    Flag("attn", "auto", "attention kernel (nanochat.attention: auto, sdpa, sdpa_cudnn, sdpa_flash, flex, fa3, fa4, ...), "
+         "or a comma list such as sdpa_cudnn,sdpa_flash,flex to compare them (one that cannot run is skipped with why)"),
     "timing",
     Flag("steps", 10, "timed steps"),
     Flag("warmup", 3, "untimed steps first (compilation, allocator, optimizer state)"),
@@ -57,6 +59,7 @@ FLAGS = Flags(
     Flag("ac_every", 2, "selective activation checkpointing: every ac_every-th block"),
     Flag("fp8", False, "FP8 block matmuls (torchao; CUDA with compute capability >= 8.9), as base_train"),
     Flag("fp8_recipe", "tensorwise", "FP8 scaling granularity", choices=["tensorwise", "rowwise"]),
+    Flag("fp8_filter", "auto", FP8_FILTER_HELP),
     "systems",
     device_type_flag(),
     Flag("threads", 0, "CPU threads for torch (0 = torch's default)"),
@@ -134,11 +137,11 @@ def bench_one(cfg, attn, device, parallel):
         "batch": B,
         "dtype": str(dtype).removeprefix("torch."),
         "compile": compiled,
-        "attn": orig_model.attn_backend,
+        "attn": orig_model.attn_choice.describe(),
         "optimizer": "AdamW+Muon" if cfg["use_muon"] else "AdamW",
         "parallel": f"{parallel.name} x{dist_world_size()}" if is_ddp_initialized() else "one process",
         "activation_checkpointing": cfg["activation_checkpointing"] + (f" (every {cfg['ac_every']})" if cfg["activation_checkpointing"] == "selective" else ""),
-        "fp8": cfg["fp8_recipe"] if cfg["fp8"] else "off",
+        "fp8": f"{cfg['fp8_recipe']} ({cfg['fp8_filter']})" if cfg["fp8"] else "off",
         "step_ms_median": 1000 * dt_med,
         "step_ms_mean": 1000 * statistics.mean(times),
         "step_ms_min": 1000 * min(times),

@@ -22,7 +22,7 @@ from nanochat.compile import compile_flag, maybe_compile
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.dataloader import tokenizing_distributed_data_loader
-from nanochat.fp8 import FP8_RECIPES
+from nanochat.fp8 import FP8_FILTER_HELP, FP8_RECIPES
 from nanochat.gpt import config_for_depth
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.metrics import MetricsLogger
@@ -81,6 +81,7 @@ FLAGS = Flags(
          "memory, less traffic)"),
     Flag("fp8", False, "FP8 matmuls in the blocks via torchao (CUDA, compute capability >= 8.9; nanochat/fp8.py)"),
     Flag("fp8_recipe", "tensorwise", "FP8 scaling granularity", choices=list(FP8_RECIPES)),
+    Flag("fp8_filter", "auto", FP8_FILTER_HELP),
     Flag("data_world_size", 1, "single process only: read the data as W ranks would, to reproduce a W-rank run "
          "exactly"),
 )

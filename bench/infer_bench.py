@@ -50,7 +50,10 @@ FLAGS = Flags(
     Flag("repeats", 3, "timed runs per setting (after one warm-up)"),
     Flag("vocab_size", 8192, "vocabulary of the tokenizer trained on WikiText (--tokenizer=wikitext)"),
     Flag("tokenizer", "wikitext", "wikitext: train one on ../shared/data WikiText-2 at --vocab_size; base_dir: the "
-         "one in $NANOCHAT_BASE_DIR/tokenizer", choices=["wikitext", "base_dir"]),
+         "one in $NANOCHAT_BASE_DIR/tokenizer; repo_docs: train one on this repo's README and docs (a machine without "
+         "../shared, e.g. the GPU box)", choices=["wikitext", "base_dir", "repo_docs"]),
+    Flag("model_vocab", 0, "the models' vocabulary (0: the tokenizer's); e.g. 65536 for nanochat's d20 lm_head with a "
+         "smaller tokenizer (speed depends on the shapes, not on the tokens)"),
     device_type_flag(),
     Flag("threads", 0, "torch CPU threads (0: torch's default)"),
     Flag("decode_compile", "auto", "the Engine's --decode_compile (auto|1|0), or a comma list such as 0,1 to compare "
@@ -87,6 +90,11 @@ def get_tokenizer(args):
         return load()
     from nanochat.tokenizer import RustBPETokenizer
 
+    if args.tokenizer == "repo_docs":
+        repo = Path(__file__).resolve().parents[1]
+        text = "\n\n".join(p.read_text(encoding="utf-8") for p in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))])
+        return RustBPETokenizer.train_from_iterator(iter(text.split("\n\n")), min(args.vocab_size, 4096))
+
     if not WIKITEXT.exists():
         raise SystemExit(f"WikiText-2 not found at {WIKITEXT}; use --tokenizer=base_dir with a trained tokenizer")
     text = WIKITEXT.read_text(encoding="utf-8")[:3_000_000]
@@ -109,7 +117,7 @@ def sync(device):
 
 
 def prompt_tokens(tokenizer, n):
-    text = WIKITEXT.read_text(encoding="utf-8")[:20_000] if WIKITEXT.exists() else "The quick brown fox. " * 2000
+    text = WIKITEXT.read_text(encoding="utf-8")[:20_000] if WIKITEXT.exists() else (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8") * 4
     ids = tokenizer.encode(text, prepend=tokenizer.get_bos_token_id())
     if len(ids) < n:
         raise SystemExit(f"benchmark prompt text has only {len(ids)} tokens, --prompt_len={n}")
@@ -151,7 +159,7 @@ def run_engine_benchmarks(args, tokenizer, device, autocast_ctx):
     rows = []
     modes = [m.strip() for m in str(args.decode_compile).split(",") if m.strip()]
     for depth in [int(d) for d in args.depths.split(",")]:
-        model = build_model(depth, tokenizer.get_vocab_size(), device, args.attn)
+        model = build_model(depth, args.model_vocab or tokenizer.get_vocab_size(), device, args.attn)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if device.type == "cuda":
             weight_bytes //= 2  # read as bf16 under autocast
@@ -266,7 +274,7 @@ def main(argv=None):
     print()
     print("## Inference (Engine with KV cache, chat server)")
     print()
-    print(f"Device: {device_type} ({hw}); torch {torch.__version__}; random-init models, vocab {tokenizer.get_vocab_size()}, "
+    print(f"Device: {device_type} ({hw}); torch {torch.__version__}; random-init models, vocab {args.model_vocab or tokenizer.get_vocab_size()}, "
           f"prompt {args.prompt_len} tokens, {args.gen_tokens} decode steps, temperature 1.0, top-k 50; "
           f"median of {args.repeats} runs." + (" bf16 autocast." if device_type == "cuda" else " fp32."))
     print()
@@ -288,7 +296,8 @@ def main(argv=None):
         print(f"| {r['rps']:.2f} | {r['tokens_per_s']:.0f} | {r['latency_p50_s']:.2f} / {r['latency_p95_s']:.2f} | {r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} |")
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump({"engine": engine_rows, "server": server_row, "device": device_type, "hardware": hw}, f, indent=2)
+            json.dump({"engine": engine_rows, "server": server_row, "device": device_type, "hardware": hw,
+                       "prompt": args.prompt_len, "gen_tokens": args.gen_tokens}, f, indent=2)
 
 
 if __name__ == "__main__":

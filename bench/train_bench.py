@@ -14,6 +14,7 @@ each result is printed as a markdown table row plus one JSON line. --activation_
 AC's recompute shows as lower MFU, and FP8 is divided by the bf16 peak as well (speedup = the ratio of the rows).
 """
 
+import gc
 import json
 import statistics
 import sys
@@ -201,11 +202,16 @@ def main(argv=None):
     for attn in attns:
         try:
             results.append(bench_one(cfg, attn, device, parallel))
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, NotImplementedError) as e:  # NotImplementedError: e.g. flex's CPU backward
             if len(attns) == 1:
                 print(f"error: {e}", file=sys.stderr)
                 sys.exit(1)
-            print(f"attn={attn}: skipped ({e})", file=sys.stderr)
+            print(f"attn={attn}: skipped ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)
+        # the next backend's model gets the memory: drop the compiled graphs (they hold this model) and cached blocks
+        gc.collect()
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if rank == 0:
         print(HEADER)
         for r in results:

@@ -57,9 +57,10 @@ def main(argv=None):
         rows.append((r["device"], f"train d{r['depth']} {r['batch']}x{r['seq_len']}, attn {r['attn']}", fmt(r["tok_per_s"]),
                      f"{r['mfu_pct']:.1f}%" if r["mfu_pct"] is not None else "n/a", fmt(r["peak_mem_gib"], ".1f"),
                      f"{ratio} of sdpa_flash"))
+    shape = f"d{train[0]['depth']} {train[0]['batch']}x{train[0]['seq_len']}" if train else "d20"
     for note in notes:
         if "skipped" in note:
-            rows.append((card or "?", f"train d20, {note.split(':')[0]}", note.split("skipped", 1)[1].strip(" ()")[:200], "", "", ""))
+            rows.append((card or "?", f"train {shape}, {note.split(':')[0]}", note.split("skipped", 1)[1].strip(" ()")[:200], "", "", ""))
     if not train:
         rows.append(("?", "train d20, attention backends", status(out, "speed_attn"), "", "", ""))
 
@@ -71,7 +72,7 @@ def main(argv=None):
                      fmt(r["tok_per_s"]), f"{r['mfu_pct']:.1f}% (bf16 peak)" if r["mfu_pct"] is not None else "n/a",
                      fmt(r["peak_mem_gib"], ".1f"), ratio))
     if not fp8:
-        rows.append((card or "?", "train d20, FP8 tensorwise (filter auto)", status(out, "speed_fp8"), "", "", ""))
+        rows.append((card or "?", f"train {shape}, FP8 tensorwise (filter auto)", status(out, "speed_fp8"), "", "", ""))
 
     decode_file = out / "speed_decode.json"
     if decode_file.exists():

@@ -254,7 +254,8 @@ def resolve_decode_compile(value, model):
     --decode_compile: True when the engine's decode step should be compiled for `model`. auto = on CUDA (captured as
     a CUDA graph), off elsewhere: on CPU bench/infer_bench.py measured the compiled step no faster than eager at d4
     (docs/benchmarks.md#decode-step-compiled-vs-eager-cpu), and its compile costs seconds per new shape. 1 = wherever
-    the model supports it (a nanochat GPT), 0 = eager. Models that are not a GPT (test stand-ins) always run eager.
+    the model supports it (a nanochat GPT), 0 = eager. Models that are not a GPT (test stand-ins) and sharded models
+    (FSDP/TP, whose forward runs collectives in hooks) run eager.
     """
     value = str(value).strip().lower()
     if value not in DECODE_COMPILE_CHOICES:
@@ -262,6 +263,12 @@ def resolve_decode_compile(value, model):
     from nanochat.gpt import GPT
 
     if value == "0" or not isinstance(model, GPT):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP/TP: the forward runs collectives in hooks
+        if value == "1":
+            raise ValueError("--decode_compile=1 needs an unsharded model, but this one is sharded (FSDP/TP); use --decode_compile=0")
         return False
     return value == "1" or model.get_device().type == "cuda"
 

@@ -10,8 +10,9 @@ the time limit), so a missing figure is never a silent gap.
 """
 
 import json
-import sys
 from pathlib import Path
+
+from nanochat.configurator import Flag, Flags
 
 
 def json_lines(path):
@@ -43,20 +44,28 @@ def fmt(x, spec=",.0f"):
     return "n/a" if x is None else format(x, spec)
 
 
+FLAGS = Flags(
+    Flag("out", "/tmp/gpu_suite", "the suite's $OUT: speed_*.log, speed_*.rc and speed_decode.json", positional=True),
+    Flag("baseline_attn", "sdpa_flash", "the training row the others are compared to (sdpa_flash: FA2 first, the "
+         "previous default)"),
+    description=__doc__,
+)
+
+
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    out = Path(argv[0] if argv else "/tmp/gpu_suite")
+    args = FLAGS.parse_args(argv)
+    out = Path(args.out)
     rows = []
     card = None
 
     train, notes = json_lines(out / "speed_attn.log")
-    base = next((r for r in train if r["attn"].startswith("sdpa_flash")), None)  # the old default: FA2 first
+    base = next((r for r in train if r["attn"] == args.baseline_attn), None)
     for r in train:
         card = card or r["device"]
         ratio = f"{r['tok_per_s'] / base['tok_per_s']:.2f}x" if base else "n/a"
-        rows.append((r["device"], f"train d{r['depth']} {r['batch']}x{r['seq_len']}, attn {r['attn']}", fmt(r["tok_per_s"]),
+        rows.append((r["device"], f"train d{r['depth']} {r['batch']}x{r['seq_len']}, attn {r['attn_kernels']}", fmt(r["tok_per_s"]),
                      f"{r['mfu_pct']:.1f}%" if r["mfu_pct"] is not None else "n/a", fmt(r["peak_mem_gib"], ".1f"),
-                     f"{ratio} of sdpa_flash"))
+                     f"{ratio} of {args.baseline_attn}"))
     shape = f"d{train[0]['depth']} {train[0]['batch']}x{train[0]['seq_len']}" if train else "d20"
     for note in notes:
         if "skipped" in note:
@@ -65,10 +74,10 @@ def main(argv=None):
         rows.append(("?", "train d20, attention backends", status(out, "speed_attn"), "", "", ""))
 
     fp8, _ = json_lines(out / "speed_fp8.log")
-    bf16 = next((r for r in train if r["attn"].startswith("sdpa (")), None)  # the auto backend, bf16
+    bf16 = next((r for r in train if r["attn"] == "sdpa"), None)  # the auto backend, bf16
     for r in fp8:
         ratio = f"{r['tok_per_s'] / bf16['tok_per_s']:.2f}x of bf16" if bf16 else "n/a"
-        rows.append((r["device"], f"train d{r['depth']} {r['batch']}x{r['seq_len']}, FP8 {r['fp8']}, attn {r['attn']}",
+        rows.append((r["device"], f"train d{r['depth']} {r['batch']}x{r['seq_len']}, FP8 {r['fp8']}, attn {r['attn_kernels']}",
                      fmt(r["tok_per_s"]), f"{r['mfu_pct']:.1f}% (bf16 peak)" if r["mfu_pct"] is not None else "n/a",
                      fmt(r["peak_mem_gib"], ".1f"), ratio))
     if not fp8:

@@ -138,7 +138,8 @@ def bench_one(cfg, attn, device, parallel):
         "batch": B,
         "dtype": str(dtype).removeprefix("torch."),
         "compile": compiled,
-        "attn": orig_model.attn_choice.describe(),
+        "attn": orig_model.attn_backend,
+        "attn_kernels": orig_model.attn_choice.describe(),  # e.g. sdpa (cudnn > flash > efficient > math)
         "optimizer": "AdamW+Muon" if cfg["use_muon"] else "AdamW",
         "parallel": f"{parallel.name} x{dist_world_size()}" if is_ddp_initialized() else "one process",
         "activation_checkpointing": cfg["activation_checkpointing"] + (f" (every {cfg['ac_every']})" if cfg["activation_checkpointing"] == "selective" else ""),
@@ -168,7 +169,7 @@ def markdown_row(r):
     peak = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
     return (
         f"| {r['device']} | d{r['depth']} ({r['params'] / 1e6:.1f}M) | {r['batch']} x {r['seq_len']} | {r['dtype']} | "
-        f"{'yes' if r['compile'] else 'no'} | {r['attn']} | {r['optimizer']} | {r['parallel']} | "
+        f"{'yes' if r['compile'] else 'no'} | {r['attn_kernels']} | {r['optimizer']} | {r['parallel']} | "
         f"{r['activation_checkpointing']} | "
         f"{r['fp8']} | {r['step_ms_median']:.1f} | {r['tok_per_s']:,.0f} | {r['achieved_tflops']:.3g} | {mfu} | {peak} |"
     )

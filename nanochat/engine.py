@@ -58,20 +58,28 @@ class KVCache:
         self.fixed = False  # fixed-shape decode (start_fixed_shape): positions and mask come from device tensors
         self.pos_t = None
 
-    def start_fixed_shape(self):
+    def fixed_shape_storage(self):
+        """New storage for start_fixed_shape: one (2, B, H, S, D) tensor per layer, the position, the slot indices."""
+        device, dtype = self.kv_cache.device, self.kv_cache.dtype
+        layers = [torch.empty(self.kv_shape[1:], dtype=dtype, device=device) for _ in range(self.num_layers)]
+        return layers, torch.zeros(1, dtype=torch.long, device=device), torch.arange(self.seq_len, device=device)
+
+    def start_fixed_shape(self, storage=None):
         """
         From here on insert_kv writes one token at the device position `pos_t` and returns the whole cache, and the
         model reads `positions` (rotary) and `attn_mask` (the filled slots): nothing depends on a Python int, so a
         compiled or graphed step is the same graph at every position. Call advance() after each step.
+        The cached tokens move into `storage` (fixed_shape_storage(), or one kept from an earlier reply of the same
+        shape, so a CUDA graph finds its inputs at the same addresses and is replayed, not re-recorded).
+        One tensor per layer instead of views of one: a compiled step writes a graph input in place, but a write
+        through a view of one made inductor copy the whole cache back every step (5x slower decode on CPU).
         """
         if self.kv_cache is None:
             raise ValueError("start_fixed_shape() needs an allocated cache (prefill it first)")
-        device = self.kv_cache.device
-        self.pos_t = torch.tensor([self.pos], dtype=torch.long, device=device)
-        self.slots = torch.arange(self.seq_len, device=device)
-        # One tensor per layer instead of views of one: a compiled step writes a graph input in place, but a write
-        # through a view of one made inductor copy the whole cache back every step (5x slower decode on CPU).
-        self.layers = [self.kv_cache[i].clone() for i in range(self.num_layers)]
+        self.layers, self.pos_t, self.slots = storage or self.fixed_shape_storage()
+        for i, layer in enumerate(self.layers):
+            layer.copy_(self.kv_cache[i])
+        self.pos_t.fill_(self.pos)
         self.kv_cache = None
         self.fixed = True
 
@@ -281,6 +289,9 @@ def decode_compile_flag():
                 "eager on CPU (measured no faster there); 1 = also on CPU; 0 = eager", choices=list(DECODE_COMPILE_CHOICES))
 
 
+STATIC_CACHES_KEPT = 4  # fixed-shape caches (batch x capacity) an Engine keeps for later replies of the same shape
+
+
 def cache_capacity(needed, limit):
     """Slots for a reply's cache: a power of two >= 256 (so a compiled step sees few shapes), at most `limit`."""
     return min(limit, max(256, 1 << (max(1, needed) - 1).bit_length()))
@@ -299,15 +310,24 @@ class Engine:
         self.output_end = special("<|output_end|>")
         self.decode_compiled = resolve_decode_compile(decode_compile, model)
         self._compiled_step = None
+        self._storage = {}  # fixed-shape cache storage by shape, reused by later replies (see _decode_step)
 
     def _decode_step(self, cache):
         """fn(ids (B, 1)) -> logits (B, V) of one decode step on `cache`: compiled on fixed shapes, or the plain
-        forward. Compiled, the cache's storage is marked static so a CUDA graph writes it in place."""
+        forward. Compiled, the cache's storage is marked static so a CUDA graph writes it in place, and kept for the
+        next reply of the same shape (so an Engine generates one reply at a time, as its users do)."""
         if not self.decode_compiled:
             return lambda ids: self.model(ids, kv_cache=cache)[:, -1, :]
-        cache.start_fixed_shape()
-        for t in (*cache.layers, cache.pos_t, cache.slots):
-            torch._dynamo.mark_static_address(t)
+        key = (cache.kv_shape, cache.kv_cache.dtype, cache.kv_cache.device)
+        storage = self._storage.pop(key, None)
+        if storage is None:
+            storage = cache.fixed_shape_storage()
+            for t in (*storage[0], storage[1], storage[2]):
+                torch._dynamo.mark_static_address(t)
+        self._storage[key] = storage  # most recently used last; a few shapes are kept
+        while len(self._storage) > STATIC_CACHES_KEPT:
+            del self._storage[next(iter(self._storage))]
+        cache.start_fixed_shape(storage)
         if self._compiled_step is None:
             cuda = self.model.get_device().type == "cuda"
 

@@ -29,7 +29,8 @@ def test_speed_table_from_logs(tmp_path, capsys):
     from bench import speed_table
 
     def rec(attn, tok_s, fp8="off"):
-        return json.dumps(dict(device="NVIDIA H100 80GB HBM3", depth=20, batch=32, seq_len=2048, attn=attn, fp8=fp8,
+        return json.dumps(dict(device="NVIDIA H100 80GB HBM3", depth=20, batch=32, seq_len=2048, attn=attn.split(" ")[0],
+                               attn_kernels=attn, fp8=fp8,
                                tok_per_s=tok_s, mfu_pct=50.0, peak_mem_gib=70.0))
 
     (tmp_path / "speed_attn.log").write_text("\n".join([

@@ -276,3 +276,29 @@ def test_fa4_custom_op_forward_backward_and_compile():
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v), y)
     torch.library.opcheck(torch.ops.nanochat.fa4_fwd.default, (q.detach(), k.detach(), v.detach()))
+
+
+# -----------------------------------------------------------------------------
+# on a GPU (skipped without one): every SDPA kernel the card has, and flex, against float64 math
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flex"])
+def test_cuda_backends_match_math(backend):
+    try:
+        choice = A.resolve_attn(backend, "cuda")
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, Hq, Hkv, T, D = 2, 8, 8, 256, 128  # d20's head dim
+    q, k, v = (torch.randn(B, H, T, D, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
+               for H in (Hq, Hkv, Hkv))
+    fn = torch.compile(A.attention) if backend == "flex" else A.attention  # flex is meant to run compiled
+    y = fn(q, k, v, choice)
+    ref = reference(q.cpu(), k.cpu(), v.cpu())
+    torch.testing.assert_close(y.double().cpu(), ref, atol=2e-2, rtol=2e-2)  # bf16 inputs and outputs
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (q, k, v), dy)
+    want = torch.autograd.grad(reference(q, k, v).to(y.device), (q, k, v), dy.double())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b.double(), atol=5e-2, rtol=5e-2)

@@ -334,7 +334,9 @@ class Engine:
             def step(model, ids, cache):
                 return model(ids, kv_cache=cache)[:, -1, :]
 
-            # one graph per (batch, cache size); a few buckets in practice (cache_capacity rounds to powers of two)
+            # one graph per (batch, cache size): cache_capacity rounds to powers of two, so a server or an eval sees a
+            # few dozen at most; dynamo's default of 8 per function would quietly run the rest eager
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self._compiled_step = torch.compile(step, mode="reduce-overhead" if cuda else None, dynamic=False)
         mark = torch.compiler.cudagraph_mark_step_begin if cache.pos_t.device.type == "cuda" else (lambda: None)
 

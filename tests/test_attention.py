@@ -302,3 +302,18 @@ def test_cuda_backends_match_math(backend):
     want = torch.autograd.grad(reference(q, k, v).to(y.device), (q, k, v), dy.double())
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b.double(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.slow  # one tiny base_train run
+def test_base_train_prints_and_records_the_choice(base_dir, capsys):
+    from nanochat.metrics import read_metrics
+    from scripts import base_train
+
+    base_train.main(["--depth=1", "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=256",
+                     "--num_iterations=1", "--eval_every=-1", "--core_metric_every=-1", "--sample_every=-1",
+                     "--device_type=cpu", "--attn=sdpa_math", "--model_tag=attn"])
+    assert "attn sdpa_math (math) |" in capsys.readouterr().out  # the banner
+    records = read_metrics(base_dir / "base_checkpoints" / "attn" / "metrics.jsonl")
+    assert records[0] == {"step": 0, "system/attn": "sdpa_math (math)"}
+    report = (base_dir / "report").glob("*.md")
+    assert any("Attention kernel: sdpa_math (math)" in p.read_text() for p in report)

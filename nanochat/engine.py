@@ -61,7 +61,8 @@ class KVCache:
     def fixed_shape_storage(self):
         """New storage for start_fixed_shape: one (2, B, H, S, D) tensor per layer, the position, the slot indices."""
         device, dtype = self.kv_cache.device, self.kv_cache.dtype
-        layers = [torch.empty(self.kv_shape[1:], dtype=dtype, device=device) for _ in range(self.num_layers)]
+        # zeros, not empty: the slots not filled yet are masked, but a masked NaN still poisons the output (0 * NaN)
+        layers = [torch.zeros(self.kv_shape[1:], dtype=dtype, device=device) for _ in range(self.num_layers)]
         return layers, torch.zeros(1, dtype=torch.long, device=device), torch.arange(self.seq_len, device=device)
 
     def start_fixed_shape(self, storage=None):
@@ -77,8 +78,8 @@ class KVCache:
         if self.kv_cache is None:
             raise ValueError("start_fixed_shape() needs an allocated cache (prefill it first)")
         self.layers, self.pos_t, self.slots = storage or self.fixed_shape_storage()
-        for i, layer in enumerate(self.layers):
-            layer.copy_(self.kv_cache[i])
+        for i, layer in enumerate(self.layers):  # the filled slots only (the rest of kv_cache is uninitialised)
+            layer[..., : self.pos, :].copy_(self.kv_cache[i, ..., : self.pos, :])
         self.pos_t.fill_(self.pos)
         self.kv_cache = None
         self.fixed = True

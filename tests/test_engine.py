@@ -445,3 +445,27 @@ def test_cuda_graphed_decode_matches_eager(tok):
         b = graphed.generate_batch(tokens, num_samples=4, max_tokens=32, **kw)
         c = graphed.generate_batch(tokens, num_samples=4, max_tokens=32, **kw)  # a second reply replays the graph
         assert a == b == c, kw
+
+
+def test_fixed_shape_step_equals_the_sliced_step_whatever_the_unfilled_slots_hold(model, tok):
+    # the reply's cache is torch.empty: whatever its unfilled slots hold (NaN here) must not reach the output of the
+    # masked fixed-shape step (a masked NaN would: 0 * NaN), which must equal the eager step on the filled slots
+    cfg = model.config
+    ids = torch.tensor([prompt_ids(tok)])
+    with torch.inference_mode():
+        caches = []
+        for _ in range(2):
+            cache = KVCache(1, cfg.n_kv_head, 256, cfg.n_embd // cfg.n_head, cfg.n_layer)
+            model(ids, kv_cache=cache)
+            cache.kv_cache[..., cache.get_pos():, :] = float("nan")
+            caches.append(cache)
+        eager, fixed = caches
+        fixed.start_fixed_shape()
+        nxt = torch.tensor([[5]])
+        for _ in range(3):
+            a = model(nxt, kv_cache=eager)
+            b = model(nxt, kv_cache=fixed)
+            fixed.advance(1)
+            assert torch.isfinite(b).all()
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        assert fixed.get_pos() == eager.get_pos() and fixed.pos_t.item() == eager.get_pos()

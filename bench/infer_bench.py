@@ -5,6 +5,7 @@ throughput under concurrent streaming load.
     python -m bench.infer_bench                                   # CPU: d4 and d6, batch 1 and 8, then the server
     python -m bench.infer_bench --device_type=cuda --depths=20    # one GPU (bf16 autocast), d20
     python -m bench.infer_bench --skip_server                     # engine only
+    python -m bench.infer_bench --depths=4 --skip_server --decode_compile=0,1 --threads=1   # eager vs compiled decode
 
 Models are random-init (speed does not depend on the weights' values) with nanochat's shapes for each depth. The
 tokenizer is trained on ../shared/data WikiText-2 at --vocab_size (or --tokenizer=base_dir uses
@@ -49,9 +50,15 @@ FLAGS = Flags(
     Flag("repeats", 3, "timed runs per setting (after one warm-up)"),
     Flag("vocab_size", 8192, "vocabulary of the tokenizer trained on WikiText (--tokenizer=wikitext)"),
     Flag("tokenizer", "wikitext", "wikitext: train one on ../shared/data WikiText-2 at --vocab_size; base_dir: the "
-         "one in $NANOCHAT_BASE_DIR/tokenizer", choices=["wikitext", "base_dir"]),
+         "one in $NANOCHAT_BASE_DIR/tokenizer; repo_docs: train one on this repo's README and docs (a machine without "
+         "../shared, e.g. the GPU box)", choices=["wikitext", "base_dir", "repo_docs"]),
+    Flag("model_vocab", 0, "the models' vocabulary (0: the tokenizer's); e.g. 65536 for nanochat's d20 lm_head with a "
+         "smaller tokenizer (speed depends on the shapes, not on the tokens)"),
     device_type_flag(),
     Flag("threads", 0, "torch CPU threads (0: torch's default)"),
+    Flag("decode_compile", "auto", "the Engine's --decode_compile (auto|1|0), or a comma list such as 0,1 to compare "
+         "the eager and the compiled (on CUDA: graphed) decode step"),
+    Flag("attn", "auto", "attention kernel of the models (nanochat.attention)"),
     "server (nanochat/serving's app, as scripts.chat_web serves it, in process)",
     Flag("skip_server", False, "skip the server benchmark"),
     Flag("server_depth", 4, "model depth of the served model"),
@@ -61,6 +68,15 @@ FLAGS = Flags(
     Flag("json_out", "", "also write the raw numbers to this file (empty: don't)"),
     description=__doc__,
 )
+
+
+# Peak memory bandwidth (bytes/s) by device-name substring, first match wins: the vendors' data sheets.
+PEAK_BANDWIDTH = [("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
+                  ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12)]
+
+
+def peak_bandwidth_for(name):
+    return next((bw for key, bw in PEAK_BANDWIDTH if key in name), None)
 
 
 def build_arg_parser():
@@ -74,16 +90,21 @@ def get_tokenizer(args):
         return load()
     from nanochat.tokenizer import RustBPETokenizer
 
+    if args.tokenizer == "repo_docs":
+        repo = Path(__file__).resolve().parents[1]
+        text = "\n\n".join(p.read_text(encoding="utf-8") for p in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))])
+        return RustBPETokenizer.train_from_iterator(iter(text.split("\n\n")), min(args.vocab_size, 4096))
+
     if not WIKITEXT.exists():
         raise SystemExit(f"WikiText-2 not found at {WIKITEXT}; use --tokenizer=base_dir with a trained tokenizer")
     text = WIKITEXT.read_text(encoding="utf-8")[:3_000_000]
     return RustBPETokenizer.train_from_iterator(iter(text.split("\n \n")), args.vocab_size)
 
 
-def build_model(depth, vocab_size, device):
+def build_model(depth, vocab_size, device, attn="auto"):
     config = config_for_depth(depth, vocab_size, sequence_len=2048)
     with torch.device("meta"):
-        model = GPT(config)
+        model = GPT(config, attn=attn)
     model.to_empty(device=device)
     model.init_weights(scheme="nanochat")  # lm_head not zero: sampled tokens vary like a real model's
     model.eval()
@@ -96,7 +117,7 @@ def sync(device):
 
 
 def prompt_tokens(tokenizer, n):
-    text = WIKITEXT.read_text(encoding="utf-8")[:20_000] if WIKITEXT.exists() else "The quick brown fox. " * 2000
+    text = WIKITEXT.read_text(encoding="utf-8")[:20_000] if WIKITEXT.exists() else (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8") * 4
     ids = tokenizer.encode(text, prepend=tokenizer.get_bos_token_id())
     if len(ids) < n:
         raise SystemExit(f"benchmark prompt text has only {len(ids)} tokens, --prompt_len={n}")
@@ -136,22 +157,37 @@ def bench_engine(engine, tokens, batch, gen_tokens, device, autocast_ctx):
 def run_engine_benchmarks(args, tokenizer, device, autocast_ctx):
     tokens = prompt_tokens(tokenizer, args.prompt_len)
     rows = []
+    modes = [m.strip() for m in str(args.decode_compile).split(",") if m.strip()]
     for depth in [int(d) for d in args.depths.split(",")]:
-        model = build_model(depth, tokenizer.get_vocab_size(), device)
-        engine = Engine(model, tokenizer)
-        for batch in [int(b) for b in args.batch_sizes.split(",")]:
-            bench_engine(engine, tokens, batch, min(8, args.gen_tokens), device, autocast_ctx)  # warm-up
-            runs = [bench_engine(engine, tokens, batch, args.gen_tokens, device, autocast_ctx) for _ in range(args.repeats)]
-            ttft = statistics.median(r[0] for r in runs)
-            prefill = statistics.median(r[1] for r in runs)
-            decode = statistics.median(r[2] for r in runs)
-            steps = min(r[3] for r in runs)
-            row = dict(depth=depth, params_m=model.num_params() / 1e6, batch=batch, prompt=len(tokens), steps=steps,
-                       ttft_ms=ttft * 1e3, prefill_tps=len(tokens) / prefill, decode_tps=decode)
-            rows.append(row)
-            print(f"d{depth} batch {batch}: TTFT {row['ttft_ms']:.1f} ms, prefill {row['prefill_tps']:.0f} tok/s, "
-                  f"decode {row['decode_tps']:.0f} tok/s ({steps} steps)", flush=True)
-        del engine, model
+        model = build_model(depth, args.model_vocab or tokenizer.get_vocab_size(), device, args.attn)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if device.type == "cuda":
+            weight_bytes //= 2  # read as bf16 under autocast
+        for mode in modes:
+            engine = Engine(model, tokenizer, decode_compile=mode)
+            label = "compiled" + (" (CUDA graph)" if device.type == "cuda" else "") if engine.decode_compiled else "eager"
+            for batch in [int(b) for b in args.batch_sizes.split(",")]:
+                t0 = time.perf_counter()
+                bench_engine(engine, tokens, batch, min(8, args.gen_tokens), device, autocast_ctx)  # warm-up (compiles)
+                warm_s = time.perf_counter() - t0
+                runs = [bench_engine(engine, tokens, batch, args.gen_tokens, device, autocast_ctx) for _ in range(args.repeats)]
+                ttft = statistics.median(r[0] for r in runs)
+                prefill = statistics.median(r[1] for r in runs)
+                decode = statistics.median(r[2] for r in runs)
+                steps = min(r[3] for r in runs)
+                # the memory bound: every decode step reads all the weights once (the cache is small next to them)
+                bound = None
+                if device.type == "cuda":
+                    bw = peak_bandwidth_for(torch.cuda.get_device_name(device))
+                    bound = batch * bw / weight_bytes if bw else None
+                row = dict(depth=depth, params_m=model.num_params() / 1e6, batch=batch, prompt=len(tokens), steps=steps,
+                           decode=label, warmup_s=warm_s, ttft_ms=ttft * 1e3, prefill_tps=len(tokens) / prefill,
+                           decode_tps=decode, bound_tps=bound)
+                rows.append(row)
+                print(f"d{depth} batch {batch} {label}: TTFT {row['ttft_ms']:.1f} ms, prefill {row['prefill_tps']:.0f} tok/s, "
+                      f"decode {row['decode_tps']:.0f} tok/s ({steps} steps; warm-up {warm_s:.1f} s)", flush=True)
+            del engine
+        del model
     return rows
 
 
@@ -239,14 +275,17 @@ def main(argv=None):
     print()
     print("## Inference (Engine with KV cache, chat server)")
     print()
-    print(f"Device: {device_type} ({hw}); torch {torch.__version__}; random-init models, vocab {tokenizer.get_vocab_size()}, "
+    print(f"Device: {device_type} ({hw}); torch {torch.__version__}; random-init models, vocab {args.model_vocab or tokenizer.get_vocab_size()}, "
           f"prompt {args.prompt_len} tokens, {args.gen_tokens} decode steps, temperature 1.0, top-k 50; "
           f"median of {args.repeats} runs." + (" bf16 autocast." if device_type == "cuda" else " fp32."))
     print()
-    print("| model | params | batch | TTFT (ms) | prefill tok/s | decode tok/s (all rows) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| device | model | params | batch | decode step | TTFT (ms) | prefill tok/s | decode tok/s (all rows) | "
+          "of the bandwidth bound | first run (s, incl. compile) |")
+    print("|---|---|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in engine_rows:
-        print(f"| d{r['depth']} | {r['params_m']:.1f}M | {r['batch']} | {r['ttft_ms']:.1f} | {r['prefill_tps']:,.0f} | {r['decode_tps']:,.0f} |")
+        frac = f"{100 * r['decode_tps'] / r['bound_tps']:.0f}% of {r['bound_tps']:,.0f}" if r["bound_tps"] else "n/a"
+        print(f"| {hw} | d{r['depth']} | {r['params_m']:.1f}M | {r['batch']} | {r['decode']} | {r['ttft_ms']:.1f} | "
+              f"{r['prefill_tps']:,.0f} | {r['decode_tps']:,.0f} | {frac} | {r['warmup_s']:.1f} |")
     if server_row:
         r = server_row
         print()
@@ -258,7 +297,8 @@ def main(argv=None):
         print(f"| {r['rps']:.2f} | {r['tokens_per_s']:.0f} | {r['latency_p50_s']:.2f} / {r['latency_p95_s']:.2f} | {r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} |")
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump({"engine": engine_rows, "server": server_row, "device": device_type, "hardware": hw}, f, indent=2)
+            json.dump({"engine": engine_rows, "server": server_row, "device": device_type, "hardware": hw,
+                       "prompt": args.prompt_len, "gen_tokens": args.gen_tokens}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ each result is printed as a markdown table row plus one JSON line. --activation_
 AC's recompute shows as lower MFU, and FP8 is divided by the bf16 peak as well (speedup = the ratio of the rows).
 """
 
+import gc
 import json
 import statistics
 import sys
@@ -32,6 +33,7 @@ from nanochat.dist import compute_cleanup, compute_init, dist_world_size, is_ddp
 from nanochat.parallel import parallel_from_config  # noqa: E402
 from nanochat.compile import compile_flag, maybe_compile, resolve_compile  # noqa: E402
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit  # noqa: E402
+from nanochat.fp8 import FP8_FILTER_HELP  # noqa: E402
 from nanochat.gpt import config_for_depth  # noqa: E402
 
 FLAGS = Flags(
@@ -41,7 +43,8 @@ FLAGS = Flags(
     Flag("device_batch_size", 8, "rows per step"),
     Flag("vocab_size", 65536, "vocabulary size (nanochat's tokenizer: 2**16)"),
     Flag("init", "normal", "weight init (as base_train)", choices=["normal", "nanochat"]),
-    Flag("attn", "auto", "attention kernel: auto | sdpa | fa3, or a comma list such as sdpa,fa3 to compare them"),
+    Flag("attn", "auto", "attention kernel (nanochat.attention: auto, sdpa, sdpa_cudnn, sdpa_flash, flex, fa3, fa4, ...), "
+         "or a comma list such as sdpa_cudnn,sdpa_flash,flex to compare them (one that cannot run is skipped with why)"),
     "timing",
     Flag("steps", 10, "timed steps"),
     Flag("warmup", 3, "untimed steps first (compilation, allocator, optimizer state)"),
@@ -57,6 +60,7 @@ FLAGS = Flags(
     Flag("ac_every", 2, "selective activation checkpointing: every ac_every-th block"),
     Flag("fp8", False, "FP8 block matmuls (torchao; CUDA with compute capability >= 8.9), as base_train"),
     Flag("fp8_recipe", "tensorwise", "FP8 scaling granularity", choices=["tensorwise", "rowwise"]),
+    Flag("fp8_filter", "auto", FP8_FILTER_HELP),
     "systems",
     device_type_flag(),
     Flag("threads", 0, "CPU threads for torch (0 = torch's default)"),
@@ -135,10 +139,11 @@ def bench_one(cfg, attn, device, parallel):
         "dtype": str(dtype).removeprefix("torch."),
         "compile": compiled,
         "attn": orig_model.attn_backend,
+        "attn_kernels": orig_model.attn_choice.describe(),  # e.g. sdpa (cudnn > flash > efficient > math)
         "optimizer": "AdamW+Muon" if cfg["use_muon"] else "AdamW",
         "parallel": f"{parallel.name} x{dist_world_size()}" if is_ddp_initialized() else "one process",
         "activation_checkpointing": cfg["activation_checkpointing"] + (f" (every {cfg['ac_every']})" if cfg["activation_checkpointing"] == "selective" else ""),
-        "fp8": cfg["fp8_recipe"] if cfg["fp8"] else "off",
+        "fp8": f"{cfg['fp8_recipe']} ({cfg['fp8_filter']})" if cfg["fp8"] else "off",
         "step_ms_median": 1000 * dt_med,
         "step_ms_mean": 1000 * statistics.mean(times),
         "step_ms_min": 1000 * min(times),
@@ -164,7 +169,7 @@ def markdown_row(r):
     peak = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
     return (
         f"| {r['device']} | d{r['depth']} ({r['params'] / 1e6:.1f}M) | {r['batch']} x {r['seq_len']} | {r['dtype']} | "
-        f"{'yes' if r['compile'] else 'no'} | {r['attn']} | {r['optimizer']} | {r['parallel']} | "
+        f"{'yes' if r['compile'] else 'no'} | {r['attn_kernels']} | {r['optimizer']} | {r['parallel']} | "
         f"{r['activation_checkpointing']} | "
         f"{r['fp8']} | {r['step_ms_median']:.1f} | {r['tok_per_s']:,.0f} | {r['achieved_tflops']:.3g} | {mfu} | {peak} |"
     )
@@ -198,11 +203,16 @@ def main(argv=None):
     for attn in attns:
         try:
             results.append(bench_one(cfg, attn, device, parallel))
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, NotImplementedError) as e:  # NotImplementedError: e.g. flex's CPU backward
             if len(attns) == 1:
                 print(f"error: {e}", file=sys.stderr)
                 sys.exit(1)
-            print(f"attn={attn}: skipped ({e})", file=sys.stderr)
+            print(f"attn={attn}: skipped ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)
+        # the next backend's model gets the memory: drop the compiled graphs (they hold this model) and cached blocks
+        gc.collect()
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if rank == 0:
         print(HEADER)
         for r in results:

@@ -10,6 +10,14 @@ The prompt is prefilled once with batch size 1, then the cache is copied into nu
 independently from there on. A row stops at <|assistant_end|> or <|bos|>. When a row writes
 <|python_start|> expr <|python_end|>, `expr` goes to a small safe calculator (nanochat/calculator.py) and its result is
 forced into that row as <|output_start|> result <|output_end|>.
+
+Decode speed (docs/gpu.md#decode): the reply's cache is allocated once at prefill, sized for prompt + max_tokens (a
+reply longer than sequence_len without max_tokens grows it), so nothing is reallocated while decoding. Where the
+step is compiled (`decode_compile`: auto = on CUDA, where it is captured as a CUDA graph, torch.compile
+mode="reduce-overhead"; eager on CPU, where bench/infer_bench.py measured it no faster) it runs on fixed shapes: the
+cache at full size with a mask of the filled positions, and the position as a device tensor, so one compiled graph
+serves every step. On CUDA the host reads each step's tokens one step behind: the next step is queued before the
+host waits for the tokens it needs for stop and tool checks, so the GPU never waits for Python.
 """
 
 from collections import deque
@@ -47,6 +55,52 @@ class KVCache:
         self.num_layers = num_layers
         self.kv_cache = None
         self.pos = 0
+        self.fixed = False  # fixed-shape decode (start_fixed_shape): positions and mask come from device tensors
+        self.pos_t = None
+
+    def fixed_shape_storage(self):
+        """New storage for start_fixed_shape: one (2, B, H, S, D) tensor per layer, the position, the slot indices."""
+        device, dtype = self.kv_cache.device, self.kv_cache.dtype
+        # zeros, not empty: the slots not filled yet are masked, but a masked NaN still poisons the output (0 * NaN)
+        layers = [torch.zeros(self.kv_shape[1:], dtype=dtype, device=device) for _ in range(self.num_layers)]
+        return layers, torch.zeros(1, dtype=torch.long, device=device), torch.arange(self.seq_len, device=device)
+
+    def start_fixed_shape(self, storage=None):
+        """
+        From here on insert_kv writes one token at the device position `pos_t` and returns the whole cache, and the
+        model reads `positions` (rotary) and `attn_mask` (the filled slots): nothing depends on a Python int, so a
+        compiled or graphed step is the same graph at every position. Call advance() after each step.
+        The cached tokens move into `storage` (fixed_shape_storage(), or one kept from an earlier reply of the same
+        shape, so a CUDA graph finds its inputs at the same addresses and is replayed, not re-recorded).
+        One tensor per layer instead of views of one: a compiled step writes a graph input in place, but a write
+        through a view of one made inductor copy the whole cache back every step (5x slower decode on CPU).
+        """
+        if self.kv_cache is None:
+            raise ValueError("start_fixed_shape() needs an allocated cache (prefill it first)")
+        self.layers, self.pos_t, self.slots = storage or self.fixed_shape_storage()
+        for i, layer in enumerate(self.layers):  # the filled slots only (the rest of kv_cache is uninitialised)
+            layer[..., : self.pos, :].copy_(self.kv_cache[i, ..., : self.pos, :])
+        self.pos_t.fill_(self.pos)
+        self.kv_cache = None
+        self.fixed = True
+
+    def end_fixed_shape(self):
+        """Back to one growable tensor (a reply that outgrows the fixed cache goes on eagerly)."""
+        self.kv_cache = torch.stack(self.layers)
+        self.layers, self.fixed = None, False
+
+    @property
+    def positions(self):
+        return self.pos_t if self.fixed else None
+
+    @property
+    def attn_mask(self):
+        return (self.slots <= self.pos_t).view(1, 1, 1, -1) if self.fixed else None
+
+    def advance(self, n=1):
+        """After a fixed-shape step: the host count and the device position move on (no host-device sync)."""
+        self.pos += n
+        self.pos_t += n
 
     @property
     def kv_shape(self):
@@ -81,6 +135,12 @@ class KVCache:
             )
         if not 0 <= layer_idx < self.num_layers:
             raise IndexError(f"layer_idx {layer_idx} out of range for a cache of {self.num_layers} layers")
+        if self.fixed:  # one token at the device position; attention masks the slots not filled yet
+            if T_add != 1:
+                raise ValueError(f"a fixed-shape cache takes one token per step, got {T_add}")
+            kv = self.layers[layer_idx]  # (2, B, H, S, D): written in place by one index_put on the tensor itself
+            kv[:, :, :, self.pos_t] = torch.stack((k, v))
+            return kv[0], kv[1]
         if self.kv_cache is None:
             self._allocate(k.dtype, k.device)
         t0, t1 = self.pos, self.pos + T_add
@@ -195,8 +255,51 @@ class RowState:
         self.completed = False
 
 
+DECODE_COMPILE_CHOICES = ("auto", "1", "0")
+
+
+def resolve_decode_compile(value, model):
+    """
+    --decode_compile: True when the engine's decode step should be compiled for `model`. auto = on CUDA (captured as
+    a CUDA graph), off elsewhere: on CPU bench/infer_bench.py measured the compiled step no faster than eager at d4
+    (docs/benchmarks.md#decode-step-compiled-vs-eager-cpu), and its compile costs seconds per new shape. 1 = wherever
+    the model supports it (a nanochat GPT), 0 = eager. Models that are not a GPT (test stand-ins) and sharded models
+    (FSDP/TP, whose forward runs collectives in hooks) run eager.
+    """
+    value = str(value).strip().lower()
+    if value not in DECODE_COMPILE_CHOICES:
+        raise ValueError(f"--decode_compile must be auto, 1 or 0, got {value!r}")
+    from nanochat.gpt import GPT
+
+    if value == "0" or not isinstance(model, GPT):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP/TP: the forward runs collectives in hooks
+        if value == "1":
+            raise ValueError("--decode_compile=1 needs an unsharded model, but this one is sharded (FSDP/TP); use --decode_compile=0")
+        return False
+    return value == "1" or model.get_device().type == "cuda"
+
+
+def decode_compile_flag():
+    """--decode_compile, as every script that samples through the Engine declares it."""
+    from nanochat.configurator import Flag
+
+    return Flag("decode_compile", "auto", "compiled decode step on a static KV cache: auto = on CUDA (a CUDA graph), "
+                "eager on CPU (measured no faster there); 1 = also on CPU; 0 = eager", choices=list(DECODE_COMPILE_CHOICES))
+
+
+STATIC_CACHES_KEPT = 4  # fixed-shape caches (batch x capacity) an Engine keeps for later replies of the same shape
+
+
+def cache_capacity(needed, limit):
+    """Slots for a reply's cache: a power of two >= 256 (so a compiled step sees few shapes), at most `limit`."""
+    return min(limit, max(256, 1 << (max(1, needed) - 1).bit_length()))
+
+
 class Engine:
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, decode_compile="auto"):
         self.model = model
         self.tokenizer = tokenizer
         special = tokenizer.encode_special
@@ -206,6 +309,52 @@ class Engine:
         self.python_end = special("<|python_end|>")
         self.output_start = special("<|output_start|>")
         self.output_end = special("<|output_end|>")
+        self.decode_compiled = resolve_decode_compile(decode_compile, model)
+        self._compiled_step = None
+        self._storage = {}  # fixed-shape cache storage by shape, reused by later replies (see _decode_step)
+
+    def _decode_step(self, cache):
+        """fn(ids (B, 1)) -> logits (B, V) of one decode step on `cache`: compiled on fixed shapes, or the plain
+        forward. Compiled, the cache's storage is marked static so a CUDA graph writes it in place, and kept for the
+        next reply of the same shape (so an Engine generates one reply at a time, as its users do)."""
+        if not self.decode_compiled:
+            return lambda ids: self.model(ids, kv_cache=cache)[:, -1, :]
+        key = (cache.kv_shape, cache.kv_cache.dtype, cache.kv_cache.device)
+        storage = self._storage.pop(key, None)
+        if storage is None:
+            storage = cache.fixed_shape_storage()
+            for t in (*storage[0], storage[1], storage[2]):
+                torch._dynamo.mark_static_address(t)
+        self._storage[key] = storage  # most recently used last; a few shapes are kept
+        while len(self._storage) > STATIC_CACHES_KEPT:
+            del self._storage[next(iter(self._storage))]
+        cache.start_fixed_shape(storage)
+        if self._compiled_step is None:
+            cuda = self.model.get_device().type == "cuda"
+
+            def step(model, ids, cache):
+                return model(ids, kv_cache=cache)[:, -1, :]
+
+            # one graph per (batch, cache size): cache_capacity rounds to powers of two, so a server or an eval sees a
+            # few dozen at most; dynamo's default of 8 per function would quietly run the rest eager
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self._compiled_step = torch.compile(step, mode="reduce-overhead" if cuda else None, dynamic=False)
+        mark = torch.compiler.cudagraph_mark_step_begin if cache.pos_t.device.type == "cuda" else (lambda: None)
+
+        checked = []
+
+        def run(ids):
+            mark()
+            if checked:  # same model, cache and shapes as the first step of this reply: skip re-checking dynamo's
+                # guards (~0.1-0.2 ms a step, a sizeable part of a graphed step); the first step checks them all
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    logits = self._compiled_step(self.model, ids, cache)
+            else:
+                logits = self._compiled_step(self.model, ids, cache)
+                checked.append(True)
+            cache.advance(1)
+            return logits
+        return run
 
     def max_positions(self):
         """How many positions the model can address (its rotary table), i.e. the longest prompt + reply."""
@@ -267,23 +416,42 @@ class Engine:
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
         logits = self.model(ids, kv_cache=prefill_cache)[:, -1, :]  # (1, V)
 
-        # 2) Copy it into num_samples rows; each row then samples on its own (its first token included).
-        # Room for the whole reply when it is bounded by something reasonable; a longer one grows the cache as it
-        # goes, so max_tokens=None on a model with a 10x-sequence_len rotary table does not reserve gigabytes.
-        cache = self._new_cache(num_samples, len(tokens) + min(steps, self.model.config.sequence_len))
+        # 2) Copy it into num_samples rows; each row then samples on its own (its first token included). The cache
+        # is allocated here, once, for the whole reply when it is bounded by something reasonable; a longer one
+        # (max_tokens=None on a model with a 10x-sequence_len rotary table) grows it as it goes instead of reserving
+        # gigabytes up front.
+        needed = len(tokens) + min(steps, self.model.config.sequence_len)
+        cache = self._new_cache(num_samples, cache_capacity(needed, self.max_positions()))
         cache.prefill(prefill_cache)
         del prefill_cache
         logits = logits.expand(num_samples, -1)
         rows = [RowState() for _ in range(num_samples)]
+        decode = self._decode_step(cache)
+        # On CUDA the host reads step s's tokens while step s+1 runs (queued first); on CPU nothing runs ahead of
+        # the host, so the tokens are read first and a streamed token shows up one step sooner.
+        ahead = device.type == "cuda"
 
+        tokens_dev = sample_next_token(logits, rng, temperature, top_k, top_p)  # (B, 1) on the device
         for step in range(steps):
-            sampled = sample_next_token(logits, rng, temperature, top_k, top_p)[:, 0].tolist()
-            token_column, token_masks = [], []
-            for i, row in enumerate(rows):
-                forced = len(row.forced_tokens) > 0
-                token = row.forced_tokens.popleft() if forced else sampled[i]
-                token_column.append(token)
-                token_masks.append(0 if forced else 1)
+            forced = [(i, row.forced_tokens.popleft()) for i, row in enumerate(rows) if row.forced_tokens]
+            if forced:  # tool output replaces what was sampled for those rows (and is what the model is fed)
+                index, values = zip(*forced)
+                tokens_dev[list(index), 0] = torch.tensor(values, dtype=torch.long, device=device)
+            last = step == steps - 1 or (cache.fixed and cache.pos + 1 > cache.seq_len)
+            if ahead:
+                host = tokens_dev.to("cpu", non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+                if not last:
+                    next_dev = sample_next_token(decode(tokens_dev), rng, temperature, top_k, top_p)
+                ready.synchronize()  # waits for this step's tokens only, not for the step just queued
+                token_column = host[:, 0].tolist()
+            else:
+                token_column = tokens_dev[:, 0].tolist()
+            token_masks = [1] * num_samples
+            for i, _ in forced:
+                token_masks[i] = 0
+            for token, row in zip(token_column, rows):
                 if token == self.assistant_end or token == self.bos:
                     row.completed = True
                 if token == self.python_start:
@@ -297,8 +465,13 @@ class Engine:
             yield token_column, token_masks
             if step == steps - 1 or all(row.completed for row in rows):
                 return
-            ids = torch.tensor(token_column, dtype=torch.long, device=device).unsqueeze(1)
-            logits = self.model(ids, kv_cache=cache)[:, -1, :]
+            if last:  # a fixed-shape cache is full (a reply past sequence_len without max_tokens): grow, go on eager
+                cache.end_fixed_shape()
+                decode = lambda ids: self.model(ids, kv_cache=cache)[:, -1, :]  # noqa: E731
+                next_dev = sample_next_token(decode(tokens_dev), rng, temperature, top_k, top_p)
+            elif not ahead:
+                next_dev = sample_next_token(decode(tokens_dev), rng, temperature, top_k, top_p)
+            tokens_dev = next_dev
 
     def generate_batch(self, tokens, num_samples=1, **kwargs):
         """

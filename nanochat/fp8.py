@@ -17,9 +17,14 @@ the whole weight, i.e. one all-reduce per weight per all-gather (forward and bac
 the optimizer step computes all of them in one all-reduce instead (training.train_step calls it through the FSDP
 strategy, as torchtitan does).
 
+Which layers (`--fp8_filter`, fp8_plan): FP8 only pays on GEMMs large enough for the faster tensor cores to outweigh
+the casts and scale computations (torchao's H100 tables: small GEMMs run at 0.8x of bf16, large ones at ~1.4x). The
+default `auto` converts the block Linears past torchao's break-even for the recipe (fp8_gains) and keeps the rest in
+bf16; `all` converts every one; a comma list of name parts picks by hand. The log lists each layer kind, its
+decision and why. torch._scaled_mm also needs both dims of a weight divisible by 16: Linears that are not stay bf16.
+
 Limits: needs CUDA and compute capability >= 8.9 (H100, L4, RTX 4090...); `check_fp8_supported` refuses anything else
-with the fix (--fp8=0). torch._scaled_mm needs both dims of a weight divisible by 16: Linears that are not are left
-in bf16 and listed (at nanochat's depth rule, width 64*depth, all block Linears qualify). Use it with torch.compile,
+with the fix (--fp8=0). Use it with torch.compile,
 eager FP8 is slower than bf16 (the casts are separate kernels). torchao is the optional extra `fp8`
 (pip install -e '.[fp8]').
 """
@@ -73,36 +78,95 @@ def fp8_config(recipe, fsdp=False, emulate=False):
     return dataclasses.replace(float8.Float8LinearConfig.from_recipe_name("rowwise"), emulate=emulate)
 
 
-def fp8_eligible(module, fqn):
-    """Block Linears whose both dims are multiples of 16 (torch._scaled_mm's requirement); never lm_head/wte."""
-    if not isinstance(module, nn.Linear) or not fqn.startswith("transformer.h."):
-        return False
-    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+FP8_FILTER_HELP = ("which block Linears run in FP8: auto = those whose GEMM shape gains by torchao's H100 tables "
+                   "(the rule in nanochat/fp8.py), all = every one, or a comma list of name parts (e.g. mlp.c_fc,mlp.c_proj)")
 
 
-def convert_to_fp8(model, recipe="tensorwise", fsdp=False, emulate=False):
+def fp8_gains(in_features, out_features, recipe):
     """
-    Swap the eligible block Linears of `model` (a GPT, before FSDP wrapping and compile; any device, meta included)
-    for Float8Linear in place. Runs nothing. Returns (converted names, skipped block Linear names).
+    (convert?, why) for a Linear of weight (N, K) = (out_features, in_features) under torchao's rule of thumb:
+    FP8 pays where the GEMM is large enough for the 2x tensor-core rate to outweigh the casts and scales. torchao's
+    H100 benchmark tables (torchao/float8 README, "performance") put the break-even for tensorwise at K > 4096 or
+    N > 1024, and for rowwise (slower scales) at N > 2048 and K > 1024, and not both N <= 4096 and K <= 2048.
+    The thresholds are theirs; whether a given model gains is measured by bench/gpu_suite.sh fp8filter.
+    """
+    N, K = out_features, in_features
+    if recipe == "tensorwise":
+        if K <= 4096 and N <= 1024:
+            return False, f"K={K} <= 4096 and N={N} <= 1024: too small to gain (tensorwise)"
+        return True, f"K={K}, N={N}: past tensorwise's break-even (K > 4096 or N > 1024)"
+    if N <= 2048 or K <= 1024 or (N <= 4096 and K <= 2048):
+        return False, f"K={K}, N={N}: below rowwise's break-even (N > 2048, K > 1024, not both N <= 4096 and K <= 2048)"
+    return True, f"K={K}, N={N}: past rowwise's break-even"
+
+
+def fp8_plan(model, recipe="tensorwise", filter="auto"):
+    """
+    For every block Linear of `model`: (name, convert?, why). Never lm_head or wte. A dim not divisible by 16
+    (torch._scaled_mm's requirement) is never converted; `filter` (--fp8_filter) decides the rest: 'auto' =
+    fp8_gains, 'all' = every one, else a comma list of name parts (a Linear whose name contains one is converted).
+    """
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"--fp8_recipe must be one of {'|'.join(FP8_RECIPES)}, got {recipe!r}")
+    parts = None
+    if filter not in ("auto", "all"):
+        parts = [p.strip() for p in str(filter).split(",") if p.strip()]
+        if not parts:
+            raise ValueError(f"--fp8_filter must be auto, all or a comma list of layer name parts, got {filter!r}")
+    plan = []
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or not name.startswith("transformer.h."):
+            continue
+        if m.in_features % 16 or m.out_features % 16:
+            plan.append((name, False, f"{m.in_features}->{m.out_features}: a dim not divisible by 16 (torch._scaled_mm)"))
+        elif filter == "auto":
+            plan.append((name, *fp8_gains(m.in_features, m.out_features, recipe)))
+        elif filter == "all":
+            plan.append((name, True, "--fp8_filter=all"))
+        else:
+            hit = next((p for p in parts if p in name), None)
+            plan.append((name, hit is not None, f"--fp8_filter names {hit!r}" if hit else "not named by --fp8_filter"))
+    if parts is not None and not any(convert for _, convert, _ in plan):
+        raise ValueError(f"--fp8_filter={filter} matches no block Linear (names look like transformer.h.0.mlp.c_fc)")
+    return plan
+
+
+def convert_to_fp8(model, recipe="tensorwise", fsdp=False, emulate=False, filter="auto"):
+    """
+    Swap the block Linears of `model` that fp8_plan picks (a GPT, before FSDP wrapping and compile; any device, meta
+    included) for Float8Linear in place. Runs nothing. Returns (converted names, names left in bf16, plan).
     emulate: see fp8_config (tests only).
     """
     float8 = _import_torchao()
     config = fp8_config(recipe, fsdp, emulate)
-    block_linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("transformer.h.")]
-    skipped = [n for n in block_linears if not fp8_eligible(model.get_submodule(n), n)]
-    float8.convert_to_float8_training(model, module_filter_fn=fp8_eligible, config=config)
-    converted = [n for n in block_linears if n not in skipped]
-    return converted, skipped
+    plan = fp8_plan(model, recipe, filter)
+    chosen = {name for name, convert, _ in plan if convert}
+    float8.convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn in chosen, config=config)
+    converted = [name for name, convert, _ in plan if convert]
+    skipped = [name for name, convert, _ in plan if not convert]
+    return converted, skipped, plan
 
 
-def apply_fp8(model, recipe, device, fsdp=False, log=print):
-    """The scripts' call for --fp8=1: refuse unsupported hardware, convert, and say what was converted."""
+def describe_plan(plan):
+    """The plan in a few lines: one per layer kind (attn.c_q, mlp.c_fc, ...) and decision, with the count and why."""
+    groups = {}
+    for name, convert, why in plan:
+        kind = name.split(".", 3)[-1]  # transformer.h.<i>.<kind>
+        groups.setdefault((kind, convert, why), []).append(name)
+    return [f"  {kind}: {'FP8' if convert else 'bf16'} x{len(names)} ({why})" for (kind, convert, why), names in groups.items()]
+
+
+def apply_fp8(model, recipe, device, fsdp=False, log=print, filter="auto"):
+    """The scripts' call for --fp8=1: refuse unsupported hardware, convert, and say which layers and why."""
     check_fp8_supported(device, recipe)
-    converted, skipped = convert_to_fp8(model, recipe, fsdp)
+    converted, skipped, plan = convert_to_fp8(model, recipe, fsdp, filter=filter)
     gather = " (FP8 all-gather under FSDP2)" if fsdp and recipe == "tensorwise" else ""
-    log(f"FP8 ({recipe}{gather}): {len(converted)} block Linear layers converted; lm_head and wte stay bf16")
-    if skipped:
-        log(f"FP8: left in bf16 (a dim not divisible by 16): {', '.join(skipped)}")
+    log(f"FP8 ({recipe}{gather}, --fp8_filter={filter}): {len(converted)} of {len(plan)} block Linear layers "
+        "converted; lm_head and wte stay bf16")
+    for line in describe_plan(plan):
+        log(line)
+    if not converted:
+        log("FP8: no layer gains by the filter's rule, so this run is bf16; --fp8_filter=all converts them anyway")
     return model
 
 

@@ -8,7 +8,8 @@ Notable features:
 - ReLU^2 MLP, no biases anywhere, parameter-free RMSNorm
 - grouped-query attention (n_kv_head <= n_head)
 - logit softcap 15*tanh(logits/15), computed in fp32
-- attention through PyTorch SDPA or FlashAttention-3 (Hopper), KV-cache aware for inference
+- attention through nanochat.attention (--attn: SDPA with the GPU's kernel order, FlexAttention, FA3, FA4), KV-cache
+  aware for inference
 - optional activation checkpointing of all or every k-th block (GPT.set_activation_checkpointing)
 
 Dtype policy (explicit, because autocast alone does not give it):
@@ -26,7 +27,6 @@ Without autocast on fp32 weights everything is fp32 (the CPU default), bit for b
 """
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from nanochat.attention import attention, resolve_attn
 
 
 AC_MODES = ("none", "full", "selective")  # --activation_checkpointing (GPT.set_activation_checkpointing)
@@ -105,73 +107,6 @@ def rotate(x, cos2, sin2):
 
 
 # -----------------------------------------------------------------------------
-# Attention backends
-
-
-_FA3_FUNC = None  # flash_attn_func once loaded
-_FA3_ERROR = None  # why it could not be loaded; set once, so a failed load is not retried
-
-
-def _load_fa3():
-    """
-    Return FlashAttention-3's flash_attn_func or None (reason kept in _FA3_ERROR). Tried once per process: through
-    Hugging Face `kernels` first (prebuilt from the Hub, registered as a torch op that torch.compile traces), then the
-    `flash_attn_interface` build (whose extension call may break the compiled graph: nanochat.compile reports it).
-    A failure is cached, so every later model/worker in the process does not wait on the Hub again;
-    NANOCHAT_FA3=0 skips the attempt altogether (e.g. offline machines where the Hub lookup would time out).
-    """
-    global _FA3_FUNC, _FA3_ERROR
-    if _FA3_FUNC is not None or _FA3_ERROR is not None:
-        return _FA3_FUNC
-    if os.environ.get("NANOCHAT_FA3", "1") == "0":
-        _FA3_ERROR = "turned off by NANOCHAT_FA3=0"
-        return None
-    reasons = []
-    try:
-        from kernels import get_kernel  # Hugging Face `kernels` package: prebuilt FA3 from the Hub
-
-        mod = get_kernel("kernels-community/flash-attn3")
-        _FA3_FUNC = getattr(mod, "flash_attn_func", None) or mod.flash_attn_interface.flash_attn_func
-        return _FA3_FUNC
-    except Exception as e:  # ImportError, no network, no build for this GPU/torch
-        reasons.append(f"kernels: {type(e).__name__}: {e}")
-    try:
-        from flash_attn_interface import flash_attn_func  # the FA3 "hopper" build
-
-        _FA3_FUNC = flash_attn_func
-        return _FA3_FUNC
-    except Exception as e:  # ImportError, or a broken build raising at import
-        reasons.append(f"flash_attn_interface: {type(e).__name__}: {e}")
-    _FA3_ERROR = "; ".join(reasons)
-    return None
-
-
-def _cuda_is_hopper(device=None):
-    return torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9
-
-
-def resolve_attn_backend(attn, device_type):
-    """'auto' -> 'fa3' on a Hopper GPU with FA3 installed, else 'sdpa'. 'fa3' when impossible -> clear error."""
-    if attn not in ("auto", "sdpa", "fa3"):
-        raise ValueError(f"attn must be one of auto|sdpa|fa3, got {attn!r}")
-    if attn == "sdpa":
-        return "sdpa"
-    if device_type != "cuda" or not _cuda_is_hopper():
-        if attn == "fa3":
-            where = "a non-CUDA device" if device_type != "cuda" else f"a GPU of compute capability {torch.cuda.get_device_capability()}"
-            raise RuntimeError(f"attn='fa3' needs a Hopper GPU (compute capability 9.x), but the model is on {where}; use --attn=sdpa")
-        return "sdpa"
-    if _load_fa3() is None:
-        if attn == "fa3":
-            raise RuntimeError(
-                "attn='fa3' but FlashAttention-3 could not be loaded (install the FA3 hopper build providing "
-                f"`flash_attn_interface`, or `pip install kernels`); details: {_FA3_ERROR}. Or use --attn=sdpa"
-            )
-        return "sdpa"
-    return "fa3"
-
-
-# -----------------------------------------------------------------------------
 # Model
 
 
@@ -235,33 +170,13 @@ class CausalSelfAttention(nn.Module):
         q, k = rotate(q, *cos_sin), rotate(k, *cos_sin)  # cos_sin: full_rotary_tables of this forward's positions
         q, k = norm(q), norm(k)  # QK norm, after rotary as nanochat
 
-        if backend == "fa3" and kv_cache is None:
-            # FA3 takes (B, T, H, D) directly and handles GQA itself; it only runs in half precision.
-            dtype = q.dtype
-            half = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-            y = _FA3_FUNC(q.to(half), k.to(half), v.to(half), causal=True)  # loaded when the backend was resolved
-            if isinstance(y, tuple):  # some FA3 builds return (out, softmax_lse)
-                y = y[0]
-            y = y.to(dtype).contiguous().view(B, T, -1)
-            return self.c_proj(y)
-
-        # SDPA wants (B, H, T, D)
+        # attention takes (B, H, T, D); the cache stores that layout
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        mask = None
         if kv_cache is not None:
             k, v = kv_cache.insert_kv(self.layer_idx, k, v)
-        Tq, Tk = q.size(2), k.size(2)
-        gqa = self.n_kv_head != self.n_head
-        if kv_cache is None or Tq == Tk:
-            # training, or a prefill into an empty cache: plain causal attention
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        elif Tq == 1:
-            # one new token attends to everything cached so far
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=gqa)
-        else:
-            # a chunk after a cached prefix: all of the prefix, causal within the chunk
-            prefix = Tk - Tq
-            mask = torch.ones((Tq, Tk), dtype=torch.bool, device=q.device).tril(diagonal=prefix)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            mask = getattr(kv_cache, "attn_mask", None)  # the engine's fixed-shape decode step: valid cache positions
+        y = attention(q, k, v, backend, mask)  # backend: the model's resolved nanochat.attention.Attn
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.c_proj(y)
 
@@ -305,10 +220,10 @@ class GPT(nn.Module):
         super().__init__()
         _validate_config(config)
         self.config = config
-        self.attn = attn
-        # Resolved again in init_weights() once the real device is known (the model is often built on meta).
+        self.attn = attn  # as asked (--attn); attn_choice is what runs on this device
+        # Resolved again in init_buffers() once the real device is known (the model is often built on meta).
         default_type = torch.get_default_device().type
-        self.attn_backend = resolve_attn_backend(attn, "cuda" if default_type in ("cuda", "meta") and torch.cuda.is_available() else default_type)
+        self.attn_choice = resolve_attn(attn, "cuda" if default_type in ("cuda", "meta") and torch.cuda.is_available() else default_type)
         # Pad the vocab to a multiple of 64 for efficient matmuls; the extra rows are never targets.
         self.padded_vocab_size = ((config.vocab_size + 63) // 64) * 64
         self.transformer = nn.ModuleDict(
@@ -372,10 +287,18 @@ class GPT(nn.Module):
         device = self.get_device()
         cos, sin = self._precompute_rotary_embeddings(self.rotary_seq_len, self.config.n_embd // self.config.n_head, device=device)
         self.cos, self.sin = cos, sin
-        if self.attn == "auto":
-            self.attn_backend = resolve_attn_backend("auto", device.type)
-        elif self.attn == "fa3":
-            self.attn_backend = resolve_attn_backend("fa3", device.type)  # raises clearly when not possible
+        self.attn_choice = resolve_attn(self.attn, device)  # raises with the fix when the asked kernel cannot run here
+
+    def set_attn(self, attn):
+        """Use another attention kernel (--attn of the scripts that load a checkpoint); refused like at build time."""
+        self.attn_choice = resolve_attn(attn, self.get_device())
+        self.attn = attn
+        return self.attn_choice
+
+    @property
+    def attn_backend(self):
+        """The attention kernel's name (nanochat.attention: 'sdpa', 'flex', 'fa3', ...); attn_choice has the rest."""
+        return self.attn_choice.name
 
     def get_device(self):
         return self.transformer.wte.weight.device
@@ -456,7 +379,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
         T = idx.size(1)
-        pos = kv_cache.get_pos() if kv_cache is not None else 0
+        positions = getattr(kv_cache, "positions", None)  # the engine's fixed-shape decode step: a device tensor
+        pos = kv_cache.get_pos() if kv_cache is not None and positions is None else 0
         if pos + T > self.cos.size(1):
             raise ValueError(
                 f"sequence of {pos + T} tokens exceeds the rotary table ({self.cos.size(1)} = 10 x sequence_len); "
@@ -464,8 +388,11 @@ class GPT(nn.Module):
             )
         if self.cos.device != idx.device:
             raise RuntimeError(f"rotary tables are on {self.cos.device} but the input is on {idx.device}; call init_weights() after moving the model")
-        backend = self.attn_backend  # 'fa3' only where resolve_attn_backend found a Hopper GPU and FA3
-        cos_sin = full_rotary_tables(self.cos[:, pos : pos + T], self.sin[:, pos : pos + T])
+        backend = self.attn_choice
+        if positions is None:
+            cos_sin = full_rotary_tables(self.cos[:, pos : pos + T], self.sin[:, pos : pos + T])
+        else:  # read from the tensor, so a compiled/graphed step does not change (and recompile) with every position
+            cos_sin = full_rotary_tables(self.cos[:, positions], self.sin[:, positions])
 
         x = self.transformer.wte(idx)
         x = norm(x.to(compute_dtype(x)))  # the residual stream runs in the compute dtype (see the top)

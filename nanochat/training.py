@@ -122,7 +122,8 @@ def apply_model_options(model, config, device, parallel=None):
             # torchao's float8 linears need their own TP styles (Float8ColwiseParallel...), not wired up here
             raise BadValue(f"--fp8=1 does not work with {parallel.flag} yet: use --fp8=0, or --tp_size=1 (--use_fsdp=1)")
         fsdp = parallel is not None and parallel.name == "fsdp"
-        apply_fp8(model, config.get("fp8_recipe", "tensorwise"), device, fsdp=fsdp, log=print0)
+        apply_fp8(model, config.get("fp8_recipe", "tensorwise"), device, fsdp=fsdp, log=print0,
+                  filter=config.get("fp8_filter", "auto"))
     return model
 
 

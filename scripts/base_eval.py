@@ -24,6 +24,7 @@ import os
 import torch
 
 from nanochat.atomic import atomic_write
+from nanochat.attention import attn_flag
 from nanochat.common import (
     autodetect_device_type, compute_cleanup, compute_init, device_type_flag, get_base_dir, print0
 )
@@ -123,6 +124,7 @@ FLAGS = Flags(
          "else <base_dir>/eval_bundle, else nanochat's eval_bundle.zip is downloaded there", type=str),
     device_type_flag(),
     Flag("dtype", "bfloat16", "autocast dtype on CUDA (CPU always runs float32)", choices=["bfloat16", "float32"]),
+    attn_flag(),
     description=__doc__,
 )
 
@@ -151,6 +153,7 @@ def main(argv=None):
     else:
         model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=model_tag, step=step)
         model_name = f"base_model_{meta['step']:06d}" if "step" in meta else "base_model"
+        print0(f"attention: {model.set_attn(args.attn).describe()}")
     autocast = (torch.amp.autocast(device_type="cuda", dtype=torch.bfloat16)
                 if device_type == "cuda" and args.dtype == "bfloat16" else contextlib.nullcontext())
     with autocast:

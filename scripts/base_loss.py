@@ -5,6 +5,7 @@ Bits per byte of a saved base model on the train and val shards, plus a few gree
     torchrun --nproc_per_node=8 -m scripts.base_loss --model_tag=d20 --split_tokens=20971520
 """
 
+from nanochat.attention import attn_flag
 from nanochat.checkpoint_manager import PHASE_DIRS, load_model, resolve_checkpoint
 from nanochat.common import compute_cleanup, compute_init, device_type_flag, print0
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
@@ -21,6 +22,7 @@ from nanochat.usage import run_main
 FLAGS = Flags(
     device_type_flag(),
     dtype_flag(),
+    attn_flag(),
     source_flags("base", list(PHASE_DIRS)),
     Flag("device_batch_size", 32, "rows per forward pass on each GPU", min=1),
     Flag("split_tokens", None, f"tokens evaluated per split; auto = {DEFAULT_EVAL_TOKENS:,} ({CPU_EVAL_STEPS} batches "
@@ -49,6 +51,7 @@ def main(argv=None):
     ddp, rank, local_rank, world_size, device = compute_init(config["device_type"] or None)
     dtype = resolve_dtype(config["dtype"], device.type)
     model, tokenizer, meta = load_model(config["source"], device, phase="eval", model_tag=model_tag, step=step)
+    print0(f"attention: {model.set_attn(config['attn']).describe()}")
     T = config["max_seq_len"] or model.config.sequence_len  # auto: the model's
     B = config["device_batch_size"]
     steps = eval_steps_for(config["split_tokens"], B * T * world_size, device.type, flag="split_tokens")

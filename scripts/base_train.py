@@ -15,13 +15,14 @@ import time
 
 import torch
 
+from nanochat.attention import attn_flag
 from nanochat.checkpoint_manager import checkpoint_root, require_step
 from nanochat.compile import compile_flag, maybe_compile
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.dataloader import loader_states_for_world, tokenizing_distributed_data_loader
 from nanochat.dataset import split_parquet_files
-from nanochat.fp8 import FP8_RECIPES
+from nanochat.fp8 import FP8_FILTER_HELP, FP8_RECIPES
 from nanochat.gpt import config_for_depth
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.metrics import MetricsLogger
@@ -48,8 +49,7 @@ FLAGS = Flags(
     Flag("max_seq_len", 2048, "context length in tokens (rows of the training batch)", min=1),
     Flag("init", "normal", "weight init: normal (arXiv 2310.17813's scaling), or nanochat's exact scheme "
          "(nanochat/gpt.py)", choices=["normal", "nanochat"]),
-    Flag("attn", "auto", "attention kernel: auto = FlashAttention-3 where it runs (Hopper), else PyTorch SDPA",
-         choices=["auto", "sdpa", "fa3"]),
+    attn_flag(),
     "horizon (the first one > 0 wins)",
     Flag("num_iterations", -1, "optimisation steps"),
     Flag("target_flops", -1.0, "train for this many FLOPs"),
@@ -81,6 +81,7 @@ FLAGS = Flags(
          "memory, less traffic)"),
     Flag("fp8", False, "FP8 matmuls in the blocks via torchao (CUDA, compute capability >= 8.9; nanochat/fp8.py)"),
     Flag("fp8_recipe", "tensorwise", "FP8 scaling granularity", choices=list(FP8_RECIPES)),
+    Flag("fp8_filter", "auto", FP8_FILTER_HELP),
     Flag("data_world_size", 1, "single process only: read the data as W ranks would, to reproduce a W-rank run "
          "exactly", min=1),
 )
@@ -129,7 +130,7 @@ def main(argv=None):
                           parallel.compile_per_block, autocast)
     num_params = orig_model.num_params()
     flops_per_token = orig_model.estimate_flops()
-    print0(f"Model d{config['depth']}: {model_config} | {num_params:,} params | attn {orig_model.attn_backend} | "
+    print0(f"Model d{config['depth']}: {model_config} | {num_params:,} params | attn {orig_model.attn_choice.describe()} | "
            f"{flops_per_token:.3e} FLOPs/token")
 
     # horizon
@@ -215,6 +216,7 @@ def main(argv=None):
     resume_step = start_step if config["resume_from_step"] >= 0 else None
     metrics = MetricsLogger(os.path.join(checkpoint_dir, "metrics.jsonl"),
                             get_wandb(config["run"], "nanochat", user_config, master), master, resume_step)
+    metrics.log(start_step, {"system/attn": orig_model.attn_choice.describe()})  # the kernel that ran, not just --attn
 
     def sample():
         prompts = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then tomorrow will be",
@@ -297,7 +299,8 @@ def main(argv=None):
             user_config,
             {"Number of parameters": num_params, "FLOPs per token": f"{flops_per_token:e}",
              "Calculated number of iterations": num_iterations, "Tokens per step": total_batch,
-             "Number of training tokens": num_iterations * total_batch, "DDP world size": world_size},
+             "Number of training tokens": num_iterations * total_batch, "DDP world size": world_size,
+             "Attention kernel": orig_model.attn_choice.describe()},
             {"Minimum validation bpb": min_val_bpb, "Final validation bpb": val_bpb, "CORE metric": core_metric,
              "Total training time": format_duration(meter.total_time)},
         ])

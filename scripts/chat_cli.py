@@ -16,7 +16,8 @@ import torch
 from nanochat.common import autodetect_device_type, compute_init, device_type_flag
 from nanochat.checkpoint_manager import checkpoint_flags
 from nanochat.configurator import Flag, Flags
-from nanochat.engine import Engine, TextStreamer
+from nanochat.attention import attn_flag
+from nanochat.engine import Engine, TextStreamer, decode_compile_flag
 from nanochat.usage import run_main
 
 
@@ -29,6 +30,8 @@ FLAGS = Flags(
     Flag("seed", 42, "sampling seed (turn i uses seed + i)"),
     device_type_flag(),
     Flag("dtype", "bfloat16", "autocast dtype on CUDA", choices=["bfloat16", "float32"]),
+    attn_flag(),
+    decode_compile_flag(),
     description=__doc__,
 )
 
@@ -106,7 +109,8 @@ def main(argv=None):
         autocast_ctx = lambda: torch.amp.autocast(device_type="cuda", dtype=dtype)  # noqa: E731
     else:
         autocast_ctx = nullcontext
-    chat = Chat(Engine(model, tokenizer), autocast_ctx, args.temperature, args.top_k, args.max_tokens, args.seed)
+    model.set_attn(args.attn)
+    chat = Chat(Engine(model, tokenizer, args.decode_compile), autocast_ctx, args.temperature, args.top_k, args.max_tokens, args.seed)
 
     if args.prompt:
         chat.reply(args.prompt, sys.stdout)

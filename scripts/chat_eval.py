@@ -16,10 +16,12 @@ import torch
 
 from nanochat.chat_eval import TASK_NAMES, chatcore, evaluate_task
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, device_type_flag, print0
+from nanochat.attention import attn_flag
 from nanochat.checkpoint_manager import checkpoint_flags, resolve_checkpoint
 from nanochat.configurator import Flag, Flags
 from nanochat.data_sources import TaskDataNotFound
 from nanochat.usage import BadValue, CannotRun, run_main
+from nanochat.engine import decode_compile_flag
 from tasks.suites import build_eval_task_on_every_rank
 
 
@@ -29,6 +31,8 @@ FLAGS = Flags(
     Flag("dtype", "bfloat16", "autocast dtype on CUDA (CPU always runs float32)", choices=["float32", "bfloat16"],
          short="d"),
     device_type_flag(),
+    attn_flag(),
+    decode_compile_flag(),
     "tasks",
     Flag("task_name", "all", "a task, several joined by '|', or all: " + ", ".join(TASK_NAMES), short="a"),
     Flag("max_problems", None, "evaluate at most this many problems per task; auto = all", type=int, short="x", min=1),
@@ -75,7 +79,8 @@ def main(argv=None):
     autocast = (torch.amp.autocast(device_type="cuda", dtype=torch.bfloat16)
                 if device_type == "cuda" and args.dtype == "bfloat16" else contextlib.nullcontext())
     model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=model_tag, step=step)
-    engine = Engine(model, tokenizer)
+    print0(f"attention: {model.set_attn(args.attn).describe()}")
+    engine = Engine(model, tokenizer, args.decode_compile)
 
     results, missing = {}, {}
     for name in task_names:

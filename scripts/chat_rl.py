@@ -27,7 +27,8 @@ from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
 from nanochat.conversation_data import check_stage_model, collate_sft, load_stage_model, scale_initial_lr
 from nanochat.dist import all_reduce_sum, dist_world_size, get_dist_info
-from nanochat.engine import Engine
+from nanochat.attention import attn_flag
+from nanochat.engine import Engine, decode_compile_flag
 from nanochat.metrics import MetricsLogger
 from nanochat.parallel import parallel_from_config
 from nanochat.training import (
@@ -46,6 +47,8 @@ FLAGS = Flags(
     Flag("max_new_tokens", 256, "most tokens per completion", min=1),
     Flag("temperature", 1.0, "sampling temperature", min=0.0),
     Flag("top_k", 50, "sample among the k most likely tokens (0 = all)", min=0),
+    attn_flag(),
+    decode_compile_flag(),
     "horizon and batch",
     Flag("device_batch_size", 8, "sequences per forward pass (sampling and training)", min=1),
     Flag("examples_per_step", 16, "questions per optimisation step, over all ranks (a multiple of the world size)",
@@ -168,8 +171,10 @@ def main(argv=None):
 
     model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
     model_config = model.config
+    attn = model.set_attn(config["attn"]).describe()
     model = parallel.wrap(apply_model_options(model, config, device, parallel), device)  # --activation_checkpointing
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, tokenizer, config["decode_compile"])
+    print0(f"attention: {attn}; decode step: {'compiled' if engine.decode_compiled else 'eager'}")
     pad_id = tokenizer.encode_special("<|assistant_end|>")
     print0(f"RL on the {config['source']} model (step {source_meta.get('step')}): {model_config}")
 

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from nanochat.attention import attn_flag
 from nanochat.batching import sft_batch_arithmetic
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
@@ -55,6 +56,7 @@ FLAGS = Flags(
     Flag("eval_metrics_every", 200, "MMLU and ARC-Easy accuracy every this many steps"),
     Flag("eval_metrics_max_problems", 1024, "problems per task for those accuracies", min=1),
     "systems",
+    attn_flag(),
     memory_flags(),
 )
 DEFAULTS = FLAGS.defaults()
@@ -125,8 +127,9 @@ def main(argv=None):
 
     model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
     model_config = model.config
+    attn = model.set_attn(config["attn"]).describe()
     model = parallel.wrap(apply_model_options(model, config, device, parallel), device)  # --activation_checkpointing
-    print0(f"Fine-tuning the {config['source']} model (step {source_meta.get('step')}): {model_config}")
+    print0(f"Fine-tuning the {config['source']} model (step {source_meta.get('step')}): {model_config} | attn {attn}")
     print0(f"Batch: {B} conversations x {data_world} rank(s) x {grad_accum} accumulation = "
            f"{config['target_examples_per_step']} conversations/step")
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from nanochat.common import setup_default_logging
-from nanochat.engine import Engine
+from nanochat.engine import Engine, decode_compile_flag
 from nanochat.serving.app import create_app, server_options
 from nanochat.serving.schema import MAX_MAX_TOKENS, MAX_TEMPERATURE, MAX_TOP_K, MIN_MAX_TOKENS, MIN_TEMPERATURE, MIN_TOP_K
 from nanochat.serving.workers import Worker
@@ -47,6 +47,7 @@ logger = logging.getLogger("nanochat.chat_web")
 
 
 def build_arg_parser():
+    from nanochat.attention import attn_flag
     from nanochat.checkpoint_manager import checkpoint_flags
     from nanochat.common import device_type_flag
     from nanochat.configurator import Flag, Flags
@@ -57,6 +58,8 @@ def build_arg_parser():
         Flag("num_gpus", 1, "model replicas, one per GPU (1 on CPU/MPS)", short="n"),
         device_type_flag(),
         Flag("dtype", "bfloat16", "autocast dtype on CUDA", choices=["bfloat16", "float32"]),
+        attn_flag(),
+        decode_compile_flag(),
         "generation defaults (when a request sends none)",
         Flag("temperature", 0.8, "sampling temperature", short="t"),
         Flag("top_k", 50, "sample among the k most likely tokens (0 = off)", short="k"),
@@ -137,7 +140,10 @@ def load_workers(args, device_type):
     for gpu_id, device in enumerate(devices):
         logger.info(f"loading {args.source} model on {device}")
         model, tokenizer, _ = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.step)
-        workers.append(Worker(Engine(model, tokenizer), gpu_id=gpu_id, device=device, dtype=dtype))
+        logger.info(f"attention: {model.set_attn(args.attn).describe()}")
+        engine = Engine(model, tokenizer, args.decode_compile)
+        logger.info(f"decode step: {'compiled' if engine.decode_compiled else 'eager'}")
+        workers.append(Worker(engine, gpu_id=gpu_id, device=device, dtype=dtype))
     return workers
 
 

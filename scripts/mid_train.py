@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from nanochat.attention import attn_flag
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.compile import compile_flag, maybe_compile
@@ -58,6 +59,7 @@ FLAGS = Flags(
          f"CPU, where that would take hours)", type=int, min=1),
     "systems",
     compile_flag(),
+    attn_flag(),
     memory_flags(),
 )
 DEFAULTS = FLAGS.defaults()
@@ -116,6 +118,7 @@ def main(argv=None):
     # the base model and its tokenizer
     model, tokenizer, base_meta = load_stage_model("base", device, config["model_tag"], config["model_step"])
     model_config = model.config
+    print0(f"attention: {model.set_attn(config['attn']).describe()}")
     model = parallel.wrap(apply_model_options(model, config, device, parallel), device)  # --activation_checkpointing
     orig_model = model  # uncompiled, for eval and saving
     model = maybe_compile(model, config["compile"], device, config["device_batch_size"], config["max_seq_len"],

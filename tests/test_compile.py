@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from nanochat import compile as C
-from nanochat import gpt, muon
+from nanochat import muon
 from nanochat.gpt import GPT, GPTConfig
 
 
@@ -143,15 +143,16 @@ def test_fsdp_path_compiles_blocks_and_the_head(tmp_path):
 
 def test_graph_breaking_attention_kernel_is_reported(monkeypatch):
     """A stand-in for an FA3 build whose extension call dynamo cannot trace: the warm-up warns and names the cause."""
+    from nanochat import attention
 
-    def breaking_fa3(q, k, v, causal):
+    def breaking_fa3(q, k, v):
         torch._dynamo.graph_break()  # what an untraceable extension call does to the graph
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, enable_gqa=True)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
         return y.transpose(1, 2)
 
-    monkeypatch.setattr(gpt, "_FA3_FUNC", breaking_fa3)
+    monkeypatch.setitem(attention._FLASH, "fa3", breaking_fa3)
     model = tiny_model()
-    model.attn_backend = "fa3"
+    model.attn_choice = attention.Attn("fa3", attention.CPU_ORDER, "test stand-in")
     compiled = C.compile_model(model, per_block=False, backend=CountingBackend())
     logs = []
     with pytest.warns(UserWarning, match=r"graph break.*graph_break"):
@@ -159,47 +160,6 @@ def test_graph_breaking_attention_kernel_is_reported(monkeypatch):
     assert sum(breaks.values()) >= 3  # one per layer
     assert any("cold compile" in line for line in logs)
     assert all(p.grad is None for p in model.parameters())  # the warm-up leaves no gradients behind
-
-
-def test_fa3_loader_tries_kernels_first_and_caches_a_failure(monkeypatch):
-    import sys
-    import types
-
-    calls = []
-    fake_kernels = types.ModuleType("kernels")
-
-    def get_kernel(name):
-        calls.append(name)
-        raise TimeoutError("Hub unreachable")
-
-    fake_kernels.get_kernel = get_kernel
-    monkeypatch.setitem(sys.modules, "kernels", fake_kernels)
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # not installed
-    monkeypatch.setattr(gpt, "_FA3_FUNC", None)
-    monkeypatch.setattr(gpt, "_FA3_ERROR", None)
-    monkeypatch.delenv("NANOCHAT_FA3", raising=False)
-    assert gpt._load_fa3() is None and gpt._load_fa3() is None
-    assert calls == ["kernels-community/flash-attn3"]  # one Hub attempt per process, not one per call
-    assert "kernels: TimeoutError" in gpt._FA3_ERROR and "flash_attn_interface" in gpt._FA3_ERROR
-
-    # both available: the kernels build wins
-    def from_kernels(*a, **kw):
-        pass
-
-    fake_kernels.get_kernel = lambda name: types.SimpleNamespace(flash_attn_func=from_kernels)
-    fake_interface = types.ModuleType("flash_attn_interface")
-    fake_interface.flash_attn_func = lambda *a, **kw: None
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_interface)
-    monkeypatch.setattr(gpt, "_FA3_ERROR", None)
-    assert gpt._load_fa3() is from_kernels
-
-    # NANOCHAT_FA3=0: no attempt at all
-    monkeypatch.setattr(gpt, "_FA3_FUNC", None)
-    monkeypatch.setattr(gpt, "_FA3_ERROR", None)
-    monkeypatch.setenv("NANOCHAT_FA3", "0")
-    fake_kernels.get_kernel = get_kernel
-    calls.clear()
-    assert gpt._load_fa3() is None and calls == [] and "NANOCHAT_FA3=0" in gpt._FA3_ERROR
 
 
 @pytest.mark.slow  # compiles forward and backward: the slowest test on CPU

@@ -330,3 +330,143 @@ def test_kv_cache_stays_bf16_under_autocast_with_fp32_rms_norm(model, tok, monke
     with torch.autocast("cpu", dtype=torch.bfloat16):
         seqs, _ = Engine(model, tok).generate_batch(prompt_ids(tok), num_samples=2, max_tokens=4, temperature=1.0)
     assert len(seqs) == 2 and dtypes and all(d == torch.bfloat16 for d in dtypes), dtypes
+
+
+# -----------------------------------------------------------------------------
+# The decode step on a static cache, compiled (on CUDA it is also captured as a CUDA graph)
+
+
+def test_decode_compile_choice():
+    from nanochat.engine import resolve_decode_compile
+
+    gpt = tiny_model(64, depth=1, sequence_len=16)
+    assert resolve_decode_compile("auto", gpt) is False  # CPU: measured no faster than eager (docs/benchmarks.md)
+    assert resolve_decode_compile("1", gpt) is True and resolve_decode_compile("0", gpt) is False
+    assert resolve_decode_compile("1", ScriptedModel(64, [], 0)) is False  # a stand-in model always runs eager
+    with pytest.raises(ValueError, match="--decode_compile must be auto, 1 or 0"):
+        resolve_decode_compile("yes please", gpt)
+
+
+def test_cache_is_allocated_once_at_prefill(model, tok, monkeypatch):
+    # one allocation for the prefill, one for the reply's rows: none while decoding, eager or fixed-shape
+    for decode_compile in ("0", "1"):
+        sizes = []
+        real_allocate = KVCache._allocate
+        monkeypatch.setattr(KVCache, "_allocate", lambda self, dtype, device: sizes.append(self.seq_len) or real_allocate(self, dtype, device))
+        engine = Engine(model, tok, decode_compile=decode_compile)
+        if decode_compile == "1":
+            engine._compiled_step = lambda m, ids, cache: m(ids, kv_cache=cache)[:, -1, :]  # fixed shapes, eager (fast)
+        tokens = prompt_ids(tok)
+        ptrs = []
+        real_insert = KVCache.insert_kv
+        monkeypatch.setattr(KVCache, "insert_kv", lambda self, layer, *a: ptrs.append(storage_ptr(self, layer)) or real_insert(self, layer, *a))
+        L = model.config.n_layer
+        replies = []
+        for seed in (0, 1):
+            ptrs.clear()
+            engine.generate_batch(tokens, num_samples=3, max_tokens=12, temperature=1.0, seed=seed)
+            decode_ptrs = ptrs[L:]  # after the prefill's inserts (into its own cache), every step writes the same storage
+            assert len(decode_ptrs) == 11 * L and all(decode_ptrs[i] == decode_ptrs[i % L] for i in range(len(decode_ptrs)))
+            replies.append(decode_ptrs[:L])
+        assert len(sizes) == 4 and sizes[1] >= len(tokens) + 12, sizes  # per reply: the prefill's and the rows' cache
+        if decode_compile == "1":  # the fixed-shape storage is kept: a CUDA graph finds its inputs where they were
+            assert replies[0] == replies[1]
+        monkeypatch.undo()
+
+
+def storage_ptr(cache, layer):
+    if cache.fixed:
+        return cache.layers[layer].data_ptr()
+    return cache.kv_cache.data_ptr() if cache.kv_cache is not None else None
+
+
+def scripted_sampler(script):
+    """A stand-in for sample_next_token that writes `script` (one token per step, all rows) and records the logits."""
+    seen, it = [], iter(script)
+
+    def sample(logits, rng, temperature=1.0, top_k=None, top_p=None):
+        seen.append(logits.float().clone())
+        return torch.full((logits.size(0), 1), next(it), dtype=torch.long, device=logits.device)
+    return sample, seen
+
+
+@pytest.mark.slow  # inductor compiles the decode step of the tiny model (~20 s on 2 cores)
+def test_compiled_decode_step_matches_eager(model, tok, monkeypatch):
+    tokens = prompt_ids(tok)
+    eager, compiled = Engine(model, tok, decode_compile="0"), Engine(model, tok, decode_compile="1")
+    assert compiled.decode_compiled and not eager.decode_compiled
+    # same tokens at temperature 0, and the same samples for a fixed seed (top-k and top-p too)
+    for kw in (dict(temperature=0.0), dict(temperature=1.0, seed=5), dict(temperature=0.8, top_k=20, seed=6),
+               dict(temperature=1.0, top_p=0.9, seed=7)):
+        a, ma = eager.generate_batch(tokens, num_samples=3, max_tokens=24, **kw)
+        b, mb = compiled.generate_batch(tokens, num_samples=3, max_tokens=24, **kw)
+        assert (a, ma) == (b, mb), kw
+    # the calculator through the compiled step: the forced answer is what the compiled step is fed (its logits at
+    # every step equal the eager step's, which sees the same forced tokens)
+    py_start, py_end = tok.encode_special("<|python_start|>"), tok.encode_special("<|python_end|>")
+    out_start, out_end = tok.encode_special("<|output_start|>"), tok.encode_special("<|output_end|>")
+    end, filler = tok.encode_special("<|assistant_end|>"), tok.encode("x")[0]
+    expr, answer = tok.encode("12*7"), tok.encode("84")
+    script = [py_start, *expr, py_end] + [filler] * (len(answer) + 2) + [end]
+    logits = {}
+    for name, engine in (("eager", eager), ("compiled", compiled)):
+        sample, logits[name] = scripted_sampler(script)
+        monkeypatch.setattr("nanochat.engine.sample_next_token", sample)
+        seqs, masks = engine.generate_batch(tokens, num_samples=2, max_tokens=30)
+        assert seqs[0] == tokens + [py_start, *expr, py_end, out_start, *answer, out_end], name
+        assert masks[0][len(tokens):] == [1] * (len(expr) + 2) + [0] * (len(answer) + 2)
+    assert len(logits["eager"]) == len(logits["compiled"]) == len(script)
+    for a, b in zip(logits["eager"], logits["compiled"]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow  # 300 tokens, twice
+def test_fixed_shape_reply_past_the_cache_goes_on_eagerly(model, tok):
+    # max_tokens=None: the cache is sized for sequence_len (64) more tokens, rounded up to 256 slots; a longer reply
+    # fills it, and generation goes on with the growable cache, giving the eager engine's tokens
+    tokens = prompt_ids(tok, "The castle was built in")
+    fixed = Engine(model, tok, decode_compile="1")
+    fixed._compiled_step = lambda m, ids, cache: m(ids, kv_cache=cache)[:, -1, :]  # fixed shapes, run eagerly (fast)
+    a, _ = Engine(model, tok, decode_compile="0").generate_batch(tokens, max_tokens=300, temperature=0.0)
+    b, _ = fixed.generate_batch(tokens, max_tokens=300, temperature=0.0)
+    assert len(a[0]) > 256  # precondition: the reply outgrew the fixed cache
+    assert a == b
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphed_decode_matches_eager(tok):
+    # fp32 weights, no autocast, TF32 off (torch's default): the graphed step gives the eager tokens and samples
+    model = tiny_model(tok.get_vocab_size(), depth=2, sequence_len=64).cuda()
+    model.init_buffers()
+    tokens = prompt_ids(tok)
+    eager, graphed = Engine(model, tok, decode_compile="0"), Engine(model, tok, decode_compile="auto")
+    assert graphed.decode_compiled
+    for kw in (dict(temperature=0.0), dict(temperature=1.0, top_k=20, seed=3)):
+        a = eager.generate_batch(tokens, num_samples=4, max_tokens=32, **kw)
+        b = graphed.generate_batch(tokens, num_samples=4, max_tokens=32, **kw)
+        c = graphed.generate_batch(tokens, num_samples=4, max_tokens=32, **kw)  # a second reply replays the graph
+        assert a == b == c, kw
+
+
+def test_fixed_shape_step_equals_the_sliced_step_whatever_the_unfilled_slots_hold(model, tok):
+    # the reply's cache is torch.empty: whatever its unfilled slots hold (NaN here) must not reach the output of the
+    # masked fixed-shape step (a masked NaN would: 0 * NaN), which must equal the eager step on the filled slots
+    cfg = model.config
+    ids = torch.tensor([prompt_ids(tok)])
+    with torch.inference_mode():
+        caches = []
+        for _ in range(2):
+            cache = KVCache(1, cfg.n_kv_head, 256, cfg.n_embd // cfg.n_head, cfg.n_layer)
+            model(ids, kv_cache=cache)
+            cache.kv_cache[..., cache.get_pos():, :] = float("nan")
+            caches.append(cache)
+        eager, fixed = caches
+        fixed.start_fixed_shape()
+        nxt = torch.tensor([[5]])
+        for _ in range(3):
+            a = model(nxt, kv_cache=eager)
+            b = model(nxt, kv_cache=fixed)
+            fixed.advance(1)
+            assert torch.isfinite(b).all()
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        assert fixed.get_pos() == eager.get_pos() and fixed.pos_t.item() == eager.get_pos()

@@ -31,7 +31,7 @@ def linear_types(model):
 def test_converts_exactly_the_block_linears(recipe):
     config = GPTConfig(sequence_len=32, vocab_size=100, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
     model = meta_model(config)
-    converted, skipped = convert_to_fp8(model, recipe)
+    converted, skipped, _ = convert_to_fp8(model, recipe, filter="all")  # tiny dims: the size rule would skip them
     expected = [f"transformer.h.{i}.{n}" for i in range(2) for n in BLOCK_LINEARS]
     assert sorted(converted) == sorted(expected) and skipped == []
     types = linear_types(model)
@@ -49,7 +49,7 @@ def test_dims_not_divisible_by_16_are_skipped():
     # head dim 24 with one KV head: c_k and c_v map 96 -> 24, which torch._scaled_mm cannot take
     config = GPTConfig(sequence_len=32, vocab_size=100, n_layer=1, n_head=4, n_kv_head=1, n_embd=96)
     model = meta_model(config)
-    converted, skipped = convert_to_fp8(model, "tensorwise")
+    converted, skipped, _ = convert_to_fp8(model, "tensorwise", filter="all")
     assert skipped == ["transformer.h.0.attn.c_k", "transformer.h.0.attn.c_v"]
     types = linear_types(model)
     assert types["transformer.h.0.attn.c_k"] is nn.Linear and types["transformer.h.0.attn.c_v"] is nn.Linear
@@ -97,7 +97,7 @@ def cpu_model(recipe=None):
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     if recipe is not None:
-        convert_to_fp8(model, recipe, emulate=True)
+        convert_to_fp8(model, recipe, emulate=True, filter="all")
     return model
 
 
@@ -214,3 +214,66 @@ def test_train_bench_refuses_fp8_on_cpu(capsys):
         main(["--depth=1", "--device_type=cpu", "--fp8=1"])
     assert e.value.code == 2
     assert "use --fp8=0" in capsys.readouterr().err
+
+
+# -----------------------------------------------------------------------------
+# the shape filter (--fp8_filter)
+
+
+def kinds(plan, convert):
+    return sorted({name.split(".", 3)[-1] for name, c, _ in plan if c == convert})
+
+
+def test_auto_filter_by_recipe_at_nanochat_depths():
+    from nanochat.fp8 import fp8_plan
+    from nanochat.gpt import config_for_depth
+
+    def plan(depth, recipe):
+        return fp8_plan(meta_model(config_for_depth(depth, 65536, 2048)), recipe)
+
+    # d12 (768 wide): every GEMM is below tensorwise's break-even except the MLP's up-projection (N = 3072)
+    assert kinds(plan(12, "tensorwise"), True) == ["mlp.c_fc"]
+    # d20 (1280 wide): N > 1024 everywhere, so tensorwise converts all six; rowwise only the up-projection
+    assert kinds(plan(20, "tensorwise"), True) == sorted(BLOCK_LINEARS)
+    assert kinds(plan(20, "rowwise"), True) == ["mlp.c_fc"]
+    # d32 (2048 wide): rowwise still only the up-projection (the others have N = 2048, not > 2048)...
+    assert kinds(plan(32, "rowwise"), True) == ["mlp.c_fc"]
+    # ...and d40 (2560 wide) passes rowwise's rule for every layer
+    assert kinds(plan(40, "rowwise"), True) == sorted(BLOCK_LINEARS)
+    # every layer of a depth has its reason, naming the GEMM shape
+    for name, convert, why in plan(12, "tensorwise"):
+        assert f"K={768 if 'mlp.c_proj' not in name else 3072}" in why, (name, why)
+
+
+def test_filter_all_and_by_name():
+    from nanochat.fp8 import fp8_plan
+    from nanochat.gpt import config_for_depth
+
+    model = meta_model(config_for_depth(12, 65536, 2048))
+    assert kinds(fp8_plan(model, "tensorwise", "all"), False) == []
+    chosen = fp8_plan(model, "rowwise", "mlp.c_fc, attn.c_proj")
+    assert kinds(chosen, True) == ["attn.c_proj", "mlp.c_fc"]
+    assert all("not named by --fp8_filter" in why for _, c, why in chosen if not c)
+    with pytest.raises(ValueError, match="--fp8_filter=mlp.c_up matches no block Linear"):
+        fp8_plan(model, "tensorwise", "mlp.c_up")
+    with pytest.raises(ValueError, match="--fp8_filter must be auto, all or a comma list"):
+        fp8_plan(model, "tensorwise", " , ")
+
+
+def test_apply_fp8_logs_each_layer_kind_and_why(monkeypatch):
+    from nanochat import fp8
+    from nanochat.gpt import config_for_depth
+
+    monkeypatch.setattr(fp8, "check_fp8_supported", lambda device, recipe: None)  # the hardware check is tested above
+    model = meta_model(config_for_depth(12, 65536, 2048))
+    lines = []
+    fp8.apply_fp8(model, "tensorwise", "meta", log=lines.append)
+    assert lines[0].startswith("FP8 (tensorwise, --fp8_filter=auto): 12 of 72 block Linear layers converted")
+    assert "  mlp.c_fc: FP8 x12 (K=768, N=3072: past tensorwise's break-even (K > 4096 or N > 1024))" in lines
+    assert "  attn.c_q: bf16 x12 (K=768 <= 4096 and N=768 <= 1024: too small to gain (tensorwise))" in lines
+    assert type(model.transformer.h[0].mlp.c_fc) is Float8Linear and type(model.transformer.h[0].attn.c_q) is nn.Linear
+    # nothing gains at a tiny width: said, and the run is plainly bf16
+    lines.clear()
+    tiny = meta_model(GPTConfig(sequence_len=32, vocab_size=100, n_layer=1, n_head=2, n_kv_head=2, n_embd=64))
+    fp8.apply_fp8(tiny, "tensorwise", "meta", log=lines.append)
+    assert "0 of 6" in lines[0] and "--fp8_filter=all converts them anyway" in lines[-1]

@@ -36,7 +36,7 @@ def run(recipe, rank, world):
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     if recipe != "none":
-        convert_to_fp8(model, recipe, fsdp=False, emulate=True)
+        convert_to_fp8(model, recipe, fsdp=False, emulate=True, filter="all")
     apply_fsdp(model)
     opts = setup_fsdp_optimizers(model, use_muon=True)
     g = torch.Generator().manual_seed(1)
@@ -71,14 +71,14 @@ def check_scales():
     for recipe in ("none", "tensorwise", "rowwise"):
         model = GPT(CONFIG, attn="sdpa")
         if recipe != "none":
-            convert_to_fp8(model, recipe, fsdp=True, emulate=True)
+            convert_to_fp8(model, recipe, fsdp=True, emulate=True, filter="all")
         parallel = FSDP()
         parallel.wrap(model, "cpu")
         detected[recipe] = parallel.fp8_all_gather
     torch.manual_seed(0)
     model = GPT(CONFIG, attn="sdpa")
     model.init_weights("nanochat")
-    convert_to_fp8(model, "tensorwise", fsdp=True, emulate=True)
+    convert_to_fp8(model, "tensorwise", fsdp=True, emulate=True, filter="all")
     parallel = FSDP()
     model = parallel.wrap(model, "cpu")
     linears = [m for m in model.modules() if isinstance(m, Float8Linear)]

@@ -1,0 +1,289 @@
+"""
+Attention kernels (`--attn`), chosen per device and never silently.
+
+    choice = resolve_attn("auto", torch.device("cuda"))   # -> Attn(name='sdpa', order=('cudnn', 'flash', ...), why=...)
+    y = attention(q, k, v, choice)                         # q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D) -> (B, Hq, Tq, D)
+
+Backends:
+- `sdpa`: PyTorch's scaled_dot_product_attention with an explicit kernel order for the device (SDPA_ORDERS below:
+  cuDNN first on Hopper, FlashAttention-2 first elsewhere, torch's CPU flash kernel on CPU). SDPA runs the first
+  kernel of the order that takes the inputs (e.g. a masked decode step skips flash), so one order serves training,
+  prefill and decode. Ships with torch: nothing to download.
+- `sdpa_cudnn`, `sdpa_flash`, `sdpa_efficient`, `sdpa_math`: SDPA pinned to that one kernel (for benchmarks and
+  checks; `sdpa_math` is the reference the others are tested against). Refused where torch has no such kernel.
+- `flex`: torch's FlexAttention with a causal block mask (compiled with the model; eager it runs an unfused
+  reference). On CPU, torch has its forward but no backward: evaluation and chat run, training stops with torch's error.
+- `fa3`: FlashAttention-3 (Hopper), only when asked: through Hugging Face `kernels` at a pinned version
+  (FA3_KERNEL; it downloads from the Hub the first time), else an installed `flash_attn_interface` build.
+- `fa4`: FlashAttention-4 (`pip install flash-attn-4`, the optional extra `fa4`; Hopper and Blackwell), only when
+  asked, wrapped as torch custom ops so torch.compile traces it as one node.
+fa3/fa4 that cannot load are refused with the reason and the fix: there is no fallback. They run attention without
+a KV cache (training, evaluation); the engine's cached prefill/decode runs on the device's SDPA order (their
+KV-cache APIs are not wired), and the choice says so.
+
+`auto` is the table AUTO below, keyed by compute capability: `sdpa` with the device's order everywhere. It never
+picks fa3/fa4 (downloads, extra packages) and not flex until a measurement (bench/gpu_suite.sh attn) shows it faster.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ATTN_CHOICES = ("auto", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flex", "fa3", "fa4")
+
+_SDPB = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+# SDPA kernel order for `sdpa` (and so `auto`), by compute capability: (lowest, below, order, where it comes from).
+# Only Hopper's row differs from torch's own default order; none of these is measured by this project yet (the
+# `attn` part of bench/gpu_suite.sh measures them on one GPU and its table goes into docs/benchmarks.md).
+SDPA_ORDERS = (
+    ((0, 0), (8, 0), ("efficient", "math"), "pre-Ampere: no flash kernels below sm80 (torch's rule)"),
+    ((8, 0), (9, 0), ("flash", "efficient", "cudnn", "math"), "Ampere/Ada: FlashAttention-2 first (torch's default)"),
+    ((9, 0), (10, 0), ("cudnn", "flash", "efficient", "math"),
+     "Hopper: cuDNN attention 1.7-2.3x FlashAttention-2 on training shapes (transformers PR #48163, torchtitan); "
+     "not yet measured here"),
+    ((10, 0), (100, 0), ("flash", "cudnn", "efficient", "math"), "Blackwell and later: torch's default order, unmeasured"),
+)
+CPU_ORDER = ("flash", "math")  # torch's CPU flash kernel; math for what it cannot take
+AUTO = "sdpa"  # what auto picks at every capability (see the module doc for why not fa3/fa4/flex)
+
+FA3_KERNEL = ("kernels-community/flash-attn3", 1)  # Hub repo and the pinned version `kernels` downloads
+
+
+@dataclass(frozen=True)
+class Attn:
+    """A resolved choice: the backend's name, the SDPA kernel order it uses (also for cached decode), and why."""
+
+    name: str
+    order: tuple
+    why: str
+
+    def describe(self):
+        """One line for banners and reports, e.g. `sdpa (cudnn > flash > efficient > math)`."""
+        order = " > ".join(self.order)
+        if self.name in ("fa3", "fa4", "flex"):
+            return f"{self.name} (cached decode: sdpa {order})"
+        return f"{self.name} ({order})"
+
+
+def sdpa_order(capability):
+    """The SDPA kernel order of `sdpa` for a CUDA compute capability (major, minor), or None for CPU/MPS."""
+    if capability is None:
+        return CPU_ORDER, "CPU: torch's flash kernel, then math"
+    for lo, hi, order, why in SDPA_ORDERS:
+        if lo <= tuple(capability) < hi:
+            return order, why
+    raise ValueError(f"no SDPA order for compute capability {capability}")
+
+
+def choose(attn, capability, load=None):
+    """
+    The selection rule, a pure function so it is tested for every capability: `attn` (an ATTN_CHOICES value),
+    `capability` (CUDA (major, minor), or None off CUDA), `load(name)` -> None when fa3/fa4 loaded, else the reason.
+    Returns an Attn; raises ValueError/RuntimeError naming what to use instead when the choice cannot run.
+    """
+    if attn not in ATTN_CHOICES:
+        raise ValueError(f"--attn must be one of {'|'.join(ATTN_CHOICES)}, got {attn!r}")
+    order, why = sdpa_order(capability)
+    where = "CPU/MPS" if capability is None else f"a GPU of compute capability {capability[0]}.{capability[1]}"
+    if attn in ("auto", "sdpa"):
+        return Attn("sdpa", order, ("auto: " if attn == "auto" else "") + why)
+    if attn.startswith("sdpa_"):
+        kernel = attn.removeprefix("sdpa_")
+        runs = kernel == "math" or (capability is None and kernel == "flash") or (
+            capability is not None and (kernel != "flash" or tuple(capability) >= (8, 0))
+            and (kernel != "cudnn" or tuple(capability) >= (8, 0)))
+        if not runs:
+            raise RuntimeError(f"--attn={attn}: torch has no {kernel} attention kernel for {where}; use --attn=sdpa")
+        return Attn(attn, (kernel,), "asked for")
+    if attn == "flex":
+        return Attn("flex", order, "asked for; cached decode runs SDPA's order")
+    # fa3 / fa4: only when asked, never a fallback
+    need = {"fa3": ((9, 0), (10, 0), "Hopper (9.x)"), "fa4": ((9, 0), (11, 0), "Hopper or Blackwell (9.x, 10.x)")}[attn]
+    if capability is None or not need[0] <= tuple(capability) < need[1]:
+        raise RuntimeError(f"--attn={attn} needs a {need[2]} GPU, but the model is on {where}; use --attn=sdpa")
+    reason = (load or load_flash)(attn)
+    if reason is not None:
+        raise RuntimeError(f"--attn={attn}: {reason}; or use --attn=sdpa")
+    return Attn(attn, order, "asked for; cached decode runs SDPA's order")
+
+
+def resolve_attn(attn, device):
+    """choose() for a real device: reads its compute capability and loads fa3/fa4 when asked."""
+    device = torch.device(device)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return choose(attn, capability)
+
+
+def attn_flag():
+    """--attn, as every script that builds or loads a model declares it."""
+    from nanochat.configurator import Flag
+
+    return Flag("attn", "auto", "attention kernel: auto = sdpa with the GPU's kernel order (cuDNN first on Hopper); "
+                "sdpa_cudnn|sdpa_flash|sdpa_efficient|sdpa_math pin one SDPA kernel; flex = FlexAttention; fa3 = "
+                "FlashAttention-3 via `kernels` (downloads once) or flash_attn_interface; fa4 = flash-attn-4 "
+                "(docs/gpu.md#attention)", choices=list(ATTN_CHOICES))
+
+
+# -----------------------------------------------------------------------------
+# The call
+
+
+def attention(q, k, v, choice, mask=None):
+    """
+    Causal attention of q (B, Hq, Tq, D) over k, v (B, Hkv, Tk, D), Hkv dividing Hq (grouped-query): query i sits at
+    position Tk - Tq + i (a cached prefix comes first). `mask` (bool, broadcastable to (B, Hq, Tq, Tk), True = attend)
+    replaces that rule: the engine's fixed-shape decode step attends a static cache up to its current length.
+    Returns (B, Hq, Tq, D) in q's dtype.
+    """
+    Tq, Tk = q.size(2), k.size(2)
+    gqa = q.size(1) != k.size(1)
+    if choice.name in ("fa3", "fa4") and mask is None and Tq == Tk:
+        fn = _FLASH[choice.name]
+        dtype = q.dtype
+        half = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16  # FA runs in half precision only
+        q, k, v = (t.transpose(1, 2).to(half) for t in (q, k, v))  # FA takes (B, T, H, D); GQA is native
+        return fn(q, k, v).to(dtype).transpose(1, 2)
+    if choice.name == "flex" and (mask is None and (Tq == Tk or Tq == 1)):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        block_mask = None if Tq == 1 else _causal_block_mask(Tq, q.device)  # one new token sees everything cached
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    with sdpa_kernel([_SDPB[n] for n in choice.order], set_priority=True):
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        if Tq == Tk:  # training, or a prefill into an empty cache
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if Tq == 1:  # one new token attends to everything cached so far
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        # a chunk after a cached prefix: all of the prefix, causal within the chunk
+        chunk = torch.ones((Tq, Tk), dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=chunk, enable_gqa=gqa)
+
+
+_BLOCK_MASKS = {}
+
+
+def _causal_block_mask(T, device):
+    """FlexAttention's causal block mask for T x T, built once per (T, device): building it costs a kernel launch
+    per block row, and every layer and step of a run asks for the same one."""
+    key = (T, str(device))
+    if key not in _BLOCK_MASKS:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        _BLOCK_MASKS[key] = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T, device=device)
+    return _BLOCK_MASKS[key]
+
+
+# -----------------------------------------------------------------------------
+# FlashAttention-3 / -4: loaded once per process, only when asked for
+
+
+_FLASH = {}  # name -> fn(q, k, v) causal attention on (B, T, H, D), once loaded
+_FLASH_ERROR = {}  # name -> why it could not be loaded (cached: a failed Hub lookup is not retried)
+
+
+def load_flash(name):
+    """Load fa3 or fa4 once; None when it loaded, else the reason with the fix (cached)."""
+    if name in _FLASH:
+        return None
+    if name not in _FLASH_ERROR:
+        try:
+            _FLASH[name] = _load_fa3() if name == "fa3" else _load_fa4()
+            return None
+        except RuntimeError as e:
+            _FLASH_ERROR[name] = str(e)
+    return _FLASH_ERROR[name]
+
+
+def _load_fa3():
+    """FA3 through `kernels` at the pinned version (a registered torch op: torch.compile traces it), then the
+    `flash_attn_interface` hopper build (its extension call may break the compiled graph: nanochat.compile says so).
+    NANOCHAT_FA3=0 skips the attempt (offline machines, where the Hub lookup would wait for its timeout)."""
+    if os.environ.get("NANOCHAT_FA3", "1") == "0":
+        raise RuntimeError("FlashAttention-3 is turned off by NANOCHAT_FA3=0")
+    reasons = []
+    try:
+        from kernels import get_kernel
+
+        repo, version = FA3_KERNEL
+        mod = get_kernel(repo, version=version)
+        fn = getattr(mod, "flash_attn_func", None) or mod.flash_attn_interface.flash_attn_func
+        return _first_output(fn)
+    except Exception as e:  # ImportError, no network, no build for this GPU/torch
+        reasons.append(f"kernels ({FA3_KERNEL[0]} version {FA3_KERNEL[1]}): {type(e).__name__}: {e}")
+    try:
+        from flash_attn_interface import flash_attn_func
+
+        return _first_output(flash_attn_func)
+    except Exception as e:  # ImportError, or a broken build raising at import
+        reasons.append(f"flash_attn_interface: {type(e).__name__}: {e}")
+    raise RuntimeError("FlashAttention-3 could not be loaded (pip install kernels, which downloads "
+                       f"{FA3_KERNEL[0]} version {FA3_KERNEL[1]} from the Hugging Face Hub once, or install the FA3 "
+                       f"hopper build providing flash_attn_interface): {'; '.join(reasons)}")
+
+
+def _first_output(fn):
+    def call(q, k, v):
+        y = fn(q, k, v, causal=True)
+        return y[0] if isinstance(y, tuple) else y  # some builds return (out, softmax_lse)
+    return call
+
+
+def _load_fa4():
+    try:
+        from flash_attn.cute import interface
+    except Exception as e:
+        raise RuntimeError(f"FlashAttention-4 could not be loaded ({type(e).__name__}: {e}): pip install flash-attn-4 "
+                           "(or pip install -e '.[fa4]')") from None
+    return register_fa4_ops(interface._flash_attn_fwd, interface._flash_attn_bwd)
+
+
+def register_fa4_ops(fwd, bwd):
+    """
+    FA4 is an autograd.Function that dynamo would break the graph at; its forward and backward are registered here
+    as two torch custom ops (`nanochat::fa4_fwd` returns (out, lse), `nanochat::fa4_bwd` (dq, dk, dv)) with fake
+    (shape) implementations and the autograd link between them, so torch.compile keeps the model in one graph.
+    fwd(q, k, v, causal=True) -> (out, lse); bwd(q, k, v, out, dout, lse, causal=True) -> (dq, dk, dv). Taking
+    them as arguments lets the CPU tests register a reference pair. Returns fn(q, k, v) on (B, T, H, D).
+    """
+    lib = "nanochat"
+    fwd_name, bwd_name = f"{lib}::fa4_fwd", f"{lib}::fa4_bwd"
+    if not hasattr(torch.ops.nanochat, "fa4_fwd"):
+        @torch.library.custom_op(fwd_name, mutates_args=())
+        def fa4_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out, lse = _FA4_IMPL["fwd"](q, k, v, causal=True)
+            return out.contiguous(), lse.contiguous()
+
+        @fa4_fwd.register_fake
+        def _(q, k, v):
+            B, T, H, _ = q.shape
+            return torch.empty_like(q), q.new_empty((B, H, T), dtype=torch.float32)
+
+        @torch.library.custom_op(bwd_name, mutates_args=())
+        def fa4_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                    lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            dq, dk, dv = _FA4_IMPL["bwd"](q, k, v, out, dout, lse, causal=True)
+            return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+        @fa4_bwd.register_fake
+        def _(q, k, v, out, dout, lse):
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(*inputs, *output)
+
+        def backward(ctx, dout, _dlse):
+            q, k, v, out, lse = ctx.saved_tensors
+            return torch.ops.nanochat.fa4_bwd(q, k, v, out, dout.contiguous(), lse)
+
+        fa4_fwd.register_autograd(backward, setup_context=setup_context)
+    _FA4_IMPL.update(fwd=fwd, bwd=bwd)
+    return lambda q, k, v: torch.ops.nanochat.fa4_fwd(q, k, v)[0]
+
+
+_FA4_IMPL = {}

@@ -101,3 +101,117 @@ def test_compiled_runs_without_deterministic_differ_in_reduction_order_only(base
     full, resumed = losses(base_dir, "full"), losses(base_dir, "resumed")
     for s in range(n + 1, 2 * n + 1):
         assert resumed[s] == pytest.approx(full[s], abs=RESUME_LOSS_TOL), (s, resumed[s], full[s])
+
+
+# ------------------------------------------------------------------ point 2: automatic resume
+
+
+def test_resume_flag_values():
+    from scripts import base_train as script
+    from nanochat.configurator import FlagError, parse_flags
+
+    assert training.parse_resume_step("auto") == "auto" and training.parse_resume_step("-1") == -1
+    assert training.parse_resume_step(" 40 ") == 40
+    for bad in ("latest", "-2", "1.5"):
+        with pytest.raises(ValueError, match=r"--resume_from_step must be a saved step number, auto .* or -1"):
+            training.parse_resume_step(bad)
+    flags = script.FLAGS
+    assert parse_flags(flags, ["--resume_from_step=auto"])["resume_from_step"] == "auto"
+    with pytest.raises((FlagError, ValueError), match="auto"):
+        parse_flags(flags, ["--resume_from_step=newest"])
+
+
+def write_step(d, step, world=1):
+    """A real complete step as save_checkpoint writes it (world optimizer files, meta with its world size)."""
+    for r in range(world):
+        save_checkpoint(str(d), step, {"w": torch.full((4,), float(step))} if r == 0 else None, [{"r": r}],
+                        {"step": step, "world_size": world}, rank=r)
+
+
+def test_latest_resumable_step_skips_incomplete_and_damaged_steps(tmp_path):
+    d = tmp_path / "d20"
+    assert latest_resumable_step(str(d)) is None  # no directory: a fresh start
+    for s in (2, 4, 6, 8):
+        write_step(d, s, world=2)
+    assert latest_resumable_step(str(d)) == 8 and step_problem(str(d), 8) is None
+    # step 8: killed mid-save (no meta); step 6: model cut short on disk; step 4: a rank's optimizer file lost
+    (d / "meta_000008.json").unlink()
+    data = (d / "model_000006.pt").read_bytes()
+    (d / "model_000006.pt").write_bytes(data[: len(data) // 2])
+    (d / "optim_000004_rank1.pt").unlink()
+    said = []
+    assert latest_resumable_step(str(d), log=said.append) == 2
+    assert len(said) == 3, said
+    assert "step 8" in said[0] and "meta_000008.json is missing" in said[0]
+    assert "step 6" in said[1] and "model_000006.pt is truncated" in said[1]
+    assert "step 4" in said[2] and "optim_000004_rank1.pt is missing" in said[2]
+    assert all("trying the step before it" in s for s in said)
+    # the model alone is enough where no optimizer state is resumed; a meta that is not JSON is named
+    assert latest_resumable_step(str(d), with_optimizer=False, log=said.append) == 4
+    (d / "meta_000002.json").write_text('{"step": 2, "world')
+    assert "meta_000002.json cannot be read" in step_problem(str(d), 2)
+
+
+def test_resolve_resume_step(tmp_path, capsys):
+    d = tmp_path / "d4"
+    assert training.resolve_resume_step("-1", str(d)) is None
+    assert training.resolve_resume_step("auto", str(d)) is None
+    assert "no complete checkpoint" in capsys.readouterr().out
+    write_step(d, 3)
+    write_step(d, 5)
+    (d / "optim_000005_rank0.pt").write_bytes(b"")
+    assert training.resolve_resume_step("auto", str(d)) == 3
+    out = capsys.readouterr().out
+    assert "skipping checkpoint step 5" in out and "optim_000005_rank0.pt is empty" in out
+    assert "resuming from step 3" in out
+    assert training.resolve_resume_step("5", str(d)) == 5  # a step asked for by number is loaded as asked
+
+
+def test_stop_signal_is_recorded_not_fatal():
+    stop = StopSignal().install()
+    try:
+        assert not stop.requested(torch.device("cpu"))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)  # a second notice while the first is honoured: still alive
+        assert stop.received == "SIGUSR1" and stop.requested(torch.device("cpu"))
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def start_base_train(base_dir, *args):
+    cmd = [sys.executable, "-m", "scripts.base_train", *TINY, *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(base_dir), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_line(proc, needle, seen):
+    for line in proc.stdout:
+        seen.append(line)
+        if needle in line:
+            return
+    pytest.fail(f"the run ended before printing {needle!r}:\n{''.join(seen[-40:])}")
+
+
+@pytest.mark.slow  # three short runs
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_stop_signal_saves_exits_0_and_auto_resume_finishes_the_same_run(base_dir, sig):
+    """A stop signal mid-run: the step finishes, a checkpoint of it is written, exit code 0; the same command with
+    --resume_from_step=auto then ends with the weights of a run that was never stopped."""
+    steps = 12
+    args = [f"--num_iterations={steps}", "--save_every=100"]
+    base_train(base_dir, *args, "--model_tag=full", threads=1)
+    proc, seen = start_base_train(base_dir, *args, "--model_tag=stopped", "--resume_from_step=auto"), []
+    wait_for_line(proc, f"step 00003/{steps:05d}", seen)
+    proc.send_signal(sig)
+    out = "".join(seen) + proc.stdout.read()
+    assert proc.wait(timeout=120) == 0, out[-3000:]
+    assert f"{sig.name} received: finishing this step" in out
+    stopped_at = latest_resumable_step(str(ckpt_dir(base_dir, "stopped")))
+    assert stopped_at is not None and 3 <= stopped_at < steps, out[-3000:]
+    assert f"Stopped at step {stopped_at} on a stop signal" in out
+    p = base_train(base_dir, *args, "--model_tag=stopped", "--resume_from_step=auto", threads=1)
+    assert f"resuming from step {stopped_at}" in p.stdout
+    assert_same_weights(final_weights(base_dir, "full", steps), final_weights(base_dir, "stopped", steps))
+    full, resumed = losses(base_dir, "full"), losses(base_dir, "stopped")
+    assert [resumed[s] for s in range(1, steps + 1)] == [full[s] for s in range(1, steps + 1)]

@@ -241,6 +241,9 @@ def main(argv=None):
                 save(step)
             report_stop(step, checkpoint_dir)
             break
+        if last_step and resume_step == num_iterations:  # a restart of a finished run: nothing to train or evaluate
+            print0(f"Step {step} is the last and is already saved in {checkpoint_dir}: base training is complete")
+            break
 
         if every(step, config["eval_every"], last_step):
             orig_model.eval()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from nanochat.batching import batch_arithmetic  # noqa: F401  (the scripts import it from here)
-from nanochat.checkpoint_manager import SHAPE_FIELDS, latest_resumable_step, load_checkpoint, save_checkpoint
+from nanochat.checkpoint_manager import SHAPE_FIELDS, latest_resumable_step, load_checkpoint, save_checkpoint, step_problem
 from nanochat.common import device_type_flag, peak_flops_for, print0
 from nanochat.dist import all_reduce_mean, compute_init, gather_objects, get_dist_info
 from nanochat.parallel import DataParallel
@@ -427,8 +427,8 @@ def resume_loop_state(meta, checkpoint_dir, step, keys):
     if missing:
         raise ValueError(
             f"{os.path.join(checkpoint_dir, f'meta_{step:06d}.json')} has no loop state to resume from (missing "
-            f"loop_state {', '.join(missing)}): step {step} was not saved by this repo's base_train (a nanochat "
-            f"checkpoint, or a hand-edited meta), so the run cannot continue from it"
+            f"loop_state {', '.join(missing)}): step {step} was not saved by this repo's training script for that stage "
+            f"(a nanochat checkpoint, or a hand-edited meta), so the run cannot continue from it"
             + (". Its model still loads for the later stages (mid_train, chat_cli, base_loss)"
                if isinstance(meta.get("model_config"), dict) else "")
         )
@@ -474,6 +474,32 @@ def resolve_resume_step(value, checkpoint_dir, with_optimizer=True):
     print0(f"--resume_from_step=auto: resuming from step {step} in {checkpoint_dir}" if step is not None
            else f"--resume_from_step=auto: no complete checkpoint in {checkpoint_dir}, starting fresh")
     return step
+
+
+def resume_run(config, checkpoint_dir, model, optimizers, device, parallel=None, keys=()):
+    """
+    --resume_from_step of mid_train, chat_sft and chat_rl: (start step, meta["loop_state"]) after restoring the model
+    and optimizers in place, or (0, None) for a fresh start. The scripts put their data source back where the saved
+    run had it by replaying it (re-rendering the batches before that step, training on none of them).
+    """
+    step = resolve_resume_step(config["resume_from_step"], checkpoint_dir)
+    if step is None:
+        return 0, None
+    meta, _ = load_train_state(checkpoint_dir, step, model, optimizers, device, parallel)
+    loop = resume_loop_state(meta, checkpoint_dir, step, keys)
+    print0(f"Resumed from step {step} in {checkpoint_dir}")
+    return step, loop
+
+
+def already_finished(config, checkpoint_dir, last_step):
+    """--resume_from_step=auto after the run's last step was saved (as the model alone, as SFT and RL save it): True,
+    with a message, so a restarted job does not train that stage again."""
+    if parse_resume_step(config["resume_from_step"]) != "auto":
+        return False
+    if step_problem(checkpoint_dir, last_step, with_optimizer=False) is not None:
+        return False
+    print0(f"Step {last_step} is the last and is already saved in {checkpoint_dir}: this stage is complete")
+    return True
 
 
 def save_stage_model(checkpoint_dir, step, model, meta, parallel=None):

@@ -306,6 +306,7 @@ def main(argv=None):
              "Total training time": format_duration(meter.total_time)},
         ])
     metrics.finish()
+    stop.uninstall()
     compute_cleanup()
     return {"val_bpb": val_bpb, "min_val_bpb": min_val_bpb, "num_iterations": num_iterations, "step": step}
 

@@ -5,7 +5,6 @@ and SIGTERM/SIGUSR1 (finish the step, save, exit 0, resume from there). The mult
 chaos test (kill -9 at random moments under torchrun --max-restarts), are in tests/test_resume_dist.py.
 """
 
-import json
 import os
 import shutil
 import signal
@@ -168,6 +167,7 @@ def test_resolve_resume_step(tmp_path, capsys):
 
 
 def test_stop_signal_is_recorded_not_fatal():
+    before = signal.getsignal(signal.SIGTERM)
     stop = StopSignal().install()
     try:
         assert not stop.requested(torch.device("cpu"))
@@ -176,7 +176,7 @@ def test_stop_signal_is_recorded_not_fatal():
         assert stop.received == "SIGUSR1" and stop.requested(torch.device("cpu"))
     finally:
         stop.uninstall()
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 def start_base_train(base_dir, *args):

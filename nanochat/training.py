@@ -58,7 +58,7 @@ def autocast_ctx(device_type, dtype):
 # kernels. The one that shows on CPU: Inductor's C++ backend turns the embedding backward (embedding_dense_backward
 # -> index_put_(accumulate=True), a scatter-add of every token's gradient into its row of wte.grad) into a loop run by
 # all OpenMP threads with atomic_add, so tokens that share an id are summed in whatever order the threads reach them.
-# wte then differs by ~1e-5 after a step and the rest of the model follows (~1e-6). With one thread, or eager, the
+# wte then differs by ~1e-5 after a few steps and the rest of the model follows (~1e-6). With one thread, or eager, the
 # kernel is a plain ordered loop. On CUDA, atomics in index_add/scatter and in attention backwards do the same.
 
 

@@ -72,8 +72,8 @@ def assert_same_weights(a, b):
 
 @pytest.mark.slow  # three compiled runs
 def test_compiled_resume_is_bit_exact_with_deterministic(base_dir):
-    """--compile=1 --deterministic=1: N steps + resume + N steps == 2N steps, every weight bit for bit; and two
-    fresh runs are identical too (without the flag they are not: the next test)."""
+    """--compile=1 --deterministic=1: N steps + resume + N steps == 2N steps, every loss and every weight bit for bit
+    (without the flag even two fresh runs differ: the next test)."""
     n = 3
     base_train(base_dir, "--compile=1", "--deterministic=1", f"--num_iterations={2 * n}", f"--save_every={n}",
                "--model_tag=full")

@@ -94,7 +94,7 @@ def chaos_plan(rng):
     """Three deaths, one per life of the job: a random rank, during a random step with a random delay into it (so the
     kill lands anywhere: forward, all-reduce, optimizer, between steps), then during a save, then again mid-step."""
     def mid_step():
-        return {"rank": rng.randrange(2), "at": "step", "n": rng.randint(2, 4), "delay": round(rng.uniform(0, 0.3), 3)}
+        return {"rank": rng.randrange(2), "at": "step", "n": rng.randint(2, 3), "delay": round(rng.uniform(0, 0.1), 3)}
 
     return {"0": mid_step(), "1": {"rank": rng.randrange(2), "at": "save", "n": 1}, "2": mid_step()}
 

@@ -11,6 +11,11 @@ Writes are atomic (temp file, fsync, rename) and meta is written last, after eve
 file, so a step "exists" only when it is complete. A crash mid-save leaves the previous step loadable; loading skips
 incomplete steps with a warning. A complete step whose files were damaged later (a truncated copy) is not skipped:
 loading it names the file and the previous complete step to fall back to.
+
+Automatic resume (`--resume_from_step=auto`, `latest_resumable_step`) is stricter: it takes the latest step that
+`step_problem` finds nothing wrong with (all files present, meta readable, torch files not cut short, one optimizer
+file per rank that wrote it) and names every later step it skips and why, so a job restarted after a crash in the
+middle of a save, or on a damaged disk, goes on from the previous good step by itself.
 """
 
 import glob
@@ -283,6 +288,65 @@ def find_largest_model(checkpoints_dir):
     if depth_tags:
         return max(depth_tags)[1]
     return max(tags, key=lambda t: os.path.getmtime(os.path.join(checkpoints_dir, t)))
+
+
+def step_problem(checkpoint_dir, step, with_optimizer=True):
+    """
+    What stops `step` from being resumed from, as a sentence, or None when it is complete. The one completeness check
+    of automatic resume: a layout with other files (e.g. sharded checkpoints) adds its checks here. Reads only the
+    meta and the ends of the torch files (their zip directory), not the tensors.
+    """
+    from nanochat.sharded_checkpoint import is_sharded_step_complete
+
+    model_path, meta_path, _ = _paths(checkpoint_dir, step)
+    if not os.path.exists(model_path) and is_sharded_step_complete(checkpoint_dir, step):
+        # a sharded step (FSDP) is renamed into place only once every rank's shard, DCP's index and the meta are
+        # written (nanochat/sharded_checkpoint.py): complete means resumable, model and optimizer state alike
+        return None
+    for path in (model_path, meta_path):
+        if not os.path.exists(path):
+            return f"{os.path.basename(path)} is missing (the save did not finish)"
+    try:
+        with open(meta_path, "r", encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{os.path.basename(meta_path)} cannot be read ({short_error(e)})"
+    if not isinstance(meta, dict):
+        return f"{os.path.basename(meta_path)} is not a JSON object"
+    paths = [model_path]
+    if with_optimizer:
+        world = meta.get("world_size", 1)
+        paths += [_paths(checkpoint_dir, step, r)[2] for r in range(world if isinstance(world, int) and world > 0 else 1)]
+    for path in paths:
+        if not os.path.exists(path):
+            return f"{os.path.basename(path)} is missing"
+        problem = torch_file_problem(path)
+        if problem:
+            return f"{os.path.basename(path)} {problem}"
+    return None
+
+
+def latest_resumable_step(checkpoint_dir, with_optimizer=True, log=None):
+    """
+    The latest step of checkpoint_dir that step_problem passes, or None when there is none (or no directory). Each
+    later step it passes over is reported through `log` (default: a logger warning) with its problem.
+    """
+    log = log or logger.warning
+    if not os.path.isdir(checkpoint_dir):
+        return None
+    from nanochat.sharded_checkpoint import sharded_steps
+
+    steps = set(_model_steps(checkpoint_dir)) | set(sharded_steps(checkpoint_dir))
+    for path in glob.glob(os.path.join(checkpoint_dir, "meta_*.json")):
+        m = re.fullmatch(r"meta_(\d+)\.json", os.path.basename(path))
+        if m:
+            steps.add(int(m.group(1)))
+    for step in sorted(steps, reverse=True):
+        problem = step_problem(checkpoint_dir, step, with_optimizer)
+        if problem is None:
+            return step
+        log(f"skipping checkpoint step {step} in {checkpoint_dir}: {problem}; trying the step before it")
+    return None
 
 
 def find_last_step(checkpoint_dir):

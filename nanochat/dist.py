@@ -108,6 +108,24 @@ def dist_timeout():
     return datetime.timedelta(minutes=minutes)
 
 
+def init_process_group(backend, **kwargs):
+    """
+    dist.init_process_group from torchrun's environment (env://), with dist_timeout(). After torchrun restarted the
+    workers (--max-restarts; TORCHELASTIC_RESTART_COUNT > 0) the process group's keys go under a prefix of their own:
+    the store can outlive a restart, and the addresses the dead ranks published there would otherwise be read by the
+    new ones (gloo then fails with "connectFullMesh ... Connection refused").
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart in ("", "0"):
+        return dist.init_process_group(backend=backend, timeout=dist_timeout(), **kwargs)
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world = next(rendezvous("env://", timeout=dist_timeout()))
+    store = dist.PrefixStore(f"nanochat/restart_{restart}/", store)
+    return dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=dist_timeout(),
+                                   **kwargs)
+
+
 def compute_init(device_type=None, seed=42):
     """
     Seed, pick the device and, under torchrun, init the process group (nccl on CUDA, gloo on CPU) with dist_timeout().
@@ -138,14 +156,14 @@ def compute_init(device_type=None, seed=42):
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         if not dist.is_initialized():
-            dist.init_process_group(backend="nccl", device_id=device, timeout=dist_timeout())
+            init_process_group("nccl", device_id=device)
         dist.barrier()
     elif ddp:
         if device_type == "mps":
             raise CannotRun("distributed training on MPS is not supported; use --device_type=cpu under torchrun")
         device = torch.device("cpu")
         if not dist.is_initialized():
-            dist.init_process_group(backend="gloo", timeout=dist_timeout())
+            init_process_group("gloo")
         dist.barrier()
     else:
         device = torch.device(device_type)

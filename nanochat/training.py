@@ -3,6 +3,7 @@ The pieces of a training run that base, mid and SFT training share (RL reuses th
 
 - `setup_run` -> `RunContext`: device, ranks and compute dtype of this process (its `autocast()` for forward).
 - `resolve_dtype` / `autocast_ctx`: bf16 autocast on CUDA, plain fp32 elsewhere.
+- `set_deterministic`: --deterministic, bit-for-bit reproducible runs (and resumes) under torch.compile too.
 - `build_model`: GPT from a config (meta device -> real device -> init); `check_model_options` / `apply_model_options`:
   activation checkpointing and FP8 from the flags. Sharding, optimizers and the state dict
   format of each parallelism strategy are in nanochat/parallel.py; collectives in nanochat/dist.py.
@@ -16,6 +17,7 @@ The pieces of a training run that base, mid and SFT training share (RL reuses th
   run continues exactly like an uninterrupted one; `save_stage_model`: the model and meta only (SFT, RL). On the
   FSDP path both write sharded checkpoints (nanochat/sharded_checkpoint.py: every rank its shard, resumable on another
   number of ranks) unless --checkpoint_format=single.
+- `resume_flag` / `resolve_resume_step`: --resume_from_step=N|auto|-1, the same answer on every rank.
 """
 
 import contextlib
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from nanochat.batching import batch_arithmetic  # noqa: F401  (the scripts import it from here)
-from nanochat.checkpoint_manager import SHAPE_FIELDS, load_checkpoint, save_checkpoint
+from nanochat.checkpoint_manager import SHAPE_FIELDS, latest_resumable_step, load_checkpoint, save_checkpoint, step_problem
 from nanochat.common import device_type_flag, peak_flops_for, print0
 from nanochat.dist import all_reduce_mean, compute_init, gather_objects, get_dist_info
 from nanochat.parallel import DataParallel
@@ -50,6 +52,38 @@ def autocast_ctx(device_type, dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.amp.autocast(device_type=device_type, dtype=dtype)
+
+
+# -----------------------------------------------------------------------------
+# determinism
+#
+# Without --deterministic a run is reproducible except for the order of floating-point additions in a few parallel
+# kernels. The one that shows on CPU: Inductor's C++ backend turns the embedding backward (embedding_dense_backward
+# -> index_put_(accumulate=True), a scatter-add of every token's gradient into its row of wte.grad) into a loop run by
+# all OpenMP threads with atomic_add, so tokens that share an id are summed in whatever order the threads reach them.
+# wte then differs by ~1e-5 after a few steps and the rest of the model follows (~1e-6). With one thread, or eager, the
+# kernel is a plain ordered loop. On CUDA, atomics in index_add/scatter and in attention backwards do the same.
+
+
+def set_deterministic(enabled, device_type):
+    """
+    --deterministic: every kernel picks a fixed reduction order, so the same run (and N steps + resume + N steps)
+    gives the same bits. torch.use_deterministic_algorithms(True) also makes Inductor keep scatter-adds and
+    index_put(accumulate) out of its generated code (aten's ordered kernels run instead); inductor's `deterministic`
+    turns off benchmark-based kernel choices. On CUDA, cuBLAS needs a fixed workspace (CUBLAS_WORKSPACE_CONFIG, read
+    at its first call: set here, before the model exists) and cuDNN its deterministic algorithms. Costs some speed:
+    off by default.
+    """
+    if not enabled:
+        return
+    import torch._inductor.config as inductor_config
+
+    if device_type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
+    inductor_config.deterministic = True
 
 
 @dataclass(frozen=True)
@@ -78,6 +112,7 @@ def setup_run(config):
     compute dtype for --dtype. Returns a RunContext.
     """
     ddp, rank, local_rank, world_size, device = compute_init(config["device_type"] or None, seed=config["seed"])
+    set_deterministic(config.get("deterministic"), device.type)
     return RunContext(ddp, rank, local_rank, world_size, device, resolve_dtype(config["dtype"], device.type))
 
 
@@ -432,12 +467,79 @@ def resume_loop_state(meta, checkpoint_dir, step, keys):
     if missing:
         raise BadValue(
             f"{os.path.join(checkpoint_dir, f'meta_{step:06d}.json')} has no loop state to resume from (missing "
-            f"loop_state {', '.join(missing)}): step {step} was not saved by this repo's base_train (a nanochat "
-            f"checkpoint, or a hand-edited meta), so the run cannot continue from it"
+            f"loop_state {', '.join(missing)}): step {step} was not saved by this repo's training script for that stage "
+            f"(a nanochat checkpoint, or a hand-edited meta), so the run cannot continue from it"
             + (". Its model still loads for the later stages (mid_train, chat_cli, base_loss)"
                if isinstance(meta.get("model_config"), dict) else "")
         )
     return loop
+
+
+def parse_resume_step(value):
+    """--resume_from_step: 'auto', or a step number (-1 = start fresh)."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    try:
+        step = int(text)
+    except ValueError:
+        step = None
+    if step is None or step < -1:
+        raise ValueError(f"--resume_from_step must be a saved step number, auto (the latest complete step) or -1 "
+                         f"(start fresh), got {value!r}")
+    return step
+
+
+def resume_flag():
+    """--resume_from_step, as every training script declares it."""
+    from nanochat.configurator import Flag
+
+    return Flag("resume_from_step", "-1", "resume from this saved step of the run's checkpoint directory; auto = the "
+                "latest complete step (fresh when there is none; a damaged latest step is skipped, with a message, "
+                "for the one before), -1 = start fresh", type=str, check=parse_resume_step)
+
+
+def resolve_resume_step(value, checkpoint_dir, with_optimizer=True):
+    """
+    The step to resume from, or None for a fresh start. auto: rank 0 looks for the latest complete step
+    (checkpoint_manager.latest_resumable_step; resuming reads the checkpoint on every rank, so it sits on a filesystem
+    all nodes share) and every rank gets its answer, so all ranks load the same step.
+    """
+    choice = parse_resume_step(value)
+    if choice != "auto":
+        return None if choice < 0 else choice
+    _, rank, _, _ = get_dist_info()
+    found = latest_resumable_step(checkpoint_dir, with_optimizer, log=print) if rank == 0 else None
+    step = gather_objects(found)[0]
+    print0(f"--resume_from_step=auto: resuming from step {step} in {checkpoint_dir}" if step is not None
+           else f"--resume_from_step=auto: no complete checkpoint in {checkpoint_dir}, starting fresh")
+    return step
+
+
+def resume_run(config, checkpoint_dir, model, optimizers, device, parallel=None, keys=()):
+    """
+    --resume_from_step of mid_train, chat_sft and chat_rl: (start step, meta["loop_state"]) after restoring the model
+    and optimizers in place, or (0, None) for a fresh start. The scripts put their data source back where the saved
+    run had it by replaying it (re-rendering the batches before that step, training on none of them).
+    """
+    step = resolve_resume_step(config["resume_from_step"], checkpoint_dir)
+    if step is None:
+        return 0, None
+    meta, _ = load_train_state(checkpoint_dir, step, model, optimizers, device, parallel)
+    loop = resume_loop_state(meta, checkpoint_dir, step, keys)
+    print0(f"Resumed from step {step} in {checkpoint_dir}")
+    return step, loop
+
+
+def already_finished(config, checkpoint_dir, last_step):
+    """--resume_from_step=auto after the run's last step was saved (as the model alone, as SFT and RL save it): True,
+    with a message, so a restarted job does not train that stage again."""
+    if parse_resume_step(config["resume_from_step"]) != "auto":
+        return False
+    if step_problem(checkpoint_dir, last_step, with_optimizer=False) is not None:
+        return False
+    print0(f"Step {last_step} is the last and is already saved in {checkpoint_dir}: this stage is complete")
+    return True
 
 
 def save_stage_model(checkpoint_dir, step, model, meta, parallel=None):
@@ -494,7 +596,7 @@ def dtype_flag():
 
 
 def run_flags():
-    """Every training script's: wandb run, device, compute dtype, seed."""
+    """Every training script's: wandb run, device, compute dtype, seed, determinism, resume."""
     from nanochat.configurator import Flag
 
     return [
@@ -502,6 +604,8 @@ def run_flags():
         device_type_flag(),
         dtype_flag(),
         Flag("seed", 42, "random seed (model init, data order, sampling)"),
+        Flag("deterministic", False, "deterministic kernels (torch and Inductor): a run and its resumes repeat bit for "
+             "bit, compiled too; somewhat slower (nanochat/training.py set_deterministic)"),
     ]
 
 

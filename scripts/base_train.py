@@ -27,14 +27,14 @@ from nanochat.gpt import config_for_depth
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.metrics import MetricsLogger
 from nanochat.parallel import parallel_from_config
+from nanochat.preemption import StopSignal, report_stop
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.training import (
     CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, ProgressMeter, apply_schedule, assert_finite, batch_arithmetic,
     build_model, eval_steps_for, every, format_duration, apply_model_options, check_model_options, load_train_state,
-    lr_multiplier, memory_flags, muon_momentum, optimizer_flags, resume_loop_state, run_flags, save_train_state,
-    schedule_flags, setup_run,
-    train_step
+    lr_multiplier, memory_flags, muon_momentum, optimizer_flags, resolve_resume_step, resume_flag, resume_loop_state,
+    run_flags, save_train_state, schedule_flags, setup_run, train_step
 )
 from nanochat.usage import BadValue, run_main
 
@@ -72,7 +72,7 @@ FLAGS = Flags(
          f"({CPU_CORE_MAX_PER_TASK} on CPU, where {CORE_MAX_PER_TASK} means ~11k forwards)", type=int, min=-1),
     Flag("sample_every", 2000, "print a few greedy samples every this many steps"),
     Flag("save_every", -1, "intermediate checkpoint every this many steps (the final step is always saved)"),
-    Flag("resume_from_step", -1, "resume from this saved step of --model_tag (-1: start fresh)", min=-1),
+    resume_flag(),
     Flag("model_tag", None, "checkpoint directory name under base_checkpoints/; auto = d<depth>", type=str),
     "systems",
     compile_flag(),
@@ -177,8 +177,9 @@ def main(argv=None):
     meter = ProgressMeter(total_batch, flops_per_token, device, world_size, num_iterations)
     start_step, min_val_bpb, val_bpb = 0, float("inf"), None
     loader_states = [None] * (data_world if world_size == 1 else 1)
-    if config["resume_from_step"] >= 0:
-        start_step = config["resume_from_step"]
+    resume_step = resolve_resume_step(config["resume_from_step"], checkpoint_dir)
+    if resume_step is not None:
+        start_step = resume_step
         meta, my_state = load_train_state(checkpoint_dir, start_step, orig_model, optimizers, device, parallel)
         loop = resume_loop_state(meta, checkpoint_dir, start_step, ("meter", "min_val_bpb", "data_loader_states"))
         meter.load_state_dict(loop["meter"])
@@ -213,7 +214,6 @@ def main(argv=None):
         return tokenizing_distributed_data_loader(B, Tlen, "val", device=device_type, tokenizer=tokenizer,
                                                   rank=data_rank, world_size=dp_world)
 
-    resume_step = start_step if config["resume_from_step"] >= 0 else None
     metrics = MetricsLogger(os.path.join(checkpoint_dir, "metrics.jsonl"),
                             get_wandb(config["run"], "nanochat", user_config, master), master, resume_step)
     metrics.log(start_step, {"system/attn": orig_model.attn_choice.describe()})  # the kernel that ran, not just --attn
@@ -240,8 +240,17 @@ def main(argv=None):
     # ---------------------------------------------------------------- the loop
     core_metric = None
     step = start_step
+    stop = StopSignal().install()  # SIGTERM/SIGUSR1: finish the step, save, exit 0 (nanochat/preemption.py)
     for step in range(start_step, num_iterations + 1):
         last_step = step == num_iterations
+        if stop.requested(device):  # every rank gets the same answer at the same step
+            if step > start_step:
+                save(step)
+            report_stop(step, checkpoint_dir)
+            break
+        if last_step and resume_step == num_iterations:  # a restart of a finished run: nothing to train or evaluate
+            print0(f"Step {step} is the last and is already saved in {checkpoint_dir}: base training is complete")
+            break
 
         if every(step, config["eval_every"], last_step):
             orig_model.eval()
@@ -305,6 +314,7 @@ def main(argv=None):
              "Total training time": format_duration(meter.total_time)},
         ])
     metrics.finish()
+    stop.uninstall()
     compute_cleanup()
     return {"val_bpb": val_bpb, "min_val_bpb": min_val_bpb, "num_iterations": num_iterations, "step": step}
 

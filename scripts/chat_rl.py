@@ -31,9 +31,11 @@ from nanochat.attention import attn_flag
 from nanochat.engine import Engine, decode_compile_flag
 from nanochat.metrics import MetricsLogger
 from nanochat.parallel import parallel_from_config
+from nanochat.preemption import StopSignal, report_stop
 from nanochat.training import (
-    apply_model_options, apply_schedule, assert_finite, every, lr_multiplier, memory_flags, optimizer_flags, run_flags,
-    save_stage_model, setup_run, source_flags, train_step
+    already_finished, apply_model_options, apply_schedule, assert_finite, every, lr_multiplier, memory_flags,
+    optimizer_flags, resume_flag, resume_run, run_flags, save_stage_model, save_train_state, setup_run, source_flags,
+    train_step
 )
 from nanochat.usage import BadValue, run_main
 
@@ -64,7 +66,9 @@ FLAGS = Flags(
     "periodic actions (<= 0 turns one off)",
     Flag("eval_every", 60, "pass@k on GSM8K test every this many steps"),
     Flag("eval_examples", 400, "GSM8K test questions for pass@k", min=1),
-    Flag("save_every", 60, "checkpoint every this many steps (the final step is always saved)"),
+    Flag("save_every", 60, "checkpoint every this many steps, with the optimizer state to resume from (the final "
+         "step is always saved, as the model alone)"),
+    resume_flag(),
 )
 DEFAULTS = FLAGS.defaults()
 
@@ -194,20 +198,38 @@ def main(argv=None):
     example_indices = itertools.cycle(range(rank, len(train_task), world_size))  # this rank's questions
     model_tag = config["model_tag"] or f"d{model_config.n_layer}"
     checkpoint_dir = os.path.join(checkpoint_root("rl"), model_tag)
-    metrics = MetricsLogger(os.path.join(checkpoint_dir, "metrics.jsonl"),
-                            get_wandb(config["run"], "nanochat-rl", user_config, master), master)
 
-    def save(step, passk):
+    def save(step, passk, final):
         meta = {"model_config": vars(model_config), "user_config": user_config, "pass_at_k": passk,
                 "source": {"phase": config["source"], "model_tag": config["model_tag"] or None, "step": source_meta.get("step")}}
-        save_stage_model(checkpoint_dir, step, model, meta, parallel)
+        if final:  # nanochat's RL checkpoint: the model alone
+            save_stage_model(checkpoint_dir, step, model, meta, parallel)
+        else:  # one to resume from: the optimizer state too
+            save_train_state(checkpoint_dir, step, model, optimizers, dict(meta, loop_state={"pass_at_k": passk}),
+                             None, parallel)
         print0(f"Saved RL checkpoint step {step} to {checkpoint_dir}")
 
+    if already_finished(config, checkpoint_dir, num_iterations):
+        compute_cleanup()
+        return {"step": num_iterations, "pass_at_k": None, "rewards": [], "checkpoint_dir": checkpoint_dir}
+    start_step, loop = resume_run(config, checkpoint_dir, model, optimizers, device, parallel, ("pass_at_k",))
+    for _ in range(start_step * examples_per_rank):  # the questions the saved run already trained on
+        next(example_indices)
+    metrics = MetricsLogger(os.path.join(checkpoint_dir, "metrics.jsonl"),
+                            get_wandb(config["run"], "nanochat-rl", user_config, master), master,
+                            start_step if loop is not None else None)
+
     # ---------------------------------------------------------------- the loop
-    passk = None
-    step = 0
-    for step in range(num_iterations + 1):
+    passk = loop["pass_at_k"] if loop else None
+    step = start_step
+    stop = StopSignal().install()  # SIGTERM/SIGUSR1: finish the step, save, exit 0 (nanochat/preemption.py)
+    for step in range(start_step, num_iterations + 1):
         last_step = step == num_iterations
+        if stop.requested(device):
+            if step > start_step:
+                save(step, passk, final=False)
+            report_stop(step, checkpoint_dir)
+            break
 
         if every(step, config["eval_every"], last_step):
             model.eval()
@@ -218,8 +240,8 @@ def main(argv=None):
             metrics.log(step, {f"eval/pass@{k + 1}": p for k, p in enumerate(passk)},
                         console=f"step {step:05d} | " + " | ".join(f"pass@{k + 1}: {p:.4f}" for k, p in enumerate(passk)))
 
-        if step > 0 and (every(step, config["save_every"], last_step, at_last=False) or last_step):
-            save(step, passk)
+        if step > start_step and (every(step, config["save_every"], last_step, at_last=False) or last_step):
+            save(step, passk, final=last_step)
 
         if last_step:
             break
@@ -273,6 +295,7 @@ def main(argv=None):
             {f"GSM8K test pass@{k + 1}": p for k, p in enumerate(passk)} if passk else {},
         ])
     metrics.finish()
+    stop.uninstall()
     compute_cleanup()
     return {"step": step, "pass_at_k": passk, "rewards": [r for _, r in metrics.curve("rl/reward")],
             "checkpoint_dir": checkpoint_dir}

@@ -28,9 +28,11 @@ from nanochat.conversation_data import check_stage_model, load_stage_model, scal
 from nanochat.dist import all_reduce_mean
 from nanochat.metrics import MetricsLogger
 from nanochat.parallel import parallel_from_config
+from nanochat.preemption import StopSignal, report_stop
 from nanochat.training import (
-    MicroBatches, ProgressMeter, apply_model_options, apply_schedule, assert_finite, every, lr_multiplier, memory_flags,
-    optimizer_flags, run_flags, save_stage_model, setup_run, source_flags, train_step
+    MicroBatches, ProgressMeter, already_finished, apply_model_options, apply_schedule, assert_finite, every,
+    lr_multiplier, memory_flags, optimizer_flags, resume_flag, resume_run, run_flags, save_stage_model,
+    save_train_state, setup_run, source_flags, train_step
 )
 from nanochat.usage import BadValue, run_main
 from tasks.suites import build_mixture, held_out_tasks
@@ -55,6 +57,10 @@ FLAGS = Flags(
     Flag("eval_steps", 100, "validation batches per rank", min=1),
     Flag("eval_metrics_every", 200, "MMLU and ARC-Easy accuracy every this many steps"),
     Flag("eval_metrics_max_problems", 1024, "problems per task for those accuracies", min=1),
+    "checkpoints",
+    Flag("save_every", -1, "checkpoint every this many steps, with the optimizer state to resume from (the final step "
+         "is always saved, as the model alone)"),
+    resume_flag(),
     "systems",
     attn_flag(),
     memory_flags(),
@@ -153,9 +159,16 @@ def main(argv=None):
 
     model_tag = config["model_tag"] or f"d{model_config.n_layer}"
     checkpoint_dir = os.path.join(checkpoint_root("sft"), model_tag)
+    if already_finished(config, checkpoint_dir, num_iterations):
+        compute_cleanup()
+        return {"step": num_iterations, "checkpoint_dir": checkpoint_dir}
+    start_step, loop = resume_run(config, checkpoint_dir, model, optimizers, device, parallel, ("meter",))
     metrics_log = MetricsLogger(os.path.join(checkpoint_dir, "metrics.jsonl"),
-                                get_wandb(config["run"], "nanochat-sft", user_config, master), master)
+                                get_wandb(config["run"], "nanochat-sft", user_config, master), master,
+                                start_step if loop is not None else None)
     meter = ProgressMeter(0, model.estimate_flops(), device, world_size, num_iterations)
+    if loop is not None:
+        meter.load_state_dict(loop["meter"])
 
     # every rank counts what it processed (for tok/s) and what it trained on (tokens with a target)
     counts = torch.zeros(2, dtype=torch.float64, device=device)
@@ -166,12 +179,31 @@ def main(argv=None):
         counts[1] += (y >= 0).sum()
 
     train_batches = MicroBatches(lambda: next(train_iter), on_take)
+    for _ in range(start_step * grad_accum):  # a resumed run: the batches the saved run already trained on
+        train_batches.take()
+
+    def save(step, final):
+        meta = {"model_config": vars(model_config), "user_config": user_config, "val_loss": val_loss, **metrics,
+                "source": {"phase": config["source"], "model_tag": config["model_tag"] or None,
+                           "step": source_meta.get("step")}}
+        if final:  # nanochat's SFT checkpoint: the model alone
+            save_stage_model(checkpoint_dir, step, model, meta, parallel)
+        else:  # one to resume from: the optimizer state too
+            save_train_state(checkpoint_dir, step, model, optimizers, dict(meta, loop_state={"meter": meter.state_dict()}),
+                             None, parallel)
+        print0(f"Saved SFT checkpoint step {step} to {checkpoint_dir}")
 
     # ---------------------------------------------------------------- the loop
     val_loss, metrics, train_loss = None, {}, None
-    step = 0
-    for step in range(num_iterations + 1):
+    step = start_step
+    stop = StopSignal().install()  # SIGTERM/SIGUSR1: finish the step, save, exit 0 (nanochat/preemption.py)
+    for step in range(start_step, num_iterations + 1):
         last_step = step == num_iterations
+        if stop.requested(device):
+            if step > start_step:
+                save(step, final=False)
+            report_stop(step, checkpoint_dir)
+            break
 
         if every(step, config["eval_every"], last_step):
             model.eval()
@@ -199,7 +231,10 @@ def main(argv=None):
                                 console=f"step {step:05d} | " + " | ".join(f"{k} acc: {v:.4f}" for k, v in metrics.items()))
 
         if last_step:
+            save(step, final=True)
             break
+        if step > start_step and every(step, config["save_every"]):
+            save(step, final=False)
 
         lrm = lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=1.0)  # = 1 - step/num_iterations
         apply_schedule(optimizers, lrm)
@@ -219,10 +254,6 @@ def main(argv=None):
                         console=meter.format(step, fields, lrm, f" | trained tokens: {int(trained):,}"))
 
     # ---------------------------------------------------------------- wrap up
-    meta = {"model_config": vars(model_config), "user_config": user_config, "val_loss": val_loss, **metrics,
-            "source": {"phase": config["source"], "model_tag": config["model_tag"] or None, "step": source_meta.get("step")}}
-    save_stage_model(checkpoint_dir, step, model, meta, parallel)
-    print0(f"Saved SFT checkpoint step {step} to {checkpoint_dir}")
     if master:
         from nanochat.report import get_report
 
@@ -236,6 +267,7 @@ def main(argv=None):
             {"Training loss": train_loss, "Validation loss": val_loss, **metrics},
         ])
     metrics_log.finish()
+    stop.uninstall()
     compute_cleanup()
     return {"step": step, "train_loss": train_loss, "val_loss": val_loss, "metrics": metrics,
             "checkpoint_dir": checkpoint_dir, "train_tasks": train_names}

@@ -27,11 +27,12 @@ from nanochat.dist import all_reduce_mean, any_rank
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.metrics import MetricsLogger
 from nanochat.parallel import parallel_from_config
+from nanochat.preemption import StopSignal, report_stop
 from nanochat.tokenizer import get_token_bytes
 from nanochat.training import (
     CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, ProgressMeter, apply_model_options, apply_schedule, assert_finite,
-    batch_arithmetic, eval_steps_for, every, format_duration, memory_flags, muon_momentum, optimizer_flags, run_flags,
-    save_train_state, setup_run, source_flags, train_step
+    batch_arithmetic, eval_steps_for, every, format_duration, memory_flags, muon_momentum, optimizer_flags, resume_flag,
+    resume_run, run_flags, save_train_state, setup_run, source_flags, train_step
 )
 from nanochat.usage import run_main
 from tasks.suites import build_mixture, held_out_tasks
@@ -57,6 +58,9 @@ FLAGS = Flags(
     Flag("eval_every", 150, "validation bits per byte every this many steps (<= 0: off)"),
     Flag("eval_tokens", None, f"tokens per validation; auto = {DEFAULT_EVAL_TOKENS:,} ({CPU_EVAL_STEPS} batches on "
          f"CPU, where that would take hours)", type=int, min=1),
+    "checkpoints",
+    Flag("save_every", -1, "checkpoint every this many steps (the final step is always saved)"),
+    resume_flag(),
     "systems",
     compile_flag(),
     attn_flag(),
@@ -151,10 +155,19 @@ def main(argv=None):
 
     model_tag = config["model_tag"] or f"d{model_config.n_layer}"
     checkpoint_dir = os.path.join(checkpoint_root("mid"), model_tag)
+    start_step, loop = (0, None) if config["dry_run"] else resume_run(
+        config, checkpoint_dir, orig_model, optimizers, device, parallel, ("meter", "min_val_bpb", "finished"))
+    if loop is not None and loop["finished"]:
+        print0(f"Step {start_step} is the last and is already saved in {checkpoint_dir}: mid-training is complete")
+        compute_cleanup()
+        return {"step": start_step, "checkpoint_dir": checkpoint_dir, "train_tasks": train_names}
     wandb_run = get_wandb("dummy" if config["dry_run"] else config["run"], "nanochat-mid", user_config, master)
-    metrics = MetricsLogger(None if config["dry_run"] else os.path.join(checkpoint_dir, "metrics.jsonl"), wandb_run, master)
+    metrics = MetricsLogger(None if config["dry_run"] else os.path.join(checkpoint_dir, "metrics.jsonl"), wandb_run, master,
+                            start_step if loop is not None else None)
     # in one-epoch mode the step count is not known in advance: the meter's ETA uses an estimate from progress
     meter = ProgressMeter(total_batch, flops_per_token, device, world_size, max(num_iterations, 1))
+    if loop is not None:
+        meter.load_state_dict(loop["meter"])
 
     # ---------------------------------------------------------------- the loop
     # where the trained batches reached in the data (the schedule and the one-epoch stop read this, not the loader,
@@ -169,10 +182,30 @@ def main(argv=None):
         position["progress"], position["epoch"] = batch[2], batch[3]
 
     train_batches = MicroBatches(fetch, on_take)
-    val_bpb, min_val_bpb = None, float("inf")
-    step, epoch_done = 0, False
+    for _ in range(start_step * grad_accum):  # a resumed run: the batches the saved run already trained on
+        train_batches.take()
+    val_bpb, min_val_bpb = None, loop["min_val_bpb"] if loop else float("inf")
+
+    def save(step, finished):
+        meta = {
+            "model_config": vars(model_config), "user_config": user_config, "val_bpb": val_bpb,
+            "min_val_bpb": min_val_bpb if val_bpb is not None else None, "device_batch_size": B, "max_seq_len": Tlen,
+            "source": {"phase": "base", "model_tag": config["model_tag"] or None, "step": base_meta.get("step")},
+            "loop_state": {"meter": meter.state_dict(), "min_val_bpb": min_val_bpb, "finished": finished},
+        }
+        save_train_state(checkpoint_dir, step, orig_model, optimizers, meta, None, parallel)
+        print0(f"Saved mid-training checkpoint step {step} to {checkpoint_dir}")
+
+    step, epoch_done, stopped = start_step, False, False
+    stop = StopSignal().install()  # SIGTERM/SIGUSR1: finish the step, save, exit 0 (nanochat/preemption.py)
     while True:
         last_step = step == num_iterations if num_iterations > 0 else epoch_done
+        if stop.requested(device):
+            if step > start_step and not config["dry_run"]:
+                save(step, finished=False)
+            report_stop(step, checkpoint_dir)
+            stopped = True
+            break
 
         if every(step, config["eval_every"], last_step):
             orig_model.eval()
@@ -184,6 +217,8 @@ def main(argv=None):
 
         if last_step:
             break
+        if step > start_step and every(step, config["save_every"]) and not config["dry_run"]:
+            save(step, finished=False)
 
         progress = step / num_iterations if num_iterations > 0 else all_reduce_mean(position["progress"], device)
         lrm = lr_multiplier(progress)
@@ -206,14 +241,8 @@ def main(argv=None):
         step += 1
 
     # ---------------------------------------------------------------- wrap up
-    if not config["dry_run"]:
-        meta = {
-            "model_config": vars(model_config), "user_config": user_config, "val_bpb": val_bpb,
-            "min_val_bpb": min_val_bpb if val_bpb is not None else None, "device_batch_size": B, "max_seq_len": Tlen,
-            "source": {"phase": "base", "model_tag": config["model_tag"] or None, "step": base_meta.get("step")},
-        }
-        save_train_state(checkpoint_dir, step, orig_model, optimizers, meta, None, parallel)
-        print0(f"Saved mid-training checkpoint step {step} to {checkpoint_dir}")
+    if not config["dry_run"] and not stopped:
+        save(step, finished=True)
     print0(f"Total training time: {format_duration(meter.total_time)}" +
            (f" | min val bpb: {min_val_bpb:.4f}" if val_bpb is not None else ""))
     if master and not config["dry_run"]:
@@ -230,6 +259,7 @@ def main(argv=None):
              "Total training time": format_duration(meter.total_time)},
         ])
     metrics.finish()
+    stop.uninstall()
     compute_cleanup()
     return {"step": step, "val_bpb": val_bpb, "min_val_bpb": min_val_bpb, "checkpoint_dir": checkpoint_dir,
             "train_tasks": train_names}

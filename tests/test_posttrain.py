@@ -334,3 +334,37 @@ def test_sft_and_rl_two_ranks_match_one_process(chat_env, capsys, monkeypatch):
             assert_same_series(got[key], single[key], abs=1e-5 if key == "train/loss" else 1e-9)
         for k in single_model:
             assert torch.allclose(model[k], single_model[k], atol=1e-6), (extra, k)
+
+
+@pytest.mark.slow  # each stage runs three times
+def test_every_stage_resumes_where_it_stopped(chat_env, capsys):
+    """mid_train, chat_sft and chat_rl with --save_every: a run that lost everything after step 2 (killed there) and
+    is started again with --resume_from_step=auto ends with the weights of the run that was never stopped; started
+    once more after its last step, it does not train again."""
+    from nanochat.checkpoint_manager import checkpoint_root, load_checkpoint
+    from scripts import chat_rl, chat_sft, mid_train
+
+    steps = 4
+    stages = [
+        ("mid", mid_train, ["--max_seq_len=64", "--device_batch_size=2", "--total_batch_size=256", "--eval_every=-1"],
+         "mid-training is complete"),
+        ("sft", chat_sft, ["--device_batch_size=2", "--target_examples_per_step=4", "--eval_every=-1",
+                           "--eval_metrics_every=-1"], "this stage is complete"),
+        ("rl", chat_rl, ["--num_samples=2", "--device_batch_size=2", "--examples_per_step=2", "--max_new_tokens=8",
+                         "--eval_every=-1"], "this stage is complete"),
+    ]
+    for source, script, args, done in stages:
+        args = ["--device_type=cpu", f"--num_iterations={steps}", "--save_every=2", *args]
+        d = Path(checkpoint_root(source)) / "d1"
+        script.main(args)
+        full = load_checkpoint(str(d), steps, "cpu")[0]
+        assert (d / f"optim_{2:06d}_rank0.pt").exists()  # the intermediate step carries what a resume needs
+        for f in d.glob(f"*_{steps:06d}*"):
+            f.unlink()
+        capsys.readouterr()
+        script.main(args + ["--resume_from_step=auto"])
+        assert f"resuming from step 2 in {d}" in capsys.readouterr().out, source
+        resumed = load_checkpoint(str(d), steps, "cpu")[0]
+        assert all(torch.equal(full[k], resumed[k]) for k in full), source
+        out = script.main(args + ["--resume_from_step=auto"])
+        assert done in capsys.readouterr().out and out["step"] == steps, source

@@ -1,0 +1,119 @@
+"""
+Runs that survive on 2 ranks (gloo on CPU, launched by torchrun as users launch it):
+- --deterministic with --compile=1: N steps + resume + N steps == 2N steps bit for bit, on the DDP path and FSDP2;
+- a stop signal that reaches one rank only: both ranks stop at the same step, save it and exit 0;
+- the chaos test: kill -9 of a random rank at 3 random moments (one during a save) under torchrun --max-restarts with
+  --resume_from_step=auto, and the final weights equal an uninterrupted run's.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, free_port, run_torchrun, subprocess_env
+from nanochat.checkpoint_manager import latest_resumable_step
+from test_resume import assert_same_weights, ckpt_dir, copy_step, final_weights, losses
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+TINY = ["--depth=2", "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=512", "--eval_every=-1",
+        "--core_metric_every=-1", "--sample_every=-1", "--device_type=cpu"]
+
+
+def torchrun_base_train(base_dir, *args, launcher=(), script=("-m", "scripts.base_train"), env=None, timeout=300):
+    return run_torchrun([*script, *TINY, *args], env=env or subprocess_env(base_dir), extra_launcher_args=launcher,
+                        timeout=timeout)
+
+
+@pytest.mark.parametrize("path", ["ddp", "fsdp"])
+def test_deterministic_compiled_resume_is_bit_exact_on_two_ranks(base_dir, path):
+    n = 2
+    args = ["--compile=1", "--deterministic=1", f"--num_iterations={2 * n}", f"--use_fsdp={int(path == 'fsdp')}"]
+    torchrun_base_train(base_dir, *args, f"--save_every={n}", "--model_tag=full")
+    copy_step(base_dir, "full", "resumed", n)
+    p = torchrun_base_train(base_dir, *args, "--model_tag=resumed", "--resume_from_step=auto")
+    assert f"resuming from step {n}" in p.stdout
+    full, resumed = losses(base_dir, "full"), losses(base_dir, "resumed")
+    assert [resumed[s] for s in range(n + 1, 2 * n + 1)] == [full[s] for s in range(n + 1, 2 * n + 1)]
+    assert_same_weights(final_weights(base_dir, "full", 2 * n), final_weights(base_dir, "resumed", 2 * n))
+
+
+def worker_pids(launcher_pid):
+    """{rank: pid} of the worker processes torchrun started (its children), from /proc."""
+    pids = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == launcher_pid:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+                pids[int(env[b"RANK"])] = int(entry)
+    return pids
+
+
+def test_stop_signal_to_one_rank_stops_both_at_the_same_step(base_dir):
+    """SIGUSR1 to rank 1's process only: the ranks agree (an all-reduce of the flag each step), both save the same
+    step and exit 0, so torchrun exits 0; auto resume then finishes with an uninterrupted run's weights."""
+    steps = 12
+    args = [*TINY, f"--num_iterations={steps}", "--save_every=100"]
+    torchrun_base_train(base_dir, f"--num_iterations={steps}", "--save_every=100", "--model_tag=full")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "scripts.base_train", *args, "--model_tag=stopped",
+           "--resume_from_step=auto"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(base_dir), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if f"step 00003/{steps:05d}" in line:
+            break
+    workers = worker_pids(proc.pid)
+    assert len(workers) == 2, ("".join(seen), workers)
+    os.kill(workers[1], signal.SIGUSR1)
+    out = "".join(seen) + proc.stdout.read()
+    assert proc.wait(timeout=300) == 0, out[-4000:]
+    assert out.count("SIGUSR1 received") == 1, out[-4000:]
+    stopped_at = latest_resumable_step(str(ckpt_dir(base_dir, "stopped")))
+    assert stopped_at is not None and 3 <= stopped_at < steps and f"Stopped at step {stopped_at}" in out
+    torchrun_base_train(base_dir, f"--num_iterations={steps}", "--save_every=100", "--model_tag=stopped",
+                        "--resume_from_step=auto")
+    assert_same_weights(final_weights(base_dir, "full", steps), final_weights(base_dir, "stopped", steps))
+
+
+def chaos_plan(rng):
+    """Three deaths, one per life of the job: a random rank, during a random step with a random delay into it (so the
+    kill lands anywhere: forward, all-reduce, optimizer, between steps), then during a save, then again mid-step."""
+    def mid_step():
+        return {"rank": rng.randrange(2), "at": "step", "n": rng.randint(2, 3), "delay": round(rng.uniform(0, 0.1), 3)}
+
+    return {"0": mid_step(), "1": {"rank": rng.randrange(2), "at": "save", "n": 1}, "2": mid_step()}
+
+
+def test_chaos_kill_9_and_restart_ends_with_the_uninterrupted_weights(base_dir):
+    """torchrun --max-restarts=3, --resume_from_step=auto, --deterministic (compile on): every kill -9 takes the whole
+    job down (torchrun stops the other rank), torchrun restarts it, it resumes from the latest complete step (a step
+    cut mid-save is skipped), and the last life finishes with exactly the weights of a run that was never killed."""
+    seed = int(os.environ.get("CHAOS_SEED", time.time_ns() % 100_000))
+    plan = chaos_plan(random.Random(seed))
+    why = f"CHAOS_SEED={seed} plan={plan}"
+    steps = 10
+    args = ["--compile=1", "--deterministic=1", f"--num_iterations={steps}", "--save_every=2", "--resume_from_step=auto"]
+    torchrun_base_train(base_dir, *args, "--model_tag=calm")
+    p = torchrun_base_train(base_dir, *args, "--model_tag=chaos", timeout=400, launcher=["--max-restarts=3"],
+                            script=["tests/dist_scripts/chaos_train.py"],
+                            env=subprocess_env(base_dir, CHAOS_PLAN=json.dumps(plan)))
+    out = p.stdout + p.stderr
+    assert out.count("chaos: life") == 3, why + out[-4000:]
+    assert "chaos: rank" in out and "killed while writing" in out, why + out[-4000:]
+    assert out.count("--resume_from_step=auto:") == 4, why + out[-4000:]  # four lives, each looked for a step
+    assert_same_weights(final_weights(base_dir, "calm", steps), final_weights(base_dir, "chaos", steps))

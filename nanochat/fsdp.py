@@ -95,7 +95,24 @@ def apply_fsdp(model, mesh=None, param_dtype=None, reduce_dtype=torch.float32):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=_reshards_after_forward(i, len(blocks)))
     # the root group holds wte and lm_head
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    allocate_unsharded_params(model)
     return model
+
+
+@torch.no_grad()
+def allocate_unsharded_params(model):
+    """
+    Create FSDP2's unsharded parameters now, as ordinary tensors (collective: one all-gather per group, each freed at
+    once). FSDP2 allocates them at a group's first all-gather and keeps those tensors for the model's life (later
+    all-gathers only refill their storage). If that first all-gather ran inside torch.inference_mode (sampling with
+    GPT.generate or the Engine before any training forward: a run resumed on a --sample_every step), they would be
+    inference tensors for good, and the next training forward fails ("Inference tensors cannot be saved for backward"
+    / "Inplace update to inference tensor outside InferenceMode").
+    """
+    with torch.inference_mode(False):  # even when the caller wraps the model inside inference_mode
+        for m in [*model.transformer.h, model]:
+            m.unshard()
+            m.reshard()
 
 
 def _reshards_after_forward(block_index, num_blocks):

@@ -9,6 +9,8 @@ API (every function is collective: call it on every rank, in the same order):
         # DTensors sharded along dim 0 (rank r keeps rows [r*c, (r+1)*c), c = ceil(rows/world), as torch.chunk).
         # param_dtype: the dtype of the all-gathered parameters used in forward/backward (None -> bf16 on CUDA, fp32
         # on CPU); the sharded master weights stay fp32. reduce_dtype: dtype of the gradient reduce-scatter.
+        # It all-gathers once, so that FSDP2's unsharded parameters exist before any sampling under inference_mode
+        # (allocate_unsharded_params says why).
     optimizers = setup_fsdp_optimizers(model, unembedding_lr, embedding_lr, matrix_lr, weight_decay, use_muon)
         # [FSDPAdamW, FSDPMuon] (or [FSDPAdamW] when use_muon is false). The group layout and learning rates come
         # from GPT.setup_optimizers itself (same LR scaling rules), rebuilt for DTensor parameters. Every group has

@@ -9,6 +9,7 @@ API (every function is collective: call it on every rank, in the same order):
         # DTensors sharded along dim 0 (rank r keeps rows [r*c, (r+1)*c), c = ceil(rows/world), as torch.chunk).
         # param_dtype: the dtype of the all-gathered parameters used in forward/backward (None -> bf16 on CUDA, fp32
         # on CPU); the sharded master weights stay fp32. reduce_dtype: dtype of the gradient reduce-scatter.
+        # A first forward under inference_mode (sampling) is safe: keep_unsharded_params_out_of_inference_mode.
     optimizers = setup_fsdp_optimizers(model, ...)   # nanochat/optim/sharded.py: [FSDPAdamW, FSDPMuon], which
         # take the DTensor shards (Muon must see whole matrices: FSDPMuon sends each to one owner rank and back)
     loss = model(x, y); loss.backward()          # gradients arrive reduce-scattered and averaged over ranks
@@ -78,7 +79,31 @@ def apply_fsdp(model, mesh=None, param_dtype=None, reduce_dtype=torch.float32):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=_reshards_after_forward(i, len(blocks)))
     # the root group holds wte and lm_head
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    keep_unsharded_params_out_of_inference_mode(model)
     return model
+
+
+def keep_unsharded_params_out_of_inference_mode(model):
+    """
+    FSDP2 creates a group's unsharded parameters at its first all-gather and reuses those tensors for the model's life
+    (later all-gathers only refill their storage). If that first all-gather ran inside torch.inference_mode (sampling
+    with GPT.generate or the Engine before any training forward: a run resumed on a --sample_every step, chat_sft's
+    evals at step 0), they would be inference tensors for good and the next training forward fails ("Inference
+    tensors cannot be saved for backward" / "Inplace update to inference tensor outside InferenceMode"). So when the
+    model's first forward comes under inference_mode, this hook on the root first gathers (and frees) every group
+    outside it: one extra all-gather, once. A first forward with autograd on creates them as usual. (full_weights
+    gathers outside inference mode itself.)
+    """
+
+    def before_first_forward(module, args):
+        handle.remove()
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad():  # this order: inference_mode(False) turns grad on
+                for m in [*module.transformer.h, module]:
+                    m.unshard()
+                    m.reshard()
+
+    handle = model.register_forward_pre_hook(torch._dynamo.disable(before_first_forward), prepend=True)  # before FSDP's
 
 
 def _reshards_after_forward(block_index, num_blocks):
@@ -102,8 +127,11 @@ def full_weights(model):
     for m in groups:
         m.set_reshard_after_forward(False, recurse=False)  # or each forward would free what we gathered
     try:
-        for m in groups:
-            m.unshard()
+        # outside inference mode even when entered inside it: a first all-gather there would leave FSDP2's unsharded
+        # parameters as inference tensors for good (keep_unsharded_params_out_of_inference_mode)
+        with torch.inference_mode(False), torch.no_grad():
+            for m in groups:
+                m.unshard()
         yield model
     finally:
         for m in groups:

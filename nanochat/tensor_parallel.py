@@ -58,6 +58,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
 from nanochat.dist import set_tp_size
+from nanochat.fsdp import keep_unsharded_params_out_of_inference_mode
 from nanochat.optim.sharded import ShardedMuon, setup_fsdp_optimizers
 
 
@@ -124,6 +125,7 @@ def apply_tp(model, tp_size, param_dtype=None, reduce_dtype=torch.float32):
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+    keep_unsharded_params_out_of_inference_mode(model)  # a first forward may be a sample (see there)
     model.tp_mesh = mesh  # for the optimizers and tools; not a module attribute that state_dict sees
     set_tp_size(tp_size)  # loaders and evaluations split work by data rank from now on
     return model

@@ -216,3 +216,22 @@ def test_failed_torchrun_reports_why_a_rank_died(tmp_path):
     why = worker_errors(p.stderr, p.stdout)
     assert "Fatal Python error: Aborted" in why
     assert 'line 5 in finish' in why and "ChildFailedError" not in why
+
+
+def test_fsdp_resume_on_a_sample_step_then_trains(base_dir):
+    """A resumed FSDP run whose first forward is a sample (the resume step is a multiple of --sample_every) trains on
+    as the uninterrupted run: the sampling under inference_mode must not leave FSDP2's lazily allocated unsharded
+    parameters as inference tensors (the next backward failed with "Inference tensors cannot be saved for backward").
+    One rank is enough to show it; the resumed losses equal the uninterrupted run's."""
+    n = 2
+    args = ["-m", "scripts.base_train", *TINY, "--total_batch_size=256", f"--num_iterations={2 * n}", f"--save_every={n}",
+            "--use_fsdp=1"]
+    run_torchrun(args + ["--model_tag=full"], nproc=1, env=subprocess_env(base_dir))
+    src, dst = base_dir / "base_checkpoints" / "full", base_dir / "base_checkpoints" / "resumed"
+    dst.mkdir()
+    for f in src.glob(f"*{n:06d}*"):
+        shutil.copytree(f, dst / f.name) if f.is_dir() else shutil.copy(f, dst / f.name)
+    p = run_torchrun(args + ["--model_tag=resumed", f"--resume_from_step={n}", f"--sample_every={n}"], nproc=1,
+                     env=subprocess_env(base_dir))
+    assert p.stdout.count("'The capital of France is' ->") == 2  # the resume step, then the last step
+    assert losses(base_dir, "resumed") == losses(base_dir, "full")[n:]

@@ -8,6 +8,7 @@ The FSDP2 path (nanochat/fsdp.py) on 2 gloo ranks (torchrun) against one process
 - full_model_state_dict -> plain GPT in one process -> same logits as the sharded model
 - a single-file (DDP-format) checkpoint -> load_full_model_state_dict -> same logits as a plain model
 - full_weights: ranks run their own numbers of forwards on gathered weights, then train on as one process
+- sampling (generate, Engine, full_weights in inference_mode) as the first forward, then training as one process
 """
 
 import importlib.util
@@ -143,3 +144,15 @@ def test_full_weights_lets_ranks_run_their_own_forwards():
     assert max(out["logits"]) < 1e-5
     assert out["reshard"][0] == out["reshard"][1] == [True, True, False, False]
     assert out["moved"] > 1e-3 and out["max_diff"] < 1e-5, out
+
+
+@pytest.mark.timeout(300)
+def test_sampling_before_the_first_training_forward():
+    """GPT.generate, the Engine, or full_weights inside inference_mode as the sharded model's first forward (a run
+    resumed on a sample step, chat_sft's evals at step 0): the training forward and backward after it work and give
+    one process's loss and gradients (FSDP2's unsharded parameters are not left as inference tensors)."""
+    out = launch.json_lines(launch.torchrun("inference_first_check.py", timeout=240))[-1]
+    assert sorted(out) == ["engine", "full_weights_in_inference_mode", "generate"]
+    for case, r in out.items():
+        assert r["error"] is None, (case, r["error"])
+        assert r["loss"] < 1e-5 and r["grad"] < 1e-5, (case, r)

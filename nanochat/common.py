@@ -11,7 +11,7 @@ import sys
 import torch
 
 # torch.distributed setup lives in nanochat/dist.py; nanochat's scripts import these names from here
-from nanochat.dist import autodetect_device_type, barrier, compute_cleanup, compute_init, get_dist_info, is_ddp_initialized  # noqa: F401
+from nanochat.dist import autodetect_device_type, compute_cleanup, compute_init, get_dist_info  # noqa: F401
 from nanochat.usage import BadValue
 
 # -----------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def _is_bundle(path):
 
 def download_eval_bundle(base_dir, url=None):
     """Download the bundle zip into base_dir and unpack it to base_dir/eval_bundle (atomically). Returns that path."""
-    from nanochat.download import download_file
+    from nanochat.data.download import download_file
 
     url = url or EVAL_BUNDLE_URL
     base_dir = Path(base_dir)

@@ -8,26 +8,26 @@ Two ways to fill that directory:
     python -m nanochat.dataset -n 8 -w 4          # download FineWeb-Edu 100B shards 0..7 (nanochat's command)
     python -m nanochat.dataset import PATH ...    # import local .txt / .jsonl / .json / .parquet text (offline)
 
-This module: the layout, the readers `list_parquet_files()` and `parquets_iter_batched(split, start, step)`
-(documents one row group at a time), and that command line. The downloader is nanochat/download.py, the importer
-nanochat/corpus_import.py; the tokenizing, rank-sharded, resumable loader built on the shards is
+This module is the bottom of the data layers: the layout and the readers `list_parquet_files()` and
+`parquets_iter_batched(split, start, step)` (documents one row group at a time). The layers above it live in
+nanochat/data/: the downloader (download.py), the importer (corpus_import.py) and the command line shown above (cli.py,
+which `python -m nanochat.dataset` runs). The tokenizing, rank-sharded, resumable loader built on the shards is
 nanochat/dataloader.py.
 """
 
-import importlib
 import os
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.atomic import short_error
-from nanochat.configurator import Flag, Flags
-from nanochat.usage import Missing, report, run_main
+from nanochat.usage import Missing, run_main
 
 # -----------------------------------------------------------------------------
 # Where the shards live
 
+BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"  # the web shards' home
+MAX_SHARD = 1822  # the last shard index of FineWeb-Edu 100B shuffled (1823 shards, ~100 MB each)
 IMPORT_INFO = "import_info.json"  # written by `import` so the downloader never mixes web shards into a local corpus
 
 
@@ -35,8 +35,8 @@ def index_to_filename(index):
     return f"shard_{index:05d}.parquet"
 
 
-def get_data_dir(data_dir=None):
-    """`data_dir` if given, else base_dir/base_data (created)."""
+def base_data_dir(data_dir=None):
+    """The shard dir: `data_dir` if given, else $NANOCHAT_BASE_DIR/base_data (created)."""
     if data_dir is not None:
         return os.fspath(data_dir)
     # imported here, not at module top: nanochat.common imports torch, which download workers and the
@@ -50,7 +50,7 @@ def get_data_dir(data_dir=None):
 
 def list_parquet_files(data_dir=None):
     """Full paths of the finished shards in the data dir, sorted by name (partial `.tmp` downloads excluded)."""
-    data_dir = get_data_dir(data_dir)
+    data_dir = base_data_dir(data_dir)
     if not os.path.isdir(data_dir):
         return []
     names = sorted(f for f in os.listdir(data_dir) if f.endswith(".parquet"))
@@ -69,7 +69,7 @@ def split_parquet_files(split, data_dir=None):
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     paths = list_parquet_files(data_dir)
-    where = get_data_dir(data_dir)
+    where = base_data_dir(data_dir)
     if not paths:
         raise Missing(f"no parquet shards in {where}: {_fill_hint()}")
     if len(paths) == 1:
@@ -140,119 +140,22 @@ def read_texts(pf, path, rg):
 
 
 # -----------------------------------------------------------------------------
-# The command line: download (the default, nanochat's `-n 8 -w 4`) or import
+# The layers above this one, reached only lazily: this module imports none of them, so reading shards never loads
+# the downloader, and they can import the layout above without a circle.
 
 
-def download_main(argv):
-    from nanochat.download import BASE_URL, MAX_SHARD, download_shards, refuse_imported_corpus
+def download_single_file(index, *args, **kwargs):
+    """Download shard `index` into the shard dir (nanochat's name; nanochat/data/download.py does the work)."""
+    from nanochat.data.download import download_single_file as download
 
-    parser = Flags(
-        Flag("num_files", -1, f"number of shards to download, shards 0..N-1; -1 = all {MAX_SHARD + 1}", short="n"),
-        Flag("num_workers", 4, "parallel download processes", short="w"),
-        Flag("base_url", None, f"mirror to fetch from; auto = $NANOCHAT_DATA_URL or {BASE_URL}", type=str),
-        Flag("max_attempts", 5, "attempts per shard"),
-        prog="python -m nanochat.dataset",
-        description="Download FineWeb-Edu 100B shuffled pretraining shards (or: `python -m nanochat.dataset import "
-                    "--help`).",
-    )
-    args = parser.parse_args(argv)
-    if args.num_files == 0 or args.num_files < -1:
-        parser.error(f"-n must be a positive number of shards or -1 for all {MAX_SHARD + 1}, got {args.num_files}")
-    if args.num_workers < 1:
-        parser.error(f"-w must be at least 1, got {args.num_workers}")
-    if args.max_attempts < 1:
-        parser.error(f"--max_attempts must be at least 1, got {args.max_attempts}")
-    num = MAX_SHARD + 1 if args.num_files == -1 else args.num_files
-    if num > MAX_SHARD + 1:
-        print(f"note: there are only {MAX_SHARD + 1} shards; downloading all of them")
-        num = MAX_SHARD + 1
-    data_dir = get_data_dir()
-    try:
-        refuse_imported_corpus(data_dir)
-    except FileExistsError as e:
-        report(e)
-        return 1
-    workers = min(args.num_workers, num)
-    print(f"Downloading {num} shards using {workers} workers...")
-    print(f"Target directory: {data_dir}")
-    failed = download_shards(range(num), data_dir, args.base_url, workers, args.max_attempts)
-    print(f"Done! Downloaded: {num - len(failed)}/{num} shards to {data_dir}")
-    if failed:
-        report(f"{len(failed)} shard(s) failed: {', '.join(index_to_filename(i) for i in failed[:10])}"
-               f"{' ...' if len(failed) > 10 else ''}; run the same command again to resume (partial files are kept). "
-               f"Offline? Import local text instead: python -m nanochat.dataset import PATH")
-        return 1
-    return 0
-
-
-def import_main(argv):
-    from nanochat.corpus_import import SUPPORTED_FORMATS, TXT_SPLITS, import_corpus
-
-    parser = Flags(
-        Flag("paths", None, "files or directories: .txt, .jsonl, .json, .parquet (optionally .gz)", type=str,
-             positional=True, required=True, many=True),
-        Flag("out", None, "output directory; auto = $NANOCHAT_BASE_DIR/base_data", type=str),
-        Flag("overwrite", False, "replace the shards already in the output directory"),
-        Flag("format", None, "force the input format; auto = by extension", type=str, choices=list(SUPPORTED_FORMATS)),
-        Flag("text_field", "text", "JSON field / parquet column holding the text"),
-        Flag("txt_split", "auto", "how .txt files become documents: blank-line paragraphs, one per line, whole file, "
-             "WikiText articles; auto = <|endoftext|> if present, else wikitext/blank/line", choices=list(TXT_SPLITS)),
-        Flag("separator", None, "literal document separator for .txt, e.g. '<|endoftext|>'; auto = none (--txt_split "
-             "decides)", type=str),
-        Flag("split_on", None, "regex (multiline) splitting .txt into documents; a lookahead such as '(?=^# )' keeps "
-             "the match; auto = none", type=str),
-        Flag("val_paths", None, "files whose documents form the validation shard; auto = documents held out of PATHS",
-             type=str, many=True),
-        Flag("val_docs", None, "number of documents held out for validation; auto = --val_fraction of them", type=int),
-        Flag("val_fraction", 0.01, "fraction held out when --val_docs is not given"),
-        Flag("rows_per_group", 1024, "documents per parquet row group"),
-        Flag("docs_per_shard", 65536, "documents per train shard"),
-        Flag("seed", 42, "seed of the document shuffle"),
-        Flag("no_shuffle", False, "keep input order and stream (low memory); validation = the last documents"),
-        prog="python -m nanochat.dataset import",
-        description="Import local text into pretraining shards (train shards + the last shard as validation).",
-    )
-    args = parser.parse_args(argv)
-    if args.val_paths and args.val_docs is not None:
-        parser.error("give either --val_paths or --val_docs, not both")
-    try:
-        import_corpus(
-            args.paths, out_dir=args.out, val_paths=args.val_paths, val_docs=args.val_docs, val_fraction=args.val_fraction,
-            rows_per_group=args.rows_per_group, docs_per_shard=args.docs_per_shard, shuffle=not args.no_shuffle,
-            seed=args.seed, overwrite=args.overwrite, fmt=args.format, text_field=args.text_field,
-            txt_split=args.txt_split, separator=args.separator, split_on=args.split_on,
-        )
-    except (ValueError, FileExistsError, FileNotFoundError) as e:
-        report(e)
-        return 1
-    return 0
+    return download(index, *args, **kwargs)
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # download stays the default so nanochat's `python -m nanochat.dataset -n 8` works unchanged
-    if argv and argv[0] == "import":
-        return import_main(argv[1:])
-    if argv and argv[0] == "download":
-        argv = argv[1:]
-    return download_main(argv)
+    """nanochat's `python -m nanochat.dataset -n 8`: the command line (download, or `import`) is nanochat/data/cli.py."""
+    from nanochat.data.cli import main as cli_main
 
-
-# The downloader and the importer lived in this module; their names still import from here (`from nanochat.dataset
-# import import_corpus`). They load on first use, so reading shards never imports them, and they can import the
-# layout above without a cycle.
-_MOVED = {
-    "nanochat.download": ("BASE_URL", "MAX_SHARD", "DownloadError", "download_single_file", "download_shards"),
-    "nanochat.corpus_import": ("SUPPORTED_FORMATS", "TXT_SPLITS", "ENDOFTEXT", "detect_format", "split_text",
-                               "iter_file_documents", "expand_inputs", "import_corpus"),
-}
-
-
-def __getattr__(name):
-    for module, names in _MOVED.items():
-        if name in names:
-            return getattr(importlib.import_module(module), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

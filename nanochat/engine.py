@@ -25,8 +25,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
-# The calculator lives in nanochat/calculator.py; its names stay importable from here.
-from nanochat.calculator import CALC_TIME_LIMIT_S, CalculatorError, safe_eval, use_calculator  # noqa: F401
+from nanochat.calculator import use_calculator
 
 # -----------------------------------------------------------------------------
 # KV cache

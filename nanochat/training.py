@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.batching import batch_arithmetic  # noqa: F401  (the scripts import it from here)
 from nanochat.checkpoint_manager import SHAPE_FIELDS, latest_resumable_step, load_checkpoint, save_checkpoint, step_problem
 from nanochat.common import device_type_flag, peak_flops_for, print0
 from nanochat.dist import all_reduce_mean, compute_init, gather_objects, get_dist_info

@@ -16,6 +16,7 @@ import time
 import torch
 
 from nanochat.attention import attn_flag
+from nanochat.batching import batch_arithmetic
 from nanochat.checkpoint_manager import checkpoint_root, require_step
 from nanochat.compile import compile_flag, maybe_compile
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
@@ -31,8 +32,8 @@ from nanochat.preemption import StopSignal, report_stop
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.training import (
-    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, ProgressMeter, apply_schedule, assert_finite, batch_arithmetic,
-    build_model, eval_steps_for, every, format_duration, apply_model_options, check_model_options, load_train_state,
+    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, ProgressMeter, apply_schedule, assert_finite, build_model,
+    eval_steps_for, every, format_duration, apply_model_options, check_model_options, load_train_state,
     lr_multiplier, memory_flags, muon_momentum, optimizer_flags, resolve_resume_step, resume_flag, resume_loop_state,
     run_flags, save_train_state, schedule_flags, setup_run, train_step
 )

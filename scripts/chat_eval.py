@@ -19,7 +19,7 @@ from nanochat.common import autodetect_device_type, compute_cleanup, compute_ini
 from nanochat.attention import attn_flag
 from nanochat.checkpoint_manager import checkpoint_flags, resolve_checkpoint
 from nanochat.configurator import Flag, Flags
-from nanochat.data_sources import TaskDataNotFound
+from nanochat.data.task_data import TaskDataNotFound
 from nanochat.usage import BadValue, CannotRun, run_main
 from nanochat.engine import decode_compile_flag
 from tasks.suites import build_eval_task_on_every_rank

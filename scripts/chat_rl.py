@@ -25,7 +25,7 @@ import torch
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
-from nanochat.conversation_data import check_stage_model, collate_sft, load_stage_model, scale_initial_lr
+from nanochat.data.conversations import check_stage_model, collate_sft, load_stage_model, scale_initial_lr
 from nanochat.dist import all_reduce_sum, dist_world_size, get_dist_info
 from nanochat.attention import attn_flag
 from nanochat.engine import Engine, decode_compile_flag

@@ -24,7 +24,7 @@ from nanochat.batching import sft_batch_arithmetic
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
-from nanochat.conversation_data import check_stage_model, load_stage_model, scale_initial_lr, sft_batches
+from nanochat.data.conversations import check_stage_model, load_stage_model, scale_initial_lr, sft_batches
 from nanochat.dist import all_reduce_mean
 from nanochat.metrics import MetricsLogger
 from nanochat.parallel import parallel_from_config
@@ -93,7 +93,7 @@ def chat_metrics(model, tokenizer, batch_size, max_problems, autocast, lockstep=
     """{task: accuracy} for METRIC_TASKS (nanochat.chat_eval); a task whose data is missing is left out with a note.
     lockstep: the model's forward is a collective (FSDP, TP)."""
     from nanochat.chat_eval import evaluate_task
-    from nanochat.data_sources import TaskDataNotFound
+    from nanochat.data.task_data import TaskDataNotFound
     from nanochat.engine import Engine
     from tasks.suites import build_eval_task_on_every_rank
 

@@ -74,7 +74,7 @@ STAGES = {
 TASK_DATASETS = {"SmolTalk": "HuggingFaceTB/smol-smoltalk", "MMLU": "cais/mmlu", "GSM8K": "openai/gsm8k",
                  "ARC": "allenai/ai2_arc", "HumanEval": "openai/openai_humaneval"}
 RL_TASKS = ["GSM8K"]  # chat_rl trains on GSM8K's train split only
-PRETRAINING_DATASET = "karpathy/fineweb-edu-100b-shuffle"  # nanochat.download's shards (FineWeb-Edu, reshuffled)
+PRETRAINING_DATASET = "karpathy/fineweb-edu-100b-shuffle"  # nanochat.data.download's shards (FineWeb-Edu, reshuffled)
 
 
 def checkpoint_lineage(source, model_tag, step, meta):
@@ -130,9 +130,9 @@ def training_command(script, user_config, world_size):
 def stage_data(source):
     """(names of what the stage trained on, their Hub data set ids) for the card."""
     if source == "base":
-        from nanochat.dataset import IMPORT_INFO, get_data_dir
+        from nanochat.dataset import IMPORT_INFO, base_data_dir
 
-        info = os.path.join(get_data_dir(), IMPORT_INFO)
+        info = os.path.join(base_data_dir(), IMPORT_INFO)
         if os.path.exists(info):
             return [f"a local corpus imported with `python -m nanochat.dataset import` (its sources: base_data/{IMPORT_INFO})"], []
         return [f"FineWeb-Edu ({PRETRAINING_DATASET})"], [PRETRAINING_DATASET]

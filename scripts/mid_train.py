@@ -18,11 +18,12 @@ import time
 import torch
 
 from nanochat.attention import attn_flag
+from nanochat.batching import batch_arithmetic
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.compile import compile_flag, maybe_compile
 from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
-from nanochat.conversation_data import ConversationPacker, check_stage_model, load_stage_model, scale_initial_lr
+from nanochat.data.conversations import ConversationPacker, check_stage_model, load_stage_model, scale_initial_lr
 from nanochat.dist import all_reduce_mean, any_rank
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.metrics import MetricsLogger
@@ -31,7 +32,7 @@ from nanochat.preemption import StopSignal, report_stop
 from nanochat.tokenizer import get_token_bytes
 from nanochat.training import (
     CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, ProgressMeter, apply_model_options, apply_schedule, assert_finite,
-    batch_arithmetic, eval_steps_for, every, format_duration, memory_flags, muon_momentum, optimizer_flags, resume_flag,
+    eval_steps_for, every, format_duration, memory_flags, muon_momentum, optimizer_flags, resume_flag,
     resume_run, run_flags, save_train_state, setup_run, source_flags, train_step
 )
 from nanochat.usage import run_main

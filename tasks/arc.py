@@ -5,7 +5,7 @@ HF: allenai/ai2_arc; local: <data_dir>/arc/ARC-{Easy,Challenge}-{train,validatio
 
 import json
 
-from nanochat.data_sources import TaskDataNotFound, get_data_dir, load_hf_dataset
+from nanochat.data.task_data import TaskDataNotFound, task_data_dir, load_hf_dataset
 from tasks.common import Task, render_mc
 
 
@@ -47,7 +47,7 @@ class ARC(Task):
 
 def load_arc(subset, split, data_dir=None):
     looked = []
-    local = get_data_dir(data_dir)
+    local = task_data_dir(data_dir)
     if local is not None:
         path = local / "arc" / f"{subset}-{split}.jsonl"
         if path.is_file():

@@ -6,8 +6,8 @@ CustomJSON: conversations from a JSONL file, one JSON array of {"role", "content
 import json
 import os
 
-from nanochat.data_sources import TaskDataNotFound, get_data_dir
-from nanochat.download import download_file
+from nanochat.data.task_data import TaskDataNotFound, task_data_dir
+from nanochat.data.download import download_file
 from tasks.common import Task, validate_messages
 
 IDENTITY_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/identity_conversations.jsonl"
@@ -52,7 +52,7 @@ def identity_conversations_path(data_dir=None, base_dir=None, download=True, url
     """
     url = url or IDENTITY_URL
     looked = []
-    local = get_data_dir(data_dir)
+    local = task_data_dir(data_dir)
     if local is not None:
         path = local / "sft" / "identity_conversations.jsonl"
         if path.is_file():

@@ -12,7 +12,7 @@ The final answer follows "#### " on the last line; reward is an exact match of t
 import json
 import re
 
-from nanochat.data_sources import TaskDataNotFound, get_data_dir, load_hf_dataset
+from nanochat.data.task_data import TaskDataNotFound, task_data_dir, load_hf_dataset
 from tasks.common import Task
 
 ANSWER_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
@@ -85,7 +85,7 @@ class GSM8K(Task):
 
 def load_gsm8k(subset, split, data_dir=None):
     looked = []
-    local = get_data_dir(data_dir)
+    local = task_data_dir(data_dir)
     if local is not None:
         path = local / "gsm8k" / (f"{split}.jsonl" if subset == "main" else f"{split}_socratic.jsonl")
         if path.is_file():

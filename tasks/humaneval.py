@@ -18,7 +18,7 @@ import gzip
 import json
 import re
 
-from nanochat.data_sources import TaskDataNotFound, get_data_dir, load_hf_dataset
+from nanochat.data.task_data import TaskDataNotFound, task_data_dir, load_hf_dataset
 from nanochat.execution import check_function, require_isolation
 from tasks.common import Task
 
@@ -84,7 +84,7 @@ def prompt_context(prompt):
 
 def load_humaneval(data_dir=None):
     looked = []
-    local = get_data_dir(data_dir)
+    local = task_data_dir(data_dir)
     if local is not None:
         for name in ("HumanEval.jsonl.gz", "HumanEval.jsonl"):
             path = local / "humaneval" / name

@@ -8,7 +8,7 @@ dev, test, validation (or val) or auxiliary_train. Two CSV flavours are read: ..
 
 import csv
 
-from nanochat.data_sources import TaskDataNotFound, get_data_dir, load_hf_dataset
+from nanochat.data.task_data import TaskDataNotFound, task_data_dir, load_hf_dataset
 from tasks.common import Task, render_mc
 
 LETTERS = ("A", "B", "C", "D")
@@ -68,7 +68,7 @@ def _read_mmlu_csv(path, subject):
 
 def load_mmlu(subset, split, data_dir=None):
     looked = []
-    local = get_data_dir(data_dir)
+    local = task_data_dir(data_dir)
     if local is not None:
         for dirname in LOCAL_SPLIT_DIRS[split]:
             d = local / "mmlu" / dirname

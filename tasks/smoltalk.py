@@ -6,7 +6,7 @@ list per line), or a snapshot of the HF dataset repo at <data_dir>/smoltalk/data
 
 import json
 
-from nanochat.data_sources import TaskDataNotFound, get_data_dir, load_hf_dataset
+from nanochat.data.task_data import TaskDataNotFound, task_data_dir, load_hf_dataset
 from tasks.common import Task, validate_messages
 
 
@@ -35,7 +35,7 @@ class SmolTalk(Task):
 
 def load_smoltalk(split, data_dir=None):
     looked = []
-    local = get_data_dir(data_dir)
+    local = task_data_dir(data_dir)
     if local is not None:
         path = local / "smoltalk" / f"{split}.jsonl"
         if path.is_file():

@@ -16,8 +16,8 @@ import os
 import random
 import string
 
-from nanochat.data_sources import TaskDataNotFound, get_data_dir
-from nanochat.download import download_file
+from nanochat.data.task_data import TaskDataNotFound, task_data_dir
+from nanochat.data.download import download_file
 from tasks.common import Task
 from tasks.gsm8k import extract_answer
 
@@ -62,7 +62,7 @@ def load_words(data_dir=None, base_dir=None, download=True, url=None):
     url = url or WORDS_URL
 
     looked = []
-    local = get_data_dir(data_dir)
+    local = task_data_dir(data_dir)
     if local is not None:
         path = local / "words" / "words_alpha.txt"
         if path.is_file():

@@ -11,8 +11,8 @@ Layers: this module uses nanochat (rank agreement, printing); nanochat never imp
 
 from nanochat.chat_eval import TASK_NAMES
 from nanochat.common import print0
-from nanochat.conversation_data import build_on_every_rank
-from nanochat.data_sources import TaskDataNotFound
+from nanochat.data.conversations import build_on_every_rank
+from nanochat.data.task_data import TaskDataNotFound
 from nanochat.usage import Missing
 from tasks.common import TaskMixture
 

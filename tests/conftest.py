@@ -99,7 +99,7 @@ def tiny_base_dir(tmp_path_factory):
     A base dir with the WikiText-2 excerpt of tests/assets imported as shards (small row groups so several ranks get
     data) and a 512-token tokenizer trained on it. Tests that write checkpoints should copy it (see `base_dir`).
     """
-    from nanochat.dataset import import_corpus
+    from nanochat.data.corpus_import import import_corpus
     from nanochat.tokenizer import RustBPETokenizer, compute_token_bytes
 
     root = tmp_path_factory.mktemp("nanochat_base")

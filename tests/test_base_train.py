@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nanochat import training
+from nanochat import batching, training
 from nanochat.checkpoint_manager import load_checkpoint
 from nanochat.configurator import FlagError, parse_flags
 from nanochat.metrics import read_metrics
@@ -37,11 +37,11 @@ def test_flags_forms_and_errors():
 
 
 def test_batch_arithmetic_suggests_valid_values():
-    assert training.batch_arithmetic(4096, 4, 64, 2) == (8, 512)
+    assert batching.batch_arithmetic(4096, 4, 64, 2) == (8, 512)
     with pytest.raises(ValueError, match=r"--total_batch_size=4096 or 4608"):
-        training.batch_arithmetic(4100, 4, 64, 2)
+        batching.batch_arithmetic(4100, 4, 64, 2)
     with pytest.raises(ValueError, match=r"Use --total_batch_size=512 or --device_batch_size in \[1, 2\]\.$"):
-        training.batch_arithmetic(256, 4, 64, 2)  # below one forward/backward: one value to use, not "512 or 512"
+        batching.batch_arithmetic(256, 4, 64, 2)  # below one forward/backward: one value to use, not "512 or 512"
 
 
 def test_schedules():

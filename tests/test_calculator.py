@@ -117,9 +117,8 @@ def test_works_without_eval_or_exec(monkeypatch):
     assert use_calculator("'hello world'.count('o')") == 2
 
 
-def test_engine_keeps_the_old_import_names():
-    # Code written against nanochat.engine's calculator (before it had its own module) keeps working.
+def test_engine_keeps_nanochat_calculator_name():
+    # nanochat's engine.py defines use_calculator; code written against nanochat imports it from there
     from nanochat import calculator, engine
 
-    for name in ("CALC_TIME_LIMIT_S", "CalculatorError", "safe_eval", "use_calculator"):
-        assert getattr(engine, name) is getattr(calculator, name)
+    assert engine.use_calculator is calculator.use_calculator

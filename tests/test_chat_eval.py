@@ -248,7 +248,7 @@ import json, os, sys
 os.environ["NANOCHAT_DATA_DIR"] = {dirs!r}[int(os.environ["RANK"])]  # rank 1's data dir lacks ARC-Easy
 sys.path.insert(0, {tests!r})
 from nanochat.common import compute_init
-from nanochat.conversation_data import sft_batches
+from nanochat.data.conversations import sft_batches
 from nanochat.tokenizer import RustBPETokenizer
 from scripts.chat_eval import main
 from tasks.arc import ARC

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.conversation_data import ConversationPacker, collate_sft, sft_batches
+from nanochat.data.conversations import ConversationPacker, collate_sft, sft_batches
 from tests.chat_fixtures import tiny_tokenizer
 
 SHARED_DATA = Path(__file__).resolve().parent / "assets" / "data"  # excerpts of ../shared/data (tests/assets/README.md)
@@ -147,7 +147,7 @@ def test_collate_rejects_bad_rows():
 
 
 def test_mixture_leaves_out_missing_tasks_by_name(tmp_path, capsys):
-    from nanochat.data_sources import TaskDataNotFound
+    from nanochat.data.task_data import TaskDataNotFound
     from tasks.suites import build_mixture
 
     def missing():
@@ -165,8 +165,9 @@ def test_mixture_leaves_out_missing_tasks_by_name(tmp_path, capsys):
 def test_rank_agreement_is_a_pass_through_in_one_process():
     """Without torchrun the collective helpers change nothing: same result, same exception (the torchrun case is
     tests/test_chat_eval.py::test_ddp_ranks_agree_on_a_task_one_rank_lacks)."""
-    from nanochat.conversation_data import build_on_every_rank, raise_on_every_rank
-    from nanochat.data_sources import TaskDataNotFound
+    from nanochat.data.conversations import build_on_every_rank
+    from nanochat.dist import raise_on_every_rank
+    from nanochat.data.task_data import TaskDataNotFound
 
     raise_on_every_rank(None, "nothing")
     with pytest.raises(KeyError):

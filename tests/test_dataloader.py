@@ -282,7 +282,7 @@ def test_damaged_shards_and_a_split_without_documents_are_named(data):
 
 
 def test_loader_on_imported_corpus(tmp_path):
-    from nanochat.dataset import import_corpus
+    from nanochat.data.corpus_import import import_corpus
 
     src = REPO / "tests" / "assets" / "data" / "pretrain" / "tinystories" / "tinystories_sample.txt"  # 30 stories
     import_corpus([src], out_dir=tmp_path, val_docs=2, rows_per_group=2, docs_per_shard=1000, log=lambda *a: None)

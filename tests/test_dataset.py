@@ -20,15 +20,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from nanochat import dataset
-from nanochat.dataset import (
-    download_shards,
-    download_single_file,
-    import_corpus,
-    iter_file_documents,
-    list_parquet_files,
-    parquets_iter_batched,
-    split_text,
-)
+from nanochat.data import cli
+from nanochat.data.corpus_import import import_corpus, iter_file_documents, split_text
+from nanochat.data.download import download_shards, download_single_file
+from nanochat.dataset import list_parquet_files, parquets_iter_batched
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "tests" / "assets" / "data" / "pretrain"  # excerpts of ../shared/data/pretrain (tests/assets)
@@ -151,7 +146,7 @@ def test_import_names_a_damaged_input_parquet(tmp_path):
 
 def test_default_data_dir_is_base_dir_base_data(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
-    assert dataset.get_data_dir() == str(tmp_path / "base_data")
+    assert dataset.base_data_dir() == str(tmp_path / "base_data")
     write_shard(tmp_path / "base_data" / "shard_00000.parquet", ["a"], 1)
     write_shard(tmp_path / "base_data" / "shard_00001.parquet", ["b"], 1)
     assert list(parquets_iter_batched("train")) == [["a"]]
@@ -279,6 +274,27 @@ def test_download_retries_server_errors(server, tmp_path):
     assert (tmp_path / "shard_00000.parquet").read_bytes() == server.files["shard_00000.parquet"]
 
 
+def test_nanochat_names_stay_in_nanochat_dataset(server, tmp_path):
+    """nanochat's `from nanochat.dataset import download_single_file, MAX_SHARD, ...` keeps working, though the
+    downloader lives in nanochat/data/download.py."""
+    add_shards(server, 1)
+    assert dataset.download_single_file(0, tmp_path, server.url, **fast())
+    assert (tmp_path / "shard_00000.parquet").read_bytes() == server.files["shard_00000.parquet"]
+    assert dataset.index_to_filename(dataset.MAX_SHARD) == "shard_01822.parquet"
+    assert dataset.BASE_URL.endswith("/karpathy/fineweb-edu-100b-shuffle/resolve/main")
+
+
+def test_reading_shards_loads_no_upper_layer():
+    """nanochat.dataset is the bottom layer: importing it loads neither the downloader, the importer nor torch."""
+    code = "import sys, nanochat.dataset; print(*sorted(m for m in sys.modules if m.startswith(('nanochat', 'torch'))))"
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    loaded = p.stdout.split()
+    assert "nanochat.dataset" in loaded
+    assert [m for m in loaded if m.startswith("nanochat.data.") or m.split(".")[0] == "torch"] == [], loaded
+
+
 def test_download_gives_up_after_max_attempts(server, tmp_path):
     add_shards(server, 1)
     server.fail_first["shard_00000.parquet"] = 10
@@ -396,7 +412,7 @@ def test_cli_download_nanochat_flags(server, tmp_path, monkeypatch, capsys):
     # (in-process from here on: a second interpreter start, with torch, costs seconds on a busy 2-core machine)
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     monkeypatch.setenv("NANOCHAT_DATA_URL", "http://127.0.0.1:9/nothing-here")
-    assert dataset.main(["--num-files", "4", "--base_url", server.url, "--max-attempts", "2"]) == 1
+    assert cli.main(["--num-files", "4", "--base_url", server.url, "--max-attempts", "2"]) == 1
     out, err = capsys.readouterr()
     assert "shard_00003.parquet" in err and "Downloaded: 3/4" in out
     assert (tmp_path / "base_data" / "shard_00002.parquet").read_bytes() == server.files["shard_00002.parquet"]
@@ -406,7 +422,7 @@ def test_cli_download_nanochat_flags(server, tmp_path, monkeypatch, capsys):
 def test_cli_rejects_bad_counts(capsys):
     for argv in (["-n", "0"], ["-n", "-5"], ["-n", "3", "-w", "0"]):
         with pytest.raises(SystemExit) as exc:
-            dataset.main(argv)
+            cli.main(argv)
         assert exc.value.code == 2
     assert "-n must be" in capsys.readouterr().err
 
@@ -521,10 +537,10 @@ def test_import_directory_and_cli(tmp_path, capsys):
     assert row_group_sizes(list_parquet_files(out)[0]) == [4, 4, 4, 4, 2]
     # a second import must not mix with the first (in-process from here on, as above)
     wiki = str(PRETRAIN / "wiki_demo" / "wiki_demo.txt")
-    assert dataset.main(["import", wiki, "--val_docs", "2", "--out", str(out)]) == 1
+    assert cli.main(["import", wiki, "--val_docs", "2", "--out", str(out)]) == 1
     assert "--overwrite" in capsys.readouterr().err
     assert sum(map(len, shard_summary(out)[0])) == 18
-    assert dataset.main(["import", wiki, "--val-docs", "2", "--overwrite", "--out", str(out)]) == 0
+    assert cli.main(["import", wiki, "--val-docs", "2", "--overwrite", "--out", str(out)]) == 0
     assert [os.path.basename(p) for p in list_parquet_files(out)] == ["shard_00000.parquet", "shard_00001.parquet"]
     train, val = shard_summary(out)
     assert (len(train[0]), len(val)) == (4, 2)

@@ -848,10 +848,10 @@ def test_docs_show_the_preset_table():
 
 
 def test_presets_command_uses_the_training_batch_arithmetic():
-    from nanochat import training
+    from scripts import base_train, mid_train
 
-    # the launchers' arithmetic is the training's own function, not a copy
-    assert training.batch_arithmetic is presets.batch_arithmetic
+    # the launchers' arithmetic is the training scripts' own function, not a copy
+    assert base_train.batch_arithmetic is mid_train.batch_arithmetic is presets.batch_arithmetic
     launch = presets.resolve(20, world_size=8, mode="fullrun")
     assert (launch.device_batch_size, launch.grad_accum, launch.sft_args) == (32, 1, [])
     with pytest.raises(ValueError, match="--total_batch_size=393216 or 786432"):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tasks.common import Task, TaskMixture, TaskSequence, render_mc
-from nanochat.data_sources import TaskDataNotFound
+from nanochat.data.task_data import TaskDataNotFound
 
 # excerpts of the real data sets in ../shared/data, same layout (tests/assets/README.md): every clone has them
 SHARED = Path(__file__).resolve().parent / "assets" / "data"

@@ -1,5 +1,5 @@
 """
-Importing local text as pretraining shards, offline: `python -m nanochat.dataset import PATH ...`.
+Importing local text as pretraining shards, offline: `python -m nanochat.dataset import PATH ...` (nanochat/data/cli.py).
 
 .txt / .jsonl / .json / .parquet files (optionally .gz) become documents (a .txt file is split by a separator, a
 regex, blank lines, lines, or WikiText article headings), shuffled deterministically and written as train shards
@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.atomic import fsync_dir
-from nanochat.dataset import IMPORT_INFO, get_data_dir, index_to_filename
+from nanochat.dataset import IMPORT_INFO, base_data_dir, index_to_filename
 
 SUPPORTED_FORMATS = ("txt", "jsonl", "json", "parquet")
 TXT_SPLITS = ("auto", "blank", "line", "whole", "wikitext")
@@ -253,7 +253,7 @@ def import_corpus(
         raise ValueError(f"--val_docs must be >= 1, got {val_docs}")
     if not 0 < val_fraction < 1:
         raise ValueError(f"--val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
-    out_dir = get_data_dir(out_dir)
+    out_dir = base_data_dir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     existing = [f for f in os.listdir(out_dir) if f.endswith(".parquet") or f.endswith(".parquet.tmp") or f == IMPORT_INFO]
     if existing and not overwrite:

@@ -38,8 +38,9 @@ class TaskDataNotFound(Missing):
         )
 
 
-def get_data_dir(data_dir=None):
-    """The local data dir to try first: the argument, else $NANOCHAT_DATA_DIR, else None."""
+def task_data_dir(data_dir=None):
+    """The local task data dir to try first: the argument, else $NANOCHAT_DATA_DIR, else None. (Not the pretraining
+    shards' directory: that is nanochat.dataset.base_data_dir, under $NANOCHAT_BASE_DIR.)"""
     data_dir = data_dir or os.environ.get("NANOCHAT_DATA_DIR")
     return Path(data_dir).expanduser() if data_dir else None
 

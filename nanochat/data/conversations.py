@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import get_base_dir
-from nanochat.data_sources import TaskDataNotFound
+from nanochat.data.task_data import TaskDataNotFound
 from nanochat.dist import collective_device, dist_world_size, raise_on_every_rank
 from nanochat.usage import BadValue, Missing
 

@@ -7,7 +7,7 @@ Fetching files over HTTP.
   resumed with an HTTP Range request after an interrupted attempt, is checked to be a whole readable parquet file,
   then renamed into place; failed attempts are retried with exponential backoff.
 
-The command line is nanochat/dataset.py's: `python -m nanochat.dataset -n 8 -w 4`.
+The command line is nanochat's `python -m nanochat.dataset -n 8 -w 4` (nanochat/data/cli.py).
 """
 
 import functools
@@ -24,10 +24,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from nanochat.atomic import atomic_write, fsync_dir
-from nanochat.dataset import IMPORT_INFO, check_text_column, get_data_dir, index_to_filename
-
-BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
-MAX_SHARD = 1822  # the last shard index of FineWeb-Edu 100B shuffled (1823 shards, ~100 MB each)
+from nanochat.dataset import BASE_URL, IMPORT_INFO, base_data_dir, check_text_column, index_to_filename
 
 
 def download_file(url, dest, timeout=15.0):
@@ -142,7 +139,7 @@ def download_single_file(index, data_dir=None, base_url=None, max_attempts=5, ba
     request when a previous attempt left one), is checked to be a readable parquet file, then renamed into place.
     Failed attempts are retried after backoff * 2**(attempt-1) seconds.
     """
-    data_dir = get_data_dir(data_dir)
+    data_dir = base_data_dir(data_dir)
     base_url = (base_url or os.environ.get("NANOCHAT_DATA_URL") or BASE_URL).rstrip("/")
     filename = index_to_filename(index)
     path = os.path.join(data_dir, filename)
@@ -188,7 +185,7 @@ def refuse_imported_corpus(data_dir):
 
 def download_shards(indices, data_dir=None, base_url=None, num_workers=4, max_attempts=5, backoff=2.0, timeout=60):
     """Download the given shard indices with a pool of `num_workers` processes. Returns the indices that failed."""
-    data_dir = get_data_dir(data_dir)
+    data_dir = base_data_dir(data_dir)
     refuse_imported_corpus(data_dir)
     indices = list(indices)
     fetch = functools.partial(

@@ -15,6 +15,7 @@ import pytest
 
 from nanochat import execution
 from nanochat.execution import REQUIRED_LAYERS, SandboxUnavailable, execute_code, isolation
+from nanochat.usage import CannotRun
 
 
 def layers():
@@ -412,7 +413,7 @@ def test_humaneval_evaluation_refuses_without_the_layers_unless_unsafe(monkeypat
         HumanEval(data_dir=str(tmp_path))
     # chat_eval stops before loading a model, naming the flag
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
-    with pytest.raises(SystemExit, match="--unsafe_sandbox"):
+    with pytest.raises(CannotRun, match="--unsafe_sandbox"):
         chat_eval.main(["-i", "sft", "-a", "HumanEval", "--device_type", "cpu"])
     # with the flag it gets past the check (and then fails for want of a checkpoint, which is another error)
     with pytest.raises(FileNotFoundError, match="checkpoints"):

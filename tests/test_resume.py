@@ -53,8 +53,8 @@ def copy_step(base_dir, src_tag, dst_tag, step):
     """A fresh tag holding only one step's files: the interrupted run, as a new start finds it."""
     src, dst = ckpt_dir(base_dir, src_tag), ckpt_dir(base_dir, dst_tag)
     dst.mkdir(parents=True)
-    for f in src.glob(f"*_{step:06d}*"):
-        shutil.copy(f, dst / f.name)
+    for f in src.glob(f"*_{step:06d}*"):  # nanochat's files, or an FSDP run's sharded_<step> directory
+        (shutil.copytree if f.is_dir() else shutil.copy)(f, dst / f.name)
 
 
 def final_weights(base_dir, tag, step):

@@ -673,6 +673,7 @@ def test_import_refuses_what_our_gpt_cannot_compute(env, tmp_path):
 # base_eval --hf_path (nanochat's --hf-path): CORE of a transformers model
 
 
+@pytest.mark.slow  # CORE on every task twice (checkpoint and export): ~40 s on the 2-core CPU
 def test_base_eval_hf_path_scores_the_export_as_our_checkpoint(env):
     """The exported directory through --hf_path: the same prompt ids as our tokenizer and the same CORE accuracies,
     task by task, as the checkpoint itself (the real bundle in ../shared/data, a few examples per task)."""

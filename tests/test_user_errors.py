@@ -51,7 +51,7 @@ CASES = [
     ("scripts.base_train", ["--weight_decay=-0.1"], "full", "--weight_decay must be >= 0"),
     ("scripts.base_train", ["--eval_tokens=0"], "full", "--eval_tokens must be >= 1"),
     ("scripts.base_train", ["--core_metric_max_per_task=-5"], "full", "--core_metric_max_per_task must be >= -1"),
-    ("scripts.base_train", ["--resume_from_step=-2"], "full", "--resume_from_step must be >= -1"),
+    ("scripts.base_train", ["--resume_from_step=-2"], "full", "--resume_from_step must be a saved step number, auto"),
     ("scripts.base_train", ["--resume_from_step=99", "--depth=1"], "full", "checkpoint step 99 is incomplete or missing"),
     ("scripts.base_train", ["--resume_from_step=3", "--model_tag=d9"], "full", "d9 does not exist"),
     ("scripts.base_train", ["--data_world_size=0"], "full", "--data_world_size must be >= 1"),
@@ -268,6 +268,15 @@ def test_mistake_is_one_line_and_changes_nothing(module, argv, world, needle, en
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
     for k, v in env.items():
         monkeypatch.setenv(k, v.replace("{tmp}", str(worlds["tmp"])))
+    if env.get("HF_HUB_OFFLINE") == "1":
+        # huggingface_hub and datasets read their offline switches when first imported: a process started with
+        # them set (what the row stands for) is offline, but in this process an earlier test may have imported them
+        # online, and then every lookup retries the dead proxy for a minute or more
+        for hf_module, names in (("huggingface_hub.constants", ["HF_HUB_OFFLINE"]),
+                                 ("datasets.config", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"])):
+            if hf_module in sys.modules:
+                for name in names:
+                    monkeypatch.setattr(sys.modules[hf_module], name, True)
     monkeypatch.delenv("NANOCHAT_DATA_DIR", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setattr("nanochat.core_eval.EVAL_BUNDLE_URL", "http://127.0.0.1:9/eval_bundle.zip")

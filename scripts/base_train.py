@@ -17,7 +17,7 @@ import torch
 
 from nanochat.attention import attn_flag
 from nanochat.checkpoint_manager import checkpoint_root, require_step
-from nanochat.compile import compile_flag, maybe_compile
+from nanochat.compile import compile_flag
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.dataloader import loader_states_for_world, tokenizing_distributed_data_loader
@@ -26,13 +26,13 @@ from nanochat.fp8 import FP8_FILTER_HELP, FP8_RECIPES
 from nanochat.gpt import config_for_depth
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.metrics import MetricsLogger
-from nanochat.parallel import parallel_from_config
+from nanochat.distributed.parallel import parallel_from_config
 from nanochat.preemption import StopSignal, report_stop
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.training import (
     CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, ProgressMeter, apply_schedule, assert_finite, batch_arithmetic,
-    build_model, eval_steps_for, every, format_duration, apply_model_options, check_model_options, load_train_state,
+    build_model, eval_steps_for, every, format_duration, check_model_options, load_train_state,
     lr_multiplier, memory_flags, muon_momentum, optimizer_flags, resolve_resume_step, resume_flag, resume_loop_state,
     run_flags, save_train_state, schedule_flags, setup_run, train_step
 )
@@ -104,14 +104,12 @@ def main(argv=None):
 
     ctx = setup_run(config)
     rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
-    parallel = parallel_from_config(config)  # the DDP path or FSDP2 (nanochat/parallel.py)
+    # the parallel plan: DDP, FSDP2 or FSDP2 x TP, and which data this rank reads (nanochat/distributed/parallel.py)
+    parallel = parallel_from_config(config, rank, world_size)
     check_model_options(config, device)  # --fp8=1 on hardware without FP8 stops here, before any work
     device_type = device.type
     master = ctx.master
-    if config["data_world_size"] > 1 and world_size > 1:
-        raise BadValue("--data_world_size is for single-process runs that reproduce a multi-rank run; unset it")
-    data_rank, dp_world = parallel.data_rank_and_world(rank, world_size)  # tp ranks of a group read the same data
-    data_world = max(dp_world, config["data_world_size"])
+    data_world = parallel.read_world  # tp ranks of a group read the same data; --data_world_size replays W ranks
 
     # batch arithmetic (before the model: a batch that does not divide stops here)
     B, Tlen = config["device_batch_size"], config["max_seq_len"]
@@ -124,10 +122,7 @@ def main(argv=None):
     vocab_size = tokenizer.get_vocab_size()
     model_config = config_for_depth(config["depth"], vocab_size, config["max_seq_len"])
     model = build_model(model_config, device, config["init"], config["attn"])
-    model = parallel.wrap(apply_model_options(model, config, device, parallel), device)
-    orig_model = model  # uncompiled, for eval, sampling and saving
-    model = maybe_compile(model, config["compile"], device, config["device_batch_size"], config["max_seq_len"],
-                          parallel.compile_per_block, autocast)
+    model, orig_model = parallel.prepare(model, config, device, autocast)  # orig_model: uncompiled, for eval and saving
     num_params = orig_model.num_params()
     flops_per_token = orig_model.estimate_flops()
     print0(f"Model d{config['depth']}: {model_config} | {num_params:,} params | attn {orig_model.attn_choice.describe()} | "
@@ -176,7 +171,7 @@ def main(argv=None):
     # checkpoints and resume
     meter = ProgressMeter(total_batch, flops_per_token, device, world_size, num_iterations)
     start_step, min_val_bpb, val_bpb = 0, float("inf"), None
-    loader_states = [None] * (data_world if world_size == 1 else 1)
+    loader_states = [None] * len(parallel.read_ranks)  # one per data rank this process reads
     resume_step = resolve_resume_step(config["resume_from_step"], checkpoint_dir)
     if resume_step is not None:
         start_step = resume_step
@@ -190,11 +185,10 @@ def main(argv=None):
         print0(f"Resumed from step {start_step} in {checkpoint_dir}")
 
     # data: one loader per data rank (exactly one under torchrun)
-    data_ranks = range(data_world) if world_size == 1 else [data_rank]
     train_loaders = [
         tokenizing_distributed_data_loader(B, Tlen, "train", device=device_type, resume_state_dict=st, tokenizer=tokenizer,
                                            rank=r, world_size=data_world)
-        for r, st in zip(data_ranks, loader_states)
+        for r, st in zip(parallel.read_ranks, loader_states)
     ]
     # micro-batches go round the data ranks A at a time, as each real rank would take A in a row
     micro = {"i": 0}
@@ -212,7 +206,7 @@ def main(argv=None):
 
     def build_val_loader():
         return tokenizing_distributed_data_loader(B, Tlen, "val", device=device_type, tokenizer=tokenizer,
-                                                  rank=data_rank, world_size=dp_world)
+                                                  rank=parallel.data_rank, world_size=parallel.data_world)
 
     metrics = MetricsLogger(os.path.join(checkpoint_dir, "metrics.jsonl"),
                             get_wandb(config["run"], "nanochat", user_config, master), master, resume_step)
@@ -266,7 +260,7 @@ def main(argv=None):
             orig_model.eval()
             with autocast():
                 out = evaluate_model(orig_model, tokenizer, device, max_per_task=config["core_metric_max_per_task"],
-                                     bundle_dir=core_bundle)
+                                     bundle_dir=core_bundle, ranks=parallel.data_ranks)
             orig_model.train()
             core_metric = out.get("core_metric")
             metrics.log(step, {"eval/core_metric": core_metric},

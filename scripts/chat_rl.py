@@ -12,7 +12,7 @@ tokens (the prompt and the tool outputs the engine forced are not trained) and d
 Every --eval_every steps: pass@k on GSM8K test. Loads the SFT model, saves to chatrl_checkpoints/<tag>/.
 
 --use_fsdp=1 (the d40+ presets' layout) shards the model for the update; for sampling each rank gathers the whole
-model once per phase (nanochat.fsdp.full_weights), so its rollouts run without collectives, as on the DDP path.
+model once per phase (nanochat.distributed.fsdp.full_weights), so its rollouts run without collectives, as on the DDP path.
 """
 
 import itertools
@@ -26,14 +26,14 @@ from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
 from nanochat.conversation_data import check_stage_model, collate_sft, load_stage_model, scale_initial_lr
-from nanochat.dist import all_reduce_sum, dist_world_size, get_dist_info
+from nanochat.distributed.dist import all_reduce_sum, dist_world_size, get_dist_info
 from nanochat.attention import attn_flag
 from nanochat.engine import Engine, decode_compile_flag
 from nanochat.metrics import MetricsLogger
-from nanochat.parallel import parallel_from_config
+from nanochat.distributed.parallel import parallel_from_config
 from nanochat.preemption import StopSignal, report_stop
 from nanochat.training import (
-    already_finished, apply_model_options, apply_schedule, assert_finite, every, lr_multiplier, memory_flags,
+    already_finished, apply_schedule, assert_finite, every, lr_multiplier, memory_flags,
     optimizer_flags, resume_flag, resume_run, run_flags, save_stage_model, save_train_state, setup_run, source_flags,
     train_step
 )
@@ -154,17 +154,15 @@ def evaluate_pass_at_k(task, engine, tokenizer, num_examples, num_samples, devic
 def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
-    if config["tp_size"] > 1:
-        raise BadValue(f"chat_rl samples on each rank alone, which --tp_size={config['tp_size']} cannot do (the "
-                       f"blocks' matrices stay split over the tp ranks): use --tp_size=1, with --use_fsdp=1 for a "
-                       f"model too big for DDP")
+    # the DDP path or FSDP2 (nanochat/distributed/parallel.py); each rank samples alone, so a plan without full weights
+    # (tensor parallelism) is refused here, before any loading
+    parallel = parallel_from_config(config, samples_alone="chat_rl")
     check_stage_model(config["source"], config["model_tag"], config["model_step"])  # start-up check: the model exists
     print_banner()
 
     ctx = setup_run(config)
     rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
     master = ctx.master
-    parallel = parallel_from_config(config)  # the DDP path or FSDP2 (nanochat/parallel.py)
     if config["examples_per_step"] % world_size != 0:
         raise BadValue(f"--examples_per_step={config['examples_per_step']} must be divisible by the {world_size} ranks")
     examples_per_rank = config["examples_per_step"] // world_size
@@ -176,7 +174,7 @@ def main(argv=None):
     model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
     model_config = model.config
     attn = model.set_attn(config["attn"]).describe()
-    model = parallel.wrap(apply_model_options(model, config, device, parallel), device)  # --activation_checkpointing
+    model, _ = parallel.prepare(model, config, device, autocast)  # --activation_checkpointing, --fp8, the layout
     engine = Engine(model, tokenizer, config["decode_compile"])
     print0(f"attention: {attn}; decode step: {'compiled' if engine.decode_compiled else 'eager'}")
     pad_id = tokenizer.encode_special("<|assistant_end|>")

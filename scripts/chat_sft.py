@@ -25,12 +25,12 @@ from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
 from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
 from nanochat.conversation_data import check_stage_model, load_stage_model, scale_initial_lr, sft_batches
-from nanochat.dist import all_reduce_mean
+from nanochat.distributed.dist import all_reduce_mean
 from nanochat.metrics import MetricsLogger
-from nanochat.parallel import parallel_from_config
+from nanochat.distributed.parallel import parallel_from_config
 from nanochat.preemption import StopSignal, report_stop
 from nanochat.training import (
-    MicroBatches, ProgressMeter, already_finished, apply_model_options, apply_schedule, assert_finite, every,
+    MicroBatches, ProgressMeter, already_finished, apply_schedule, assert_finite, every,
     lr_multiplier, memory_flags, optimizer_flags, resume_flag, resume_run, run_flags, save_stage_model,
     save_train_state, setup_run, source_flags, train_step
 )
@@ -89,7 +89,7 @@ def train_tasks():
     ]
 
 
-def chat_metrics(model, tokenizer, batch_size, max_problems, autocast, lockstep=False):
+def chat_metrics(model, tokenizer, batch_size, max_problems, autocast, lockstep=False, ranks=None):
     """{task: accuracy} for METRIC_TASKS (nanochat.chat_eval); a task whose data is missing is left out with a note.
     lockstep: the model's forward is a collective (FSDP, TP)."""
     from nanochat.chat_eval import evaluate_task
@@ -107,7 +107,7 @@ def chat_metrics(model, tokenizer, batch_size, max_problems, autocast, lockstep=
                 print0(f"Note: skipping the {task_name} accuracy: {e}")
                 continue
             metrics[task_name] = evaluate_task(task, model, tokenizer, engine, batch_size=batch_size,
-                                               max_problems=max_problems, lockstep=lockstep)
+                                               max_problems=max_problems, lockstep=lockstep, ranks=ranks)
     return metrics
 
 
@@ -119,8 +119,9 @@ def main(argv=None):
 
     ctx = setup_run(config)
     rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
-    parallel = parallel_from_config(config)  # the DDP path, FSDP2 or FSDP2 x TP (nanochat/parallel.py)
-    data_rank, data_world = parallel.data_rank_and_world(rank, world_size)  # tp ranks of a group read the same data
+    # the parallel plan: DDP, FSDP2 or FSDP2 x TP, and which data this rank reads (nanochat/distributed/parallel.py)
+    parallel = parallel_from_config(config, rank, world_size)
+    data_rank, data_world = parallel.data_rank, parallel.data_world  # tp ranks of a group read the same data
     device_type = device.type
     master = ctx.master
 
@@ -134,7 +135,7 @@ def main(argv=None):
     model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
     model_config = model.config
     attn = model.set_attn(config["attn"]).describe()
-    model = parallel.wrap(apply_model_options(model, config, device, parallel), device)  # --activation_checkpointing
+    model, _ = parallel.prepare(model, config, device, autocast)  # --activation_checkpointing, --fp8, the layout
     print0(f"Fine-tuning the {config['source']} model (step {source_meta.get('step')}): {model_config} | attn {attn}")
     print0(f"Batch: {B} conversations x {data_world} rank(s) x {grad_accum} accumulation = "
            f"{config['target_examples_per_step']} conversations/step")
@@ -223,7 +224,7 @@ def main(argv=None):
             model.eval()
             # FSDP/TP: every forward is a collective, so ranks with fewer problems run filler forwards (lockstep)
             out = chat_metrics(model, tokenizer, 2 * B, config["eval_metrics_max_problems"], autocast,
-                               lockstep=parallel.collective_forward)
+                               lockstep=parallel.collective_forward, ranks=parallel.data_ranks)
             model.train()
             if out:
                 metrics = out

@@ -20,17 +20,17 @@ import torch
 from nanochat.attention import attn_flag
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
-from nanochat.compile import compile_flag, maybe_compile
+from nanochat.compile import compile_flag
 from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
 from nanochat.conversation_data import ConversationPacker, check_stage_model, load_stage_model, scale_initial_lr
-from nanochat.dist import all_reduce_mean, any_rank
+from nanochat.distributed.dist import all_reduce_mean, any_rank
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.metrics import MetricsLogger
-from nanochat.parallel import parallel_from_config
+from nanochat.distributed.parallel import parallel_from_config
 from nanochat.preemption import StopSignal, report_stop
 from nanochat.tokenizer import get_token_bytes
 from nanochat.training import (
-    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, ProgressMeter, apply_model_options, apply_schedule, assert_finite,
+    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, ProgressMeter, apply_schedule, assert_finite,
     batch_arithmetic, eval_steps_for, every, format_duration, memory_flags, muon_momentum, optimizer_flags, resume_flag,
     resume_run, run_flags, save_train_state, setup_run, source_flags, train_step
 )
@@ -106,8 +106,9 @@ def main(argv=None):
 
     ctx = setup_run(config)
     rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
-    parallel = parallel_from_config(config)  # the DDP path, FSDP2 or FSDP2 x TP (nanochat/parallel.py)
-    data_rank, data_world = parallel.data_rank_and_world(rank, world_size)  # tp ranks of a group read the same data
+    # the parallel plan: DDP, FSDP2 or FSDP2 x TP, and which data this rank reads (nanochat/distributed/parallel.py)
+    parallel = parallel_from_config(config, rank, world_size)
+    data_rank, data_world = parallel.data_rank, parallel.data_world  # tp ranks of a group read the same data
     device_type = device.type
     master = ctx.master
 
@@ -123,10 +124,7 @@ def main(argv=None):
     model, tokenizer, base_meta = load_stage_model("base", device, config["model_tag"], config["model_step"])
     model_config = model.config
     print0(f"attention: {model.set_attn(config['attn']).describe()}")
-    model = parallel.wrap(apply_model_options(model, config, device, parallel), device)  # --activation_checkpointing
-    orig_model = model  # uncompiled, for eval and saving
-    model = maybe_compile(model, config["compile"], device, config["device_batch_size"], config["max_seq_len"],
-                          parallel.compile_per_block, autocast)
+    model, orig_model = parallel.prepare(model, config, device, autocast)  # orig_model: uncompiled, for eval and saving
     token_bytes = get_token_bytes(device=device)
     flops_per_token = orig_model.estimate_flops()
     print0(f"Base model step {base_meta.get('step')}: {model_config} | {orig_model.num_params():,} params")

@@ -190,7 +190,7 @@ def test_every_torchrun_script_runs_main_under_record():
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])
 def test_cleanup_tears_the_gloo_groups_down(strategy):
     """After compute_cleanup and main's return, no gloo thread is left for interpreter shutdown to tear down (where a
-    rank can abort: nanochat.dist.release_process_groups). Under FSDP2/TP the model holds the groups while main runs,
+    rank can abort: nanochat.distributed.dist.release_process_groups). Under FSDP2/TP the model holds the groups while main runs,
     so the first line still shows the threads: the probe sees them when they are there."""
     import json
 

@@ -1,5 +1,6 @@
 """
-The pieces of a training run that base, mid and SFT training share (RL reuses the model/optimizer/checkpoint parts):
+The pieces of a training run that base, mid and SFT training share (RL reuses the model/optimizer/checkpoint parts);
+nanochat/stage.py puts them together into the skeleton each stage's script runs in:
 
 - `setup_run` -> `RunContext`: device, ranks and compute dtype of this process (its `autocast()` for forward).
 - `resolve_dtype` / `autocast_ctx`: bf16 autocast on CUDA, plain fp32 elsewhere.
@@ -11,7 +12,7 @@ The pieces of a training run that base, mid and SFT training share (RL reuses th
 - `lr_multiplier`, `muon_momentum`, `apply_schedule`: the LR and momentum schedules.
 - `train_step`: gradient accumulation over micro-batches, grad clipping, optimizer step; returns the mean loss
   all-reduced across ranks (what gets logged is the global loss, not rank 0's). `MicroBatches` fetches each next
-  micro-batch after the previous backward has been queued.
+  micro-batch after the previous backward has been queued; `round_robin_batches` reads several data ranks' loaders.
 - `ProgressMeter`: debiased EMA loss, step time, tok/s, MFU and ETA for the log line.
 - `every`: periodic actions, where a value <= 0 turns the action off entirely.
 - `save_train_state` / `load_train_state`: model + per-rank optimizer + per-rank loader + loop state, so a resumed
@@ -217,6 +218,27 @@ class MicroBatches:
         if self.on_take is not None:
             self.on_take(batch)
         return batch
+
+
+def round_robin_batches(loaders, grad_accum, loader_states):
+    """
+    MicroBatches over one loader per data rank this process reads: with several (base_train --data_world_size, one
+    process replaying W ranks) the micro-batches go round the loaders grad_accum at a time, as each real rank would
+    take grad_accum in a row. loader_states[k] gets loader k's position after the last batch trained on (not the
+    prefetched one), what a checkpoint saves.
+    """
+    taken = {"i": 0}
+
+    def fetch():
+        k = (taken["i"] // grad_accum) % len(loaders)
+        taken["i"] += 1
+        x, y, state = next(loaders[k])
+        return x, y, k, state
+
+    def on_take(batch):
+        loader_states[batch[2]] = batch[3]
+
+    return MicroBatches(fetch, on_take)
 
 
 def train_step(model, optimizers, batches, grad_accum_steps, grad_clip=1.0, autocast=None, loss_fn=None,

@@ -85,3 +85,31 @@ def test_prepare_applies_ac_then_the_layout_then_compile(monkeypatch):
 def test_prepare_refuses_fp8_under_tp_before_any_collective():
     with pytest.raises(ValueError, match=r"--fp8=1 does not work with --tp_size=2 yet"):
         TensorParallel(2).prepare(tiny_model(), {"fp8": True}, "cpu")
+
+
+def test_the_stage_skeleton_in_one_process(tmp_path):
+    """nanochat/stage.py's pieces the scripts share: the bound plan, eval mode that always comes back, the step line."""
+    from nanochat.metrics import read_metrics
+    from nanochat.stage import Stage
+
+    config = {"device_type": "cpu", "seed": 0, "dtype": "float32", "deterministic": False, "run": "dummy",
+              "eval_every": 5, "embedding_lr": 0.2, "unembedding_lr": 0.004, "matrix_lr": 0.02, "weight_decay": 0.0}
+    stage = Stage(config)
+    assert stage.parallel.data_ranks == DataRanks(0, 1, 0) and stage.parallel.read_ranks == [0]
+    assert [stage.due(s, "eval_every") for s in (0, 3, 5)] == [True, False, True]
+    model = tiny_model()
+    with pytest.raises(RuntimeError, match="boom"):
+        with stage.evaluating(model):
+            assert not model.training
+            raise RuntimeError("boom")
+    assert model.training  # back in train mode although the evaluation failed
+    assert len(stage.optimizers(model)) == 2  # AdamW + Muon in one process
+    stage.open_log(str(tmp_path), "nanochat-test", None, {})
+    stage.start_meter(tokens_per_step=64, flops_per_token=1.0, num_iterations=10)
+    stage.log_step(0, 2.5, 0.5, 1.0, {"train/grad_norm": 0.25}, mfu=False)
+    assert not stage.stopping(1, 0, str(tmp_path))
+    stage.finish()
+    [record] = read_metrics(tmp_path / "metrics.jsonl")
+    assert [k for k in record if k.startswith("train/")] == ["train/loss", "train/raw_loss", "train/lrm",
+                                                             "train/grad_norm", "train/tok_per_sec"]
+    assert record["step"] == 1 and record["train/raw_loss"] == 2.5 and record["train/tok_per_sec"] == 128

@@ -33,9 +33,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit  # noqa: E402
-from nanochat.dist import compute_cleanup, compute_init  # noqa: E402
+from nanochat.distributed.dist import compute_cleanup, compute_init  # noqa: E402
 from nanochat.gpt import GPT, config_for_depth  # noqa: E402
-from nanochat.parallel import FSDP  # noqa: E402
+from nanochat.distributed.parallel import FSDP  # noqa: E402
 from nanochat import sharded_checkpoint, training  # noqa: E402
 
 FLAGS = Flags(

@@ -39,7 +39,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from nanochat.configurator import Flag, Flags  # noqa: E402
-from nanochat.dist import compute_cleanup  # noqa: E402
+from nanochat.distributed.dist import compute_cleanup  # noqa: E402
 from nanochat.presets import PRESETS  # noqa: E402
 from nanochat.gpt import GPT, GPTConfig, config_for_depth  # noqa: E402
 
@@ -285,13 +285,13 @@ def worker(steps, warmup, modes=MODES):
         model.to_empty(device="cpu")
         model.init_weights()
         if mode.startswith("fsdp"):
-            from nanochat.fsdp import apply_fsdp
+            from nanochat.distributed.fsdp import apply_fsdp
             from nanochat.optim.sharded import setup_fsdp_optimizers
 
             apply_fsdp(model)
             opts = setup_fsdp_optimizers(model, use_muon=mode == "fsdp_muon")
         elif mode == "tp2":
-            from nanochat.tensor_parallel import apply_tp, setup_tp_optimizers
+            from nanochat.distributed.tensor_parallel import apply_tp, setup_tp_optimizers
 
             apply_tp(model, TP)
             opts = setup_tp_optimizers(model, use_muon=True)
@@ -329,7 +329,7 @@ def worker(steps, warmup, modes=MODES):
     if rank == 0:
         print("RESULTS " + json.dumps({"world": W, "config": BENCH_CONFIG, "batch_per_rank": BENCH_BATCH, "results": results}), flush=True)
     if distributed:
-        compute_cleanup()  # barrier, destroy, and the groups really go at exit (nanochat.dist.release_process_groups)
+        compute_cleanup()  # barrier, destroy, and the groups really go at exit (nanochat.distributed.dist.release_process_groups)
 
 
 # -----------------------------------------------------------------------------

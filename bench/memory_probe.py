@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanochat.compile import maybe_compile, parse_compile_flag  # noqa: E402
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit  # noqa: E402
-from nanochat.dist import compute_init  # noqa: E402
+from nanochat.distributed.dist import compute_init  # noqa: E402
 from nanochat.gpt import config_for_depth  # noqa: E402
 from nanochat.training import autocast_ctx, build_model, dtype_flag, resolve_dtype, train_step  # noqa: E402
 

@@ -10,8 +10,9 @@ It builds the model and optimizers exactly as scripts.base_train does (nanochat.
 training loop's. MFU = estimate_flops() per token x tokens/s / peak bf16 FLOPS of the GPU (nanochat.common's
 table, matched by device name); there is no MFU on CPU. `--attn` takes a comma list to compare backends in one run;
 each result is printed as a markdown table row plus one JSON line. --activation_checkpointing/--ac_every and
---fp8/--fp8_recipe are base_train's (nanochat.training.apply_model_options): the MFU counts the model's FLOPs only, so
-AC's recompute shows as lower MFU, and FP8 is divided by the bf16 peak as well (speedup = the ratio of the rows).
+--fp8/--fp8_recipe are base_train's (the parallel plan's prepare, nanochat/distributed/parallel.py): the MFU counts the
+model's FLOPs only, so AC's recompute shows as lower MFU, and FP8 is divided by the bf16 peak as well (speedup = the
+ratio of the rows).
 """
 
 import gc
@@ -27,11 +28,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from nanochat.training import apply_model_options, autocast_ctx, build_model, check_model_options, dtype_flag, resolve_dtype, train_step  # noqa: E402
+from nanochat.training import autocast_ctx, build_model, check_model_options, dtype_flag, resolve_dtype, train_step  # noqa: E402
 from nanochat.common import autodetect_device_type, device_type_flag, peak_flops_for  # noqa: E402
-from nanochat.dist import compute_cleanup, compute_init, dist_world_size, is_ddp_initialized  # noqa: E402
-from nanochat.parallel import parallel_from_config  # noqa: E402
-from nanochat.compile import compile_flag, maybe_compile, resolve_compile  # noqa: E402
+from nanochat.distributed.dist import compute_cleanup, compute_init, dist_world_size, is_ddp_initialized  # noqa: E402
+from nanochat.distributed.parallel import parallel_from_config  # noqa: E402
+from nanochat.compile import compile_flag, resolve_compile  # noqa: E402
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit  # noqa: E402
 from nanochat.fp8 import FP8_FILTER_HELP  # noqa: E402
 from nanochat.gpt import config_for_depth  # noqa: E402
@@ -95,13 +96,10 @@ def bench_one(cfg, attn, device, parallel):
     dtype = resolve_dtype(cfg["dtype"], device_type)
     model_config = config_for_depth(cfg["depth"], cfg["vocab_size"], cfg["max_seq_len"])
     model = build_model(model_config, device, cfg["init"], attn)
-    # --activation_checkpointing, --fp8, then the strategy's wrap and compile: in base_train's order
-    model = parallel.wrap(apply_model_options(model, cfg, device, parallel), device)
-    orig_model = model
-    optimizers = parallel.setup_optimizers(orig_model, use_muon=cfg["use_muon"])
     autocast = lambda: autocast_ctx(device_type, dtype)  # noqa: E731
-    model = maybe_compile(model, cfg["compile"], device, cfg["device_batch_size"], cfg["max_seq_len"],
-                          parallel.compile_per_block, autocast)
+    # --activation_checkpointing, --fp8, the layout and compile: the plan's one call, as in base_train
+    model, orig_model = parallel.prepare(model, cfg, device, autocast)
+    optimizers = parallel.setup_optimizers(orig_model, use_muon=cfg["use_muon"])
     compiled = resolve_compile(cfg["compile"], device_type, log=lambda *a: None)  # the FSDP path compiles in place
 
     B, L = cfg["device_batch_size"], cfg["max_seq_len"]

@@ -15,14 +15,14 @@ The tasks themselves (which split, which data) are built in tasks/suites.py; the
 import torch
 import torch.distributed as dist
 
-from nanochat.dist import data_rank_world
+from nanochat.distributed.dist import process_data_ranks
 
 TASK_NAMES = ["ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee"]
 BASELINES = {"ARC-Easy": 0.25, "ARC-Challenge": 0.25, "MMLU": 0.25, "GSM8K": 0.0, "HumanEval": 0.0, "SpellingBee": 0.0}
 
 
-def _reduce_counts(passed, total, device):
-    if data_rank_world()[2] != 0:
+def _reduce_counts(passed, total, device, ranks):
+    if ranks.tp_rank != 0:
         passed = total = 0  # a tensor-parallel group's tp ranks ran the same problems: count them once
     counts = torch.tensor([passed, total], dtype=torch.long, device=device)
     if dist.is_available() and dist.is_initialized():
@@ -46,13 +46,14 @@ def _max_positions(model):
 
 
 @torch.no_grad()
-def run_categorical_eval(task, tokenizer, model, batch_size, max_problems=None, lockstep=False):
+def run_categorical_eval(task, tokenizer, model, batch_size, max_problems=None, lockstep=False, ranks=None):
     """
     Accuracy by letter logits at the position after <|assistant_start|>. Problems are strided over ranks.
     lockstep: every rank runs the same number of forwards, for a model whose forward is a collective (FSDP, TP): a
     rank with fewer problems than data rank 0 runs one-token forwards whose output it ignores.
     """
-    rank, world, _ = data_rank_world()  # strided over data ranks (tp ranks of a group run the same problems)
+    ranks = ranks or process_data_ranks()  # the plan's under TP: the tp ranks of a group run the same problems
+    rank, world = ranks.rank, ranks.world
     device = model.get_device()
     bos = tokenizer.get_bos_token_id()
     max_len = _max_positions(model)
@@ -85,14 +86,15 @@ def run_categorical_eval(task, tokenizer, model, batch_size, max_problems=None, 
             total += 1
     if cropped:
         print(f"rank {rank}: {cropped} prompt(s) longer than the model's {max_len} positions were cropped from the left")
-    passed, total = _reduce_counts(passed, total, device)
+    passed, total = _reduce_counts(passed, total, device, ranks)
     return passed / total if total else float("nan")
 
 
 def run_generative_eval(task, tokenizer, model, engine, num_samples, max_new_tokens, temperature, top_k,
-                        max_problems=None):
+                        max_problems=None, ranks=None):
     """Fraction of problems where any of num_samples sampled completions is right. Problems are strided over ranks."""
-    rank, world, _ = data_rank_world()  # strided over data ranks (tp ranks of a group run the same problems)
+    ranks = ranks or process_data_ranks()  # the plan's under TP: the tp ranks of a group run the same problems
+    rank, world = ranks.rank, ranks.world
     device = model.get_device()
     max_len = _max_positions(model)
     n = len(task) if max_problems is None else min(len(task), max_problems)
@@ -115,24 +117,25 @@ def run_generative_eval(task, tokenizer, model, engine, num_samples, max_new_tok
         print()
     if too_long:
         print(f"rank {rank}: {too_long} prompt(s) did not fit in the model's {max_len} positions and count as failed")
-    passed, total = _reduce_counts(passed, total, device)
+    passed, total = _reduce_counts(passed, total, device, ranks)
     return passed / total if total else float("nan")
 
 
 def evaluate_task(task, model, tokenizer, engine, batch_size=1, num_samples=1, max_new_tokens=512,
-                  temperature=0.0, top_k=50, max_problems=None, lockstep=False):
+                  temperature=0.0, top_k=50, max_problems=None, lockstep=False, ranks=None):
     """Accuracy of the model on one task, by the task's eval_type. Used by scripts.chat_eval and by chat_sft's periodic
     evals. Under torchrun every rank must call it for the same tasks in the same order (the counts are summed across
-    ranks). lockstep: the model's forward is a collective (FSDP, TP; see run_categorical_eval)."""
+    ranks). lockstep: the model's forward is a collective (FSDP, TP; see run_categorical_eval). ranks: how problems are
+    split (DataRanks; the parallel plan's `data_ranks` under TP), default the process group's ranks."""
     if task.eval_type == "categorical":
-        return run_categorical_eval(task, tokenizer, model, batch_size, max_problems, lockstep)
+        return run_categorical_eval(task, tokenizer, model, batch_size, max_problems, lockstep, ranks)
     if lockstep:
         raise ValueError(f"{type(task).__name__} is generative: its samples stop at different lengths on each rank, so "
                          f"it cannot run on a model whose forward is a collective (FSDP, TP); evaluate the saved "
                          f"model with scripts.chat_eval")
     if task.eval_type == "generative":
         return run_generative_eval(task, tokenizer, model, engine, num_samples, max_new_tokens, temperature, top_k,
-                                   max_problems)
+                                   max_problems, ranks)
     raise ValueError(f"task {type(task).__name__} has unknown eval_type {task.eval_type!r}")
 
 

@@ -28,7 +28,7 @@ import torch
 
 from nanochat.atomic import atomic_write, short_error, torch_file_problem
 from nanochat.common import get_base_dir, setup_default_logging
-from nanochat.dist import barrier
+from nanochat.distributed.dist import barrier
 from nanochat.usage import BadValue, Missing
 
 setup_default_logging()

@@ -1,6 +1,6 @@
 """
 Small utilities every part of nanochat uses: the base directory, rank-0 printing, logging, wandb, peak FLOPS.
-Device detection and torch.distributed setup/teardown are in nanochat/dist.py (re-exported here: nanochat's
+Device detection and torch.distributed setup/teardown are in nanochat/distributed/dist.py (re-exported here: nanochat's
 `from nanochat.common import compute_init, get_dist_info` keeps working).
 """
 
@@ -10,8 +10,8 @@ import sys
 
 import torch
 
-# torch.distributed setup lives in nanochat/dist.py; nanochat's scripts import these names from here
-from nanochat.dist import autodetect_device_type, compute_cleanup, compute_init, get_dist_info  # noqa: F401
+# torch.distributed setup lives in nanochat/distributed/dist.py; nanochat's scripts import these names from here
+from nanochat.distributed.dist import autodetect_device_type, compute_cleanup, compute_init, get_dist_info  # noqa: F401
 from nanochat.usage import BadValue
 
 # -----------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nanochat.dist import data_rank_world
+from nanochat.distributed.dist import process_data_ranks
 from nanochat.usage import BadValue, Missing
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
@@ -294,14 +294,14 @@ def evaluate_example(idx, model, tokenizer, data, device, task_meta):
     return pred == item["gold"]
 
 
-def evaluate_task(model, tokenizer, data, device, task_meta):
+def evaluate_task(model, tokenizer, data, device, task_meta, ranks=None):
     """
     Accuracy on one task. Under torchrun each data rank takes every data_world-th example; counts are all-reduced.
     Every rank runs the same number of forward passes (a rank short of examples re-runs one and discards it):
     a model sharded with FSDP all-gathers its weights inside forward, which every rank must join.
     """
-    # by data rank: the tp ranks of a tensor-parallel group run the same examples together (nanochat/dist.py)
-    rank, world, tp_rank = data_rank_world()
+    # by data rank (DataRanks; the parallel plan's under TP: the tp ranks of a group run the same examples together)
+    rank, world, tp_rank = ranks or process_data_ranks()
     correct = torch.zeros(len(data), dtype=torch.float32, device=device)
     for step in range(-(-len(data) // world)):
         idx = rank + step * world
@@ -323,14 +323,15 @@ def prepare_task_data(data, max_per_task=-1):
     return data[:max_per_task] if max_per_task > 0 else data
 
 
-def evaluate_model(model, tokenizer, device, max_per_task=-1, bundle_dir=None, log=print):
+def evaluate_model(model, tokenizer, device, max_per_task=-1, bundle_dir=None, log=print, ranks=None):
     """
     CORE of `model`. Returns {"results": {label: accuracy}, "centered_results": {label: centered},
     "core_metric": mean centered accuracy over the tasks that ran, "partial": bool, "missing": [labels whose file
     is missing], "num_tasks": tasks that ran, "num_tasks_total": tasks in core.yaml, "bundle_dir": path}.
     Call it on every rank under torchrun (the bundle is fetched by rank 0 while the others wait). Raises
     FileNotFoundError, naming where it looked, when there is no bundle at all: callers that train for hours should
-    call get_bundle_dir() up front instead of finding out at the first CORE evaluation.
+    call get_bundle_dir() up front instead of finding out at the first CORE evaluation. ranks: how examples are split
+    (DataRanks; the parallel plan's `data_ranks` under TP), default the process group's ranks.
     """
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     resolved = get_bundle_dir(bundle_dir)
@@ -355,7 +356,7 @@ def evaluate_model(model, tokenizer, device, max_per_task=-1, bundle_dir=None, l
         if meta["num_fewshot"] > len(data) - 1:
             verbose(f"CORE: {label}: only {len(data)} examples, using {len(data) - 1}-shot instead of {meta['num_fewshot']}-shot")
             meta["num_fewshot"] = len(data) - 1
-        accuracy = evaluate_task(model, tokenizer, data, device, meta)
+        accuracy = evaluate_task(model, tokenizer, data, device, meta, ranks)
         results[label] = accuracy
         centered[label] = centered_accuracy(accuracy, baselines[label])
         verbose(f"CORE: {label:<35} ({task['num_fewshot']}-shot, {task['task_type']}, {len(data)} ex) "

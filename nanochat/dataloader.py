@@ -18,7 +18,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from nanochat.dist import data_rank_world
+from nanochat.distributed.dist import process_data_ranks
 from nanochat.dataset import shard_fix, open_shard, read_texts, split_parquet_files
 
 
@@ -132,8 +132,8 @@ def tokenizing_distributed_data_loader(
     """
     Infinite iterator of (inputs, targets, state_dict): int64 tensors of shape (B, T) on `device` (targets are the
     inputs shifted by one token) and the small JSON-able dict that resumes this rank right after this batch.
-    Consecutive batches are consecutive windows of the token stream. rank/world_size default to torchrun's (data rank
-    and data world under tensor parallelism).
+    Consecutive batches are consecutive windows of the token stream. rank/world_size default to the process group's; under tensor
+    parallelism pass the plan's data rank and world (parallel.data_rank, parallel.data_world).
     """
     if B < 1 or T < 1:
         raise ValueError(f"B and T must be >= 1, got B={B}, T={T}")
@@ -142,7 +142,8 @@ def tokenizing_distributed_data_loader(
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     if rank is None or world_size is None:
-        dist_rank, dist_world_size, _ = data_rank_world()  # by data rank: tp ranks of a group read the same tokens
+        # the process's rank and world; under tensor parallelism the caller passes the plan's data rank and world
+        dist_rank, dist_world_size, _ = process_data_ranks()
         rank = dist_rank if rank is None else rank
         world_size = dist_world_size if world_size is None else world_size
     if not 0 <= rank < world_size:

@@ -163,7 +163,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cos_sin, kv_cache, backend):
         B, T, C = x.size()
-        # -1 heads: under tensor parallelism c_q/c_k/c_v return this rank's heads only (nanochat/tensor_parallel.py)
+        # -1 heads: under tensor parallelism c_q/c_k/c_v return this rank's heads only (nanochat/distributed/tensor_parallel.py)
         q = self.c_q(x).view(B, T, -1, self.head_dim)
         k = self.c_k(x).view(B, T, -1, self.head_dim)
         v = self.c_v(x).view(B, T, -1, self.head_dim)

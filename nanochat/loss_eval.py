@@ -9,7 +9,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.dist import dist_world_size
+from nanochat.distributed.dist import dist_world_size
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ there anyway.) A second signal while the save runs does not kill the process: th
 import signal
 
 from nanochat.common import print0
-from nanochat.dist import any_rank
+from nanochat.distributed.dist import any_rank
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

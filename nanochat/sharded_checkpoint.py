@@ -197,7 +197,7 @@ def save_sharded(checkpoint_dir, step, state_dict, meta, async_save=False):
     Write a sharded checkpoint of `state_dict` (train_state_dict's) and `meta` as step `step`. Every rank must call it.
     async_save: return once the state is copied to CPU memory; a background thread writes the files and rank 0
     renames the step into place when all ranks are done (training continues meanwhile). A save first waits for the
-    previous asynchronous one, and the end of the run (nanochat.dist.compute_cleanup) waits for the last.
+    previous asynchronous one, and the end of the run (nanochat.distributed.dist.compute_cleanup) waits for the last.
     """
     global _pending
     wait_for_pending_save()
@@ -342,7 +342,7 @@ def load_sharded(step_dir, model, optimizers=(), fix=""):
 
 def _rows(full, rank, world):
     """Rank `rank`'s dim-0 rows of `full` in FSDP's layout (torch.chunk: ceil(rows/world) each, the last ones short
-    or empty), as nanochat/fsdp.py shards parameters."""
+    or empty), as nanochat/distributed/fsdp.py shards parameters."""
     chunk = -(-full.shape[0] // world)
     start = min(rank * chunk, full.shape[0])
     return full[start : start + chunk].clone()

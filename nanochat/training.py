@@ -1,16 +1,18 @@
 """
-The pieces of a training run that base, mid and SFT training share (RL reuses the model/optimizer/checkpoint parts):
+The pieces of a training run that base, mid and SFT training share (RL reuses the model/optimizer/checkpoint parts);
+nanochat/stage.py puts them together into the skeleton each stage's script runs in:
 
 - `setup_run` -> `RunContext`: device, ranks and compute dtype of this process (its `autocast()` for forward).
 - `resolve_dtype` / `autocast_ctx`: bf16 autocast on CUDA, plain fp32 elsewhere.
 - `set_deterministic`: --deterministic, bit-for-bit reproducible runs (and resumes) under torch.compile too.
-- `build_model`: GPT from a config (meta device -> real device -> init); `check_model_options` / `apply_model_options`:
-  activation checkpointing and FP8 from the flags. Sharding, optimizers and the state dict
-  format of each parallelism strategy are in nanochat/parallel.py; collectives in nanochat/dist.py.
+- `build_model`: GPT from a config (meta device -> real device -> init); `check_model_options`: --fp8 refused early
+  where it cannot run. The run's parallel plan (nanochat/distributed/parallel.py) then prepares the model (AC, FP8,
+  sharding, compile) and owns its optimizers' layout and state dict format; collectives are in
+  nanochat/distributed/dist.py.
 - `lr_multiplier`, `muon_momentum`, `apply_schedule`: the LR and momentum schedules.
 - `train_step`: gradient accumulation over micro-batches, grad clipping, optimizer step; returns the mean loss
   all-reduced across ranks (what gets logged is the global loss, not rank 0's). `MicroBatches` fetches each next
-  micro-batch after the previous backward has been queued.
+  micro-batch after the previous backward has been queued; `round_robin_batches` reads several data ranks' loaders.
 - `ProgressMeter`: debiased EMA loss, step time, tok/s, MFU and ETA for the log line.
 - `every`: periodic actions, where a value <= 0 turns the action off entirely.
 - `save_train_state` / `load_train_state`: model + per-rank optimizer + per-rank loader + loop state, so a resumed
@@ -29,8 +31,8 @@ import torch
 
 from nanochat.checkpoint_manager import SHAPE_FIELDS, latest_resumable_step, load_checkpoint, save_checkpoint, step_problem
 from nanochat.common import device_type_flag, peak_flops_for, print0
-from nanochat.dist import all_reduce_mean, compute_init, gather_objects, get_dist_info
-from nanochat.parallel import DataParallel
+from nanochat.distributed.dist import all_reduce_mean, compute_init, gather_objects, get_dist_info
+from nanochat.distributed.parallel import DataParallel
 from nanochat.usage import BadValue
 
 # -----------------------------------------------------------------------------
@@ -121,7 +123,7 @@ def setup_run(config):
 
 def build_model(config, device, init="normal", attn="auto"):
     """A freshly initialised GPT on `device` (meta device -> to_empty -> init_weights). Returns the model; the
-    parallelism strategy wraps it afterwards (`parallel.wrap(model, device)`)."""
+    parallel plan prepares it afterwards (`parallel.prepare(model, config, device, autocast)`)."""
     from nanochat.gpt import GPT
 
     with torch.device("meta"):
@@ -138,27 +140,6 @@ def check_model_options(config, device):
         from nanochat.fp8 import check_fp8_supported
 
         check_fp8_supported(device, config.get("fp8_recipe", "tensorwise"))
-
-
-def apply_model_options(model, config, device, parallel=None):
-    """
-    --activation_checkpointing/--ac_every (nanochat/gpt.py) and --fp8/--fp8_recipe (nanochat/fp8.py) on a built or
-    loaded GPT: after its weights are in place, before `parallel.wrap` and torch.compile (both act on what this sets).
-    """
-    chosen = model.set_activation_checkpointing(config.get("activation_checkpointing", "none"), config.get("ac_every", 2))
-    if chosen:
-        print0(f"Activation checkpointing ({config['activation_checkpointing']}): {len(chosen)} of "
-               f"{len(model.transformer.h)} blocks recompute their activations in the backward")
-    if config.get("fp8"):
-        from nanochat.fp8 import apply_fp8
-
-        if parallel is not None and parallel.name == "tp":
-            # torchao's float8 linears need their own TP styles (Float8ColwiseParallel...), not wired up here
-            raise BadValue(f"--fp8=1 does not work with {parallel.flag} yet: use --fp8=0, or --tp_size=1 (--use_fsdp=1)")
-        fsdp = parallel is not None and parallel.name == "fsdp"
-        apply_fp8(model, config.get("fp8_recipe", "tensorwise"), device, fsdp=fsdp, log=print0,
-                  filter=config.get("fp8_filter", "auto"))
-    return model
 
 
 # -----------------------------------------------------------------------------
@@ -238,6 +219,27 @@ class MicroBatches:
         return batch
 
 
+def round_robin_batches(loaders, grad_accum, loader_states):
+    """
+    MicroBatches over one loader per data rank this process reads: with several (base_train --data_world_size, one
+    process replaying W ranks) the micro-batches go round the loaders grad_accum at a time, as each real rank would
+    take grad_accum in a row. loader_states[k] gets loader k's position after the last batch trained on (not the
+    prefetched one), what a checkpoint saves.
+    """
+    taken = {"i": 0}
+
+    def fetch():
+        k = (taken["i"] // grad_accum) % len(loaders)
+        taken["i"] += 1
+        x, y, state = next(loaders[k])
+        return x, y, k, state
+
+    def on_take(batch):
+        loader_states[batch[2]] = batch[3]
+
+    return MicroBatches(fetch, on_take)
+
+
 def train_step(model, optimizers, batches, grad_accum_steps, grad_clip=1.0, autocast=None, loss_fn=None,
                parallel=None):
     """
@@ -245,7 +247,7 @@ def train_step(model, optimizers, batches, grad_accum_steps, grad_clip=1.0, auto
     (global mean loss as float, grad norm or None, last batch extras). `batches`: a MicroBatches kept across steps
     (prefetches the next step's first batch too), or a plain `next_batch()` callable (prefetches within this step
     only, so nothing is fetched that this step does not use). The distributed optimizers (DistAdamW/DistMuon/FSDP)
-    average gradients across ranks themselves; `parallel` (the run's strategy, nanochat/parallel.py; default the DDP
+    average gradients across ranks themselves; `parallel` (the run's strategy, nanochat/distributed/parallel.py; default the DDP
     path) decides when gradients are synchronised.
     """
     autocast = autocast or contextlib.nullcontext
@@ -289,8 +291,8 @@ def clip_grad_norm(model, max_norm):
     meshes = {p.grad.device_mesh for p in params if hasattr(p.grad, "device_mesh")}
     if len(meshes) > 1 or any(m.ndim > 1 for m in meshes):
         # tensor parallelism: block gradients on the 2-D (dp, tp) mesh, wte/lm_head on dp only; torch's clip cannot
-        # mix meshes, and a replicated mesh dim must not count twice (nanochat/tensor_parallel.py)
-        from nanochat.tensor_parallel import clip_grad_norm_
+        # mix meshes, and a replicated mesh dim must not count twice (nanochat/distributed/tensor_parallel.py)
+        from nanochat.distributed.tensor_parallel import clip_grad_norm_
 
         return clip_grad_norm_(params, max_norm).item()
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -389,7 +391,7 @@ def load_train_state(checkpoint_dir, step, model, optimizers, device, parallel=N
     _, rank, _, world_size = get_dist_info()
     from nanochat.sharded_checkpoint import is_sharded_step_complete
 
-    if parallel.name == "fsdp" and is_sharded_step_complete(checkpoint_dir, step):
+    if parallel.reads_sharded_checkpoint and is_sharded_step_complete(checkpoint_dir, step):
         return _load_sharded_train_state(checkpoint_dir, step, model, optimizers, parallel, rank, world_size)
     model_sd, optim_sd, meta = load_checkpoint(checkpoint_dir, step, device, load_optimizer=True, rank=rank)
     saved_world = meta.get("world_size", 1)
@@ -634,11 +636,11 @@ def memory_flags():
         Flag("ac_every", 2, "selective activation checkpointing: checkpoint blocks 0, k, 2k, ... for k = ac_every",
              min=1),
         Flag("use_fsdp", False, "shard parameters, gradients and optimizer state over the ranks (FSDP2; "
-             "nanochat/parallel.py) instead of replicating the model on every rank"),
+             "nanochat/distributed/parallel.py) instead of replicating the model on every rank"),
         Flag("fsdp_reduce_dtype", "float32", "FSDP: dtype of the gradient reduce-scatter",
              choices=["float32", "bfloat16"]),
         Flag("tp_size", 1, "tensor parallelism over this many ranks (attention heads and the MLP split across them; "
-             "nanochat/tensor_parallel.py), FSDP over the rest; must divide the world size", min=1),
+             "nanochat/distributed/tensor_parallel.py), FSDP over the rest; must divide the world size", min=1),
         Flag("checkpoint_format", "auto", "auto = sharded with --use_fsdp=1 (single when NANOCHAT_SHARED_FS=0 on "
              "several nodes), single otherwise; sharded = every rank writes its shard (torch.distributed.checkpoint; "
              "resumes on any number of ranks; FSDP only); single = nanochat's files, the model gathered to rank 0",

@@ -11,31 +11,27 @@ The loop below reads top to bottom: evaluate / sample / checkpoint when due, the
 """
 
 import os
-import time
 
 import torch
 
 from nanochat.attention import attn_flag
 from nanochat.batching import batch_arithmetic
 from nanochat.checkpoint_manager import checkpoint_root, require_step
-from nanochat.compile import compile_flag, maybe_compile
-from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
+from nanochat.compile import compile_flag
+from nanochat.common import print0, print_banner
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.dataloader import loader_states_for_world, tokenizing_distributed_data_loader
 from nanochat.dataset import split_parquet_files
 from nanochat.fp8 import FP8_FILTER_HELP, FP8_RECIPES
 from nanochat.gpt import config_for_depth
 from nanochat.loss_eval import evaluate_bpb
-from nanochat.metrics import MetricsLogger
-from nanochat.parallel import parallel_from_config
-from nanochat.preemption import StopSignal, report_stop
-from nanochat.report import get_report
+from nanochat.stage import Stage
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.training import (
-    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, ProgressMeter, apply_schedule, assert_finite, build_model,
-    eval_steps_for, every, format_duration, apply_model_options, check_model_options, load_train_state,
+    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, apply_schedule,
+    build_model, eval_steps_for, format_duration, load_train_state,
     lr_multiplier, memory_flags, muon_momentum, optimizer_flags, resolve_resume_step, resume_flag, resume_loop_state,
-    run_flags, save_train_state, schedule_flags, setup_run, train_step
+    round_robin_batches, run_flags, save_train_state, schedule_flags
 )
 from nanochat.usage import BadValue, run_main
 
@@ -89,6 +85,11 @@ FLAGS = Flags(
 DEFAULTS = FLAGS.defaults()
 
 
+SAMPLE_PROMPTS = ["The capital of France is", "The chemical symbol of gold is",
+                  "If yesterday was Friday, then tomorrow will be", "The opposite of hot is",
+                  "The planets of the solar system are:"]
+
+
 def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
@@ -103,16 +104,9 @@ def main(argv=None):
         raise BadValue("set one of --num_iterations, --target_flops or --target_param_data_ratio to a positive value")
     print_banner()
 
-    ctx = setup_run(config)
-    rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
-    parallel = parallel_from_config(config)  # the DDP path or FSDP2 (nanochat/parallel.py)
-    check_model_options(config, device)  # --fp8=1 on hardware without FP8 stops here, before any work
-    device_type = device.type
-    master = ctx.master
-    if config["data_world_size"] > 1 and world_size > 1:
-        raise BadValue("--data_world_size is for single-process runs that reproduce a multi-rank run; unset it")
-    data_rank, dp_world = parallel.data_rank_and_world(rank, world_size)  # tp ranks of a group read the same data
-    data_world = max(dp_world, config["data_world_size"])
+    stage = Stage(config)  # device, process group, the parallel plan (nanochat/stage.py)
+    parallel, device, world_size = stage.parallel, stage.device, stage.world_size
+    data_world = parallel.read_world  # tp ranks of a group read the same data; --data_world_size replays W ranks
 
     # batch arithmetic (before the model: a batch that does not divide stops here)
     B, Tlen = config["device_batch_size"], config["max_seq_len"]
@@ -122,113 +116,30 @@ def main(argv=None):
 
     # tokenizer and model
     token_bytes = get_token_bytes(device=device)
-    vocab_size = tokenizer.get_vocab_size()
-    model_config = config_for_depth(config["depth"], vocab_size, config["max_seq_len"])
-    model = build_model(model_config, device, config["init"], config["attn"])
-    model = parallel.wrap(apply_model_options(model, config, device, parallel), device)
-    orig_model = model  # uncompiled, for eval, sampling and saving
-    model = maybe_compile(model, config["compile"], device, config["device_batch_size"], config["max_seq_len"],
-                          parallel.compile_per_block, autocast)
-    num_params = orig_model.num_params()
-    flops_per_token = orig_model.estimate_flops()
+    model_config = config_for_depth(config["depth"], tokenizer.get_vocab_size(), config["max_seq_len"])
+    model, orig_model = stage.prepare(build_model(model_config, device, config["init"], config["attn"]))
+    num_params, flops_per_token = orig_model.num_params(), orig_model.estimate_flops()
     print0(f"Model d{config['depth']}: {model_config} | {num_params:,} params | attn {orig_model.attn_choice.describe()} | "
            f"{flops_per_token:.3e} FLOPs/token")
-
-    # horizon
-    if config["num_iterations"] > 0:
-        num_iterations = config["num_iterations"]
-    elif config["target_flops"] > 0:
-        num_iterations = round(config["target_flops"] / (flops_per_token * total_batch))
-    else:
-        num_iterations = config["target_param_data_ratio"] * num_params // total_batch
-    num_iterations = max(int(num_iterations), 1)
-    print0(f"Training for {num_iterations:,} steps = {num_iterations * total_batch:,} tokens "
-           f"(tokens:params = {num_iterations * total_batch / num_params:.2f}), "
-           f"{flops_per_token * num_iterations * total_batch:.3e} FLOPs")
-
-    eval_steps = eval_steps_for(config["eval_tokens"], tokens_per_fwdbwd, device_type, enabled=config["eval_every"] > 0)
-
-    # CORE needs the eval bundle: find (or download) it now, not hours into training
-    core_bundle = None
-    if config["core_metric_every"] > 0:
-        from nanochat.core_eval import get_bundle_dir
-
-        if config["core_metric_max_per_task"] is None:  # auto: the user's number, when given, is used as is
-            cpu = device_type == "cpu"
-            config["core_metric_max_per_task"] = CPU_CORE_MAX_PER_TASK if cpu else CORE_MAX_PER_TASK
-            if cpu:
-                print0(f"Note: on CPU CORE uses {CPU_CORE_MAX_PER_TASK} examples per task, not {CORE_MAX_PER_TASK} "
-                       f"(~11k forwards); pass --core_metric_max_per_task=N to choose, or --core_metric_every=-1 to "
-                       f"turn CORE off.")
-
-        try:
-            core_bundle = get_bundle_dir()
-        except FileNotFoundError as e:
-            print0(f"Note: CORE evaluation turned off (--core_metric_every=-1): {e}")
-            config["core_metric_every"] = -1
-
-    # optimizers
-    optimizers = parallel.setup_optimizers(
-        orig_model, unembedding_lr=config["unembedding_lr"],
-        embedding_lr=config["embedding_lr"], matrix_lr=config["matrix_lr"],
-        weight_decay=config["weight_decay"], use_muon=config["use_muon"],
-    )
+    num_iterations = horizon(config, num_params, flops_per_token, total_batch)
+    eval_steps = eval_steps_for(config["eval_tokens"], tokens_per_fwdbwd, device.type, enabled=config["eval_every"] > 0)
+    core_bundle = find_core_bundle(config, device.type)  # now, not hours into training
+    optimizers = stage.optimizers(orig_model, use_muon=config["use_muon"])
 
     # checkpoints and resume
-    meter = ProgressMeter(total_batch, flops_per_token, device, world_size, num_iterations)
-    start_step, min_val_bpb, val_bpb = 0, float("inf"), None
-    loader_states = [None] * (data_world if world_size == 1 else 1)
+    meter = stage.start_meter(total_batch, flops_per_token, num_iterations)
     resume_step = resolve_resume_step(config["resume_from_step"], checkpoint_dir)
-    if resume_step is not None:
-        start_step = resume_step
-        meta, my_state = load_train_state(checkpoint_dir, start_step, orig_model, optimizers, device, parallel)
-        loop = resume_loop_state(meta, checkpoint_dir, start_step, ("meter", "min_val_bpb", "data_loader_states"))
-        meter.load_state_dict(loop["meter"])
-        min_val_bpb, val_bpb = loop["min_val_bpb"], meta.get("val_bpb")
-        # one process reads as data_world ranks: their saved positions (resharded when another world saved them)
-        loader_states = (loader_states_for_world(loop["data_loader_states"] or meta["loader_state"], data_world, print0)
-                         if world_size == 1 else [my_state])
-        print0(f"Resumed from step {start_step} in {checkpoint_dir}")
+    start_step, min_val_bpb, val_bpb, loader_states = resume(stage, checkpoint_dir, resume_step, orig_model, optimizers)
 
-    # data: one loader per data rank (exactly one under torchrun)
-    data_ranks = range(data_world) if world_size == 1 else [data_rank]
+    # data: one loader per data rank this process reads (exactly one under torchrun)
     train_loaders = [
-        tokenizing_distributed_data_loader(B, Tlen, "train", device=device_type, resume_state_dict=st, tokenizer=tokenizer,
-                                           rank=r, world_size=data_world)
-        for r, st in zip(data_ranks, loader_states)
+        tokenizing_distributed_data_loader(B, Tlen, "train", device=device.type, resume_state_dict=st,
+                                           tokenizer=tokenizer, rank=r, world_size=data_world)
+        for r, st in zip(parallel.read_ranks, loader_states)
     ]
-    # micro-batches go round the data ranks A at a time, as each real rank would take A in a row
-    micro = {"i": 0}
-
-    def fetch():
-        k = (micro["i"] // grad_accum) % len(train_loaders)
-        micro["i"] += 1
-        x, y, state = next(train_loaders[k])
-        return x, y, k, state
-
-    def on_take(batch):  # a checkpoint saves the position after the last batch trained on, not the prefetched one
-        loader_states[batch[2]] = batch[3]
-
-    train_batches = MicroBatches(fetch, on_take)
-
-    def build_val_loader():
-        return tokenizing_distributed_data_loader(B, Tlen, "val", device=device_type, tokenizer=tokenizer,
-                                                  rank=data_rank, world_size=dp_world)
-
-    metrics = MetricsLogger(os.path.join(checkpoint_dir, "metrics.jsonl"),
-                            get_wandb(config["run"], "nanochat", user_config, master), master, resume_step)
+    train_batches = round_robin_batches(train_loaders, grad_accum, loader_states)
+    metrics = stage.open_log(checkpoint_dir, "nanochat", resume_step, user_config)
     metrics.log(start_step, {"system/attn": orig_model.attn_choice.describe()})  # the kernel that ran, not just --attn
-
-    def sample():
-        prompts = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then tomorrow will be",
-                   "The opposite of hot is", "The planets of the solar system are:"]
-        orig_model.eval()
-        for prompt in prompts:
-            tokens = tokenizer(prompt, prepend="<|bos|>")
-            with autocast():
-                out = list(orig_model.generate(tokens, max_tokens=16, temperature=0))
-            print0(f"  {prompt!r} -> {tokenizer.decode(out)!r}")
-        orig_model.train()
 
     def save(step):
         loop_state = {"meter": meter.state_dict(), "min_val_bpb": min_val_bpb,
@@ -241,83 +152,118 @@ def main(argv=None):
     # ---------------------------------------------------------------- the loop
     core_metric = None
     step = start_step
-    stop = StopSignal().install()  # SIGTERM/SIGUSR1: finish the step, save, exit 0 (nanochat/preemption.py)
     for step in range(start_step, num_iterations + 1):
         last_step = step == num_iterations
-        if stop.requested(device):  # every rank gets the same answer at the same step
-            if step > start_step:
-                save(step)
-            report_stop(step, checkpoint_dir)
+        if stage.stopping(step, start_step, checkpoint_dir, lambda: save(step)):  # every rank at the same step
             break
         if last_step and resume_step == num_iterations:  # a restart of a finished run: nothing to train or evaluate
             print0(f"Step {step} is the last and is already saved in {checkpoint_dir}: base training is complete")
             break
 
-        if every(step, config["eval_every"], last_step):
-            orig_model.eval()
-            with autocast():
-                val_bpb = evaluate_bpb(orig_model, build_val_loader(), eval_steps, token_bytes)
-            orig_model.train()
+        if stage.due(step, "eval_every", last_step):
+            with stage.evaluating(orig_model):
+                val_loader = tokenizing_distributed_data_loader(B, Tlen, "val", device=device.type, tokenizer=tokenizer,
+                                                                rank=parallel.data_rank, world_size=parallel.data_world)
+                val_bpb = evaluate_bpb(orig_model, val_loader, eval_steps, token_bytes)
             min_val_bpb = min(min_val_bpb, val_bpb)
             metrics.log(step, {"val/bpb": val_bpb}, console=f"step {step:05d} | val bpb: {val_bpb:.4f}")
 
-        if every(step, config["core_metric_every"], last_step) and step > 0:
+        if stage.due(step, "core_metric_every", last_step) and step > 0:
             from nanochat.core_eval import evaluate_model
 
-            orig_model.eval()
-            with autocast():
+            with stage.evaluating(orig_model):
                 out = evaluate_model(orig_model, tokenizer, device, max_per_task=config["core_metric_max_per_task"],
-                                     bundle_dir=core_bundle)
-            orig_model.train()
+                                     bundle_dir=core_bundle, ranks=parallel.data_ranks)
             core_metric = out.get("core_metric")
             metrics.log(step, {"eval/core_metric": core_metric},
                         console=f"step {step:05d} | CORE: {core_metric:.4f}" + (" (partial)" if out.get("partial") else ""))
 
-        if step > 0 and every(step, config["sample_every"], last_step) and (master or parallel.collective_forward):
-            sample()  # under FSDP every rank runs the forward (the all-gathers are collective); rank 0 prints
+        # under FSDP/TP every rank runs the forward (the all-gathers are collective); rank 0 prints
+        if step > 0 and stage.due(step, "sample_every", last_step) and (stage.master or parallel.collective_forward):
+            with stage.evaluating(orig_model):
+                for prompt in SAMPLE_PROMPTS:
+                    out = list(orig_model.generate(tokenizer(prompt, prepend="<|bos|>"), max_tokens=16, temperature=0))
+                    print0(f"  {prompt!r} -> {tokenizer.decode(out)!r}")
 
-        if step > start_step and (every(step, config["save_every"], last_step, at_last=False) or last_step):
+        if step > start_step and (stage.due(step, "save_every", last_step, at_last=False) or last_step):
             save(step)
-
         if last_step:
             break
 
         lrm = lr_multiplier(step, num_iterations, config["warmup_ratio"], config["warmdown_ratio"], config["final_lr_frac"])
         apply_schedule(optimizers, lrm, muon_momentum(step))
-        t0 = time.time()
-        loss, grad_norm, _ = train_step(model, optimizers, train_batches, grad_accum * len(train_loaders), config["grad_clip"],
-                                        autocast, parallel=parallel)
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.time() - t0
-        assert_finite(loss, step)
-        fields = meter.update(step, loss, dt)
-        metrics.log(step + 1, {"train/loss": fields["loss"], "train/raw_loss": loss, "train/lrm": lrm,
-                               "train/grad_norm": grad_norm, "train/tok_per_sec": fields["tok_per_sec"],
-                               "train/mfu": fields["mfu"]},
-                    console=meter.format(step, fields, lrm, f" | gnorm: {grad_norm:.3f}" if grad_norm is not None else ""))
+        loss, grad_norm, _, dt = stage.timed_step(step, model, optimizers, train_batches,
+                                                  grad_accum * len(train_loaders), config["grad_clip"])
+        stage.log_step(step, loss, dt, lrm, {"train/grad_norm": grad_norm},
+                       f" | gnorm: {grad_norm:.3f}" if grad_norm is not None else "")
 
     # ---------------------------------------------------------------- wrap up
-    if master:
-        if device_type == "cuda":
-            print0(f"Peak memory: {torch.cuda.max_memory_allocated() / 1024**2:.0f} MiB")
-        print0(f"Total training time: {format_duration(meter.total_time)} | min val bpb: {min_val_bpb:.4f}")
-        report = get_report()
-        metrics.log_curves(report, {"train/loss": ("Base training loss", "loss (EMA)"),
-                                    "val/bpb": ("Base validation bpb", "bits per byte")})
-        report.log(section="Base model training", data=[
-            user_config,
-            {"Number of parameters": num_params, "FLOPs per token": f"{flops_per_token:e}",
-             "Calculated number of iterations": num_iterations, "Tokens per step": total_batch,
-             "Number of training tokens": num_iterations * total_batch, "DDP world size": world_size,
-             "Attention kernel": orig_model.attn_choice.describe()},
-            {"Minimum validation bpb": min_val_bpb, "Final validation bpb": val_bpb, "CORE metric": core_metric,
-             "Total training time": format_duration(meter.total_time)},
-        ])
-    metrics.finish()
-    stop.uninstall()
-    compute_cleanup()
+    if device.type == "cuda":
+        print0(f"Peak memory: {torch.cuda.max_memory_allocated() / 1024**2:.0f} MiB")
+    print0(f"Total training time: {format_duration(meter.total_time)} | min val bpb: {min_val_bpb:.4f}")
+    stage.finish("Base model training", [
+        user_config,
+        {"Number of parameters": num_params, "FLOPs per token": f"{flops_per_token:e}",
+         "Calculated number of iterations": num_iterations, "Tokens per step": total_batch,
+         "Number of training tokens": num_iterations * total_batch, "DDP world size": world_size,
+         "Attention kernel": orig_model.attn_choice.describe()},
+        {"Minimum validation bpb": min_val_bpb, "Final validation bpb": val_bpb, "CORE metric": core_metric,
+         "Total training time": format_duration(meter.total_time)},
+    ], {"train/loss": ("Base training loss", "loss (EMA)"), "val/bpb": ("Base validation bpb", "bits per byte")})
     return {"val_bpb": val_bpb, "min_val_bpb": min_val_bpb, "num_iterations": num_iterations, "step": step}
+
+
+def resume(stage, checkpoint_dir, step, model, optimizers):
+    """(start step, min val bpb, val bpb, one loader state per data rank this process reads): fresh when step is None,
+    else the saved run's, model, optimizers and meter restored in place."""
+    parallel = stage.parallel
+    if step is None:
+        return 0, float("inf"), None, [None] * len(parallel.read_ranks)
+    meta, my_state = load_train_state(checkpoint_dir, step, model, optimizers, stage.device, parallel)
+    loop = resume_loop_state(meta, checkpoint_dir, step, ("meter", "min_val_bpb", "data_loader_states"))
+    stage.meter.load_state_dict(loop["meter"])
+    # one process reads as read_world ranks: their saved positions (resharded when another world saved them)
+    loader_states = (loader_states_for_world(loop["data_loader_states"] or meta["loader_state"], parallel.read_world,
+                                             print0) if stage.world_size == 1 else [my_state])
+    print0(f"Resumed from step {step} in {checkpoint_dir}")
+    return step, loop["min_val_bpb"], meta.get("val_bpb"), loader_states
+
+
+def horizon(config, num_params, flops_per_token, total_batch):
+    """The number of steps: --num_iterations, else --target_flops, else --target_param_data_ratio (the first > 0)."""
+    if config["num_iterations"] > 0:
+        num_iterations = config["num_iterations"]
+    elif config["target_flops"] > 0:
+        num_iterations = round(config["target_flops"] / (flops_per_token * total_batch))
+    else:
+        num_iterations = config["target_param_data_ratio"] * num_params // total_batch
+    num_iterations = max(int(num_iterations), 1)
+    print0(f"Training for {num_iterations:,} steps = {num_iterations * total_batch:,} tokens "
+           f"(tokens:params = {num_iterations * total_batch / num_params:.2f}), "
+           f"{flops_per_token * num_iterations * total_batch:.3e} FLOPs")
+    return num_iterations
+
+
+def find_core_bundle(config, device_type):
+    """CORE's eval bundle, found (or downloaded) before training; None, with CORE turned off, when there is none.
+    Resolves --core_metric_max_per_task=auto for the device."""
+    if config["core_metric_every"] <= 0:
+        return None
+    from nanochat.core_eval import get_bundle_dir
+
+    if config["core_metric_max_per_task"] is None:  # auto: the user's number, when given, is used as is
+        cpu = device_type == "cpu"
+        config["core_metric_max_per_task"] = CPU_CORE_MAX_PER_TASK if cpu else CORE_MAX_PER_TASK
+        if cpu:
+            print0(f"Note: on CPU CORE uses {CPU_CORE_MAX_PER_TASK} examples per task, not {CORE_MAX_PER_TASK} "
+                   f"(~11k forwards); pass --core_metric_max_per_task=N to choose, or --core_metric_every=-1 to "
+                   f"turn CORE off.")
+    try:
+        return get_bundle_dir()
+    except FileNotFoundError as e:
+        print0(f"Note: CORE evaluation turned off (--core_metric_every=-1): {e}")
+        config["core_metric_every"] = -1
+        return None
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ tokens (the prompt and the tool outputs the engine forced are not trained) and d
 Every --eval_every steps: pass@k on GSM8K test. Loads the SFT model, saves to chatrl_checkpoints/<tag>/.
 
 --use_fsdp=1 (the d40+ presets' layout) shards the model for the update; for sampling each rank gathers the whole
-model once per phase (nanochat.fsdp.full_weights), so its rollouts run without collectives, as on the DDP path.
+model once per phase (nanochat.distributed.fsdp.full_weights), so its rollouts run without collectives, as on the DDP path.
 """
 
 import itertools
@@ -23,18 +23,16 @@ import time
 import torch
 
 from nanochat.checkpoint_manager import checkpoint_root
-from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
+from nanochat.common import compute_cleanup, print0, print_banner
 from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
 from nanochat.data.conversations import check_stage_model, collate_sft, load_stage_model, scale_initial_lr
-from nanochat.dist import all_reduce_sum, dist_world_size, get_dist_info
+from nanochat.distributed.dist import all_reduce_sum, dist_world_size, get_dist_info
 from nanochat.attention import attn_flag
 from nanochat.engine import Engine, decode_compile_flag
-from nanochat.metrics import MetricsLogger
-from nanochat.parallel import parallel_from_config
-from nanochat.preemption import StopSignal, report_stop
+from nanochat.stage import Stage
 from nanochat.training import (
-    already_finished, apply_model_options, apply_schedule, assert_finite, every, lr_multiplier, memory_flags,
-    optimizer_flags, resume_flag, resume_run, run_flags, save_stage_model, save_train_state, setup_run, source_flags,
+    already_finished, apply_schedule, assert_finite, lr_multiplier, memory_flags,
+    optimizer_flags, resume_flag, run_flags, save_stage_model, save_train_state, source_flags,
     train_step
 )
 from nanochat.usage import BadValue, run_main
@@ -154,17 +152,14 @@ def evaluate_pass_at_k(task, engine, tokenizer, num_examples, num_samples, devic
 def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
-    if config["tp_size"] > 1:
-        raise BadValue(f"chat_rl samples on each rank alone, which --tp_size={config['tp_size']} cannot do (the "
-                       f"blocks' matrices stay split over the tp ranks): use --tp_size=1, with --use_fsdp=1 for a "
-                       f"model too big for DDP")
+    # the DDP path or FSDP2 (nanochat/stage.py, nanochat/distributed/parallel.py); each rank samples alone, so a plan
+    # without full weights (tensor parallelism) is refused first, before any loading
+    stage = Stage(config, samples_alone="chat_rl")
+    parallel, device, autocast = stage.parallel, stage.device, stage.autocast
+    rank, world_size = stage.rank, stage.world_size
     check_stage_model(config["source"], config["model_tag"], config["model_step"])  # start-up check: the model exists
     print_banner()
 
-    ctx = setup_run(config)
-    rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
-    master = ctx.master
-    parallel = parallel_from_config(config)  # the DDP path or FSDP2 (nanochat/parallel.py)
     if config["examples_per_step"] % world_size != 0:
         raise BadValue(f"--examples_per_step={config['examples_per_step']} must be divisible by the {world_size} ranks")
     examples_per_rank = config["examples_per_step"] // world_size
@@ -176,7 +171,7 @@ def main(argv=None):
     model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
     model_config = model.config
     attn = model.set_attn(config["attn"]).describe()
-    model = parallel.wrap(apply_model_options(model, config, device, parallel), device)  # --activation_checkpointing
+    model, _ = stage.prepare(model)  # --activation_checkpointing, --fp8, the layout
     engine = Engine(model, tokenizer, config["decode_compile"])
     print0(f"attention: {attn}; decode step: {'compiled' if engine.decode_compiled else 'eager'}")
     pad_id = tokenizer.encode_special("<|assistant_end|>")
@@ -188,10 +183,7 @@ def main(argv=None):
     print0(f"Training for {num_iterations:,} steps of {config['examples_per_step']} questions x "
            f"{config['num_samples']} samples ({len(train_task):,} GSM8K train questions)")
 
-    optimizers = parallel.setup_optimizers(
-        model, unembedding_lr=config["unembedding_lr"], embedding_lr=config["embedding_lr"],
-        matrix_lr=config["matrix_lr"], weight_decay=config["weight_decay"],
-    )
+    optimizers = stage.optimizers(model)
     scale_initial_lr(optimizers, config["init_lr_frac"])
 
     sampling = dict(max_tokens=config["max_new_tokens"], temperature=config["temperature"], top_k=config["top_k"])
@@ -212,35 +204,27 @@ def main(argv=None):
     if already_finished(config, checkpoint_dir, num_iterations):
         compute_cleanup()
         return {"step": num_iterations, "pass_at_k": None, "rewards": [], "checkpoint_dir": checkpoint_dir}
-    start_step, loop = resume_run(config, checkpoint_dir, model, optimizers, device, parallel, ("pass_at_k",))
+    start_step, loop = stage.resume(checkpoint_dir, model, optimizers, ("pass_at_k",))
     for _ in range(start_step * examples_per_rank):  # the questions the saved run already trained on
         next(example_indices)
-    metrics = MetricsLogger(os.path.join(checkpoint_dir, "metrics.jsonl"),
-                            get_wandb(config["run"], "nanochat-rl", user_config, master), master,
-                            start_step if loop is not None else None)
+    metrics = stage.open_log(checkpoint_dir, "nanochat-rl", start_step if loop is not None else None, user_config)
 
     # ---------------------------------------------------------------- the loop
     passk = loop["pass_at_k"] if loop else None
     step = start_step
-    stop = StopSignal().install()  # SIGTERM/SIGUSR1: finish the step, save, exit 0 (nanochat/preemption.py)
     for step in range(start_step, num_iterations + 1):
         last_step = step == num_iterations
-        if stop.requested(device):
-            if step > start_step:
-                save(step, passk, final=False)
-            report_stop(step, checkpoint_dir)
+        if stage.stopping(step, start_step, checkpoint_dir, lambda: save(step, passk, final=False)):
             break
 
-        if every(step, config["eval_every"], last_step):
-            model.eval()
-            with autocast(), parallel.full_weights(model):  # each rank samples its own questions
+        if stage.due(step, "eval_every", last_step):
+            with stage.evaluating(model), parallel.full_weights(model):  # each rank samples its own questions
                 passk = evaluate_pass_at_k(val_task, engine, tokenizer, config["eval_examples"], config["device_batch_size"],
                                            device, seed=config["seed"], **sampling)
-            model.train()
             metrics.log(step, {f"eval/pass@{k + 1}": p for k, p in enumerate(passk)},
                         console=f"step {step:05d} | " + " | ".join(f"pass@{k + 1}: {p:.4f}" for k, p in enumerate(passk)))
 
-        if step > start_step and (every(step, config["save_every"], last_step, at_last=False) or last_step):
+        if step > start_step and (stage.due(step, "save_every", last_step, at_last=False) or last_step):
             save(step, passk, final=last_step)
 
         if last_step:
@@ -281,22 +265,13 @@ def main(argv=None):
                             f"{mean_reward:.4f} | mean sequence length: {mean_length:.1f} | lrm: {lrm:.2f} | dt: {dt:.2f}s")
 
     # ---------------------------------------------------------------- wrap up
-    if master:
-        from nanochat.report import get_report
-
-        report = get_report()
-        metrics.log_curves(report, {"rl/reward": ("Chat RL mean reward", "mean reward"),
-                                    "eval/pass@1": ("Chat RL GSM8K pass@1", "pass@1")})
-        recent = [r for _, r in metrics.curve("rl/reward")[-10:]]
-        report.log(section="Chat RL", data=[
-            user_config,
-            {"Number of iterations": num_iterations, "DDP world size": world_size,
-             "Mean reward (last 10 steps)": sum(recent) / len(recent) if recent else None},
-            {f"GSM8K test pass@{k + 1}": p for k, p in enumerate(passk)} if passk else {},
-        ])
-    metrics.finish()
-    stop.uninstall()
-    compute_cleanup()
+    recent = [r for _, r in metrics.curve("rl/reward")[-10:]]
+    stage.finish("Chat RL", [
+        user_config,
+        {"Number of iterations": num_iterations, "DDP world size": world_size,
+         "Mean reward (last 10 steps)": sum(recent) / len(recent) if recent else None},
+        {f"GSM8K test pass@{k + 1}": p for k, p in enumerate(passk)} if passk else {},
+    ], {"rl/reward": ("Chat RL mean reward", "mean reward"), "eval/pass@1": ("Chat RL GSM8K pass@1", "pass@1")})
     return {"step": step, "pass_at_k": passk, "rewards": [r for _, r in metrics.curve("rl/reward")],
             "checkpoint_dir": checkpoint_dir}
 

@@ -15,24 +15,20 @@ categorical evaluation).
 """
 
 import os
-import time
 
 import torch
 
 from nanochat.attention import attn_flag
 from nanochat.batching import sft_batch_arithmetic
 from nanochat.checkpoint_manager import checkpoint_root
-from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
+from nanochat.common import compute_cleanup, print0, print_banner
 from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
 from nanochat.data.conversations import check_stage_model, load_stage_model, scale_initial_lr, sft_batches
-from nanochat.dist import all_reduce_mean
-from nanochat.metrics import MetricsLogger
-from nanochat.parallel import parallel_from_config
-from nanochat.preemption import StopSignal, report_stop
+from nanochat.distributed.dist import all_reduce_mean
+from nanochat.stage import Stage
 from nanochat.training import (
-    MicroBatches, ProgressMeter, already_finished, apply_model_options, apply_schedule, assert_finite, every,
-    lr_multiplier, memory_flags, optimizer_flags, resume_flag, resume_run, run_flags, save_stage_model,
-    save_train_state, setup_run, source_flags, train_step
+    MicroBatches, already_finished, apply_schedule, lr_multiplier, memory_flags, optimizer_flags, resume_flag, run_flags,
+    save_stage_model, save_train_state, source_flags
 )
 from nanochat.usage import BadValue, run_main
 from tasks.suites import build_mixture, held_out_tasks
@@ -89,7 +85,7 @@ def train_tasks():
     ]
 
 
-def chat_metrics(model, tokenizer, batch_size, max_problems, autocast, lockstep=False):
+def chat_metrics(model, tokenizer, batch_size, max_problems, autocast, lockstep=False, ranks=None):
     """{task: accuracy} for METRIC_TASKS (nanochat.chat_eval); a task whose data is missing is left out with a note.
     lockstep: the model's forward is a collective (FSDP, TP)."""
     from nanochat.chat_eval import evaluate_task
@@ -107,7 +103,7 @@ def chat_metrics(model, tokenizer, batch_size, max_problems, autocast, lockstep=
                 print0(f"Note: skipping the {task_name} accuracy: {e}")
                 continue
             metrics[task_name] = evaluate_task(task, model, tokenizer, engine, batch_size=batch_size,
-                                               max_problems=max_problems, lockstep=lockstep)
+                                               max_problems=max_problems, lockstep=lockstep, ranks=ranks)
     return metrics
 
 
@@ -117,12 +113,9 @@ def main(argv=None):
     check_stage_model(config["source"], config["model_tag"], config["model_step"])  # start-up check: the model exists
     print_banner()
 
-    ctx = setup_run(config)
-    rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
-    parallel = parallel_from_config(config)  # the DDP path, FSDP2 or FSDP2 x TP (nanochat/parallel.py)
-    data_rank, data_world = parallel.data_rank_and_world(rank, world_size)  # tp ranks of a group read the same data
-    device_type = device.type
-    master = ctx.master
+    stage = Stage(config)  # device, process group, the parallel plan (nanochat/stage.py)
+    parallel, device = stage.parallel, stage.device
+    data_rank, data_world = parallel.data_rank, parallel.data_world  # tp ranks of a group read the same data
 
     # batch arithmetic (whole conversations per step) and the data first: a batch that does not divide, or task data
     # that is missing, stops the run before the model loads
@@ -134,7 +127,7 @@ def main(argv=None):
     model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
     model_config = model.config
     attn = model.set_attn(config["attn"]).describe()
-    model = parallel.wrap(apply_model_options(model, config, device, parallel), device)  # --activation_checkpointing
+    model, _ = stage.prepare(model)  # --activation_checkpointing, --fp8, the layout
     print0(f"Fine-tuning the {config['source']} model (step {source_meta.get('step')}): {model_config} | attn {attn}")
     print0(f"Batch: {B} conversations x {data_world} rank(s) x {grad_accum} accumulation = "
            f"{config['target_examples_per_step']} conversations/step")
@@ -151,10 +144,7 @@ def main(argv=None):
                              f"lower --target_examples_per_step or set --num_iterations")
     print0(f"Training for {num_iterations:,} steps")
 
-    optimizers = parallel.setup_optimizers(
-        model, unembedding_lr=config["unembedding_lr"],
-        embedding_lr=config["embedding_lr"], matrix_lr=config["matrix_lr"], weight_decay=config["weight_decay"],
-    )
+    optimizers = stage.optimizers(model)
     scale_initial_lr(optimizers, config["init_lr_frac"])
 
     model_tag = config["model_tag"] or f"d{model_config.n_layer}"
@@ -162,13 +152,9 @@ def main(argv=None):
     if already_finished(config, checkpoint_dir, num_iterations):
         compute_cleanup()
         return {"step": num_iterations, "checkpoint_dir": checkpoint_dir}
-    start_step, loop = resume_run(config, checkpoint_dir, model, optimizers, device, parallel, ("meter",))
-    metrics_log = MetricsLogger(os.path.join(checkpoint_dir, "metrics.jsonl"),
-                                get_wandb(config["run"], "nanochat-sft", user_config, master), master,
-                                start_step if loop is not None else None)
-    meter = ProgressMeter(0, model.estimate_flops(), device, world_size, num_iterations)
-    if loop is not None:
-        meter.load_state_dict(loop["meter"])
+    start_step, loop = stage.resume(checkpoint_dir, model, optimizers, ("meter",))
+    metrics_log = stage.open_log(checkpoint_dir, "nanochat-sft", start_step if loop is not None else None, user_config)
+    meter = stage.start_meter(0, model.estimate_flops(), num_iterations, loop["meter"] if loop else None)
 
     # every rank counts what it processed (for tok/s) and what it trained on (tokens with a target)
     counts = torch.zeros(2, dtype=torch.float64, device=device)
@@ -196,35 +182,22 @@ def main(argv=None):
     # ---------------------------------------------------------------- the loop
     val_loss, metrics, train_loss = None, {}, None
     step = start_step
-    stop = StopSignal().install()  # SIGTERM/SIGUSR1: finish the step, save, exit 0 (nanochat/preemption.py)
     for step in range(start_step, num_iterations + 1):
         last_step = step == num_iterations
-        if stop.requested(device):
-            if step > start_step:
-                save(step, final=False)
-            report_stop(step, checkpoint_dir)
+        if stage.stopping(step, start_step, checkpoint_dir, lambda: save(step, final=False)):
             break
 
-        if every(step, config["eval_every"], last_step):
-            model.eval()
-            val_iter = sft_batches(val_ds, tokenizer, B, device, data_rank, data_world, max_tokens)
-            sums = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, trained tokens
-            with torch.no_grad(), autocast():
-                for _ in range(config["eval_steps"]):
-                    x, y = next(val_iter)
-                    sums[0] += model(x, y, loss_reduction="sum").double()
-                    sums[1] += (y >= 0).sum()
-            model.train()
-            loss_sum, n_tokens = (all_reduce_mean(v, device) for v in sums.tolist())
-            val_loss = loss_sum / n_tokens  # per trained token over all ranks' batches
+        if stage.due(step, "eval_every", last_step):
+            with stage.evaluating(model):
+                val_iter = sft_batches(val_ds, tokenizer, B, device, data_rank, data_world, max_tokens)
+                val_loss = validation_loss(model, val_iter, config["eval_steps"], device)
             metrics_log.log(step, {"val/loss": val_loss}, console=f"step {step:05d} | validation loss: {val_loss:.6f}")
 
-        if every(step, config["eval_metrics_every"], last_step):
-            model.eval()
+        if stage.due(step, "eval_metrics_every", last_step):
             # FSDP/TP: every forward is a collective, so ranks with fewer problems run filler forwards (lockstep)
-            out = chat_metrics(model, tokenizer, 2 * B, config["eval_metrics_max_problems"], autocast,
-                               lockstep=parallel.collective_forward)
-            model.train()
+            with stage.evaluating(model):
+                out = chat_metrics(model, tokenizer, 2 * B, config["eval_metrics_max_problems"], stage.autocast,
+                                   lockstep=parallel.collective_forward, ranks=parallel.data_ranks)
             if out:
                 metrics = out
                 metrics_log.log(step, {f"eval/{k}_acc": v for k, v in metrics.items()},
@@ -233,44 +206,39 @@ def main(argv=None):
         if last_step:
             save(step, final=True)
             break
-        if step > start_step and every(step, config["save_every"]):
+        if step > start_step and stage.due(step, "save_every", at_last=False):
             save(step, final=False)
 
         lrm = lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=1.0)  # = 1 - step/num_iterations
         apply_schedule(optimizers, lrm)
         counts.zero_()
-        t0 = time.time()
-        train_loss, _, _ = train_step(model, optimizers, train_batches, grad_accum, grad_clip=0.0, autocast=autocast,
-                                      parallel=parallel)
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.time() - t0
-        assert_finite(train_loss, step)
+        train_loss, _, _, dt = stage.timed_step(step, model, optimizers, train_batches, grad_accum, grad_clip=0.0)
         processed, trained = (all_reduce_mean(c, device) * data_world for c in counts.tolist())  # tp ranks count the same rows
         meter.tokens_per_step = processed  # rows are padded to each batch's longest: the count changes every step
-        fields = meter.update(step, train_loss, dt)
-        metrics_log.log(step + 1, {"train/loss": fields["loss"], "train/raw_loss": train_loss, "train/lrm": lrm,
-                                   "train/num_tokens": trained, "train/tok_per_sec": fields["tok_per_sec"]},
-                        console=meter.format(step, fields, lrm, f" | trained tokens: {int(trained):,}"))
+        stage.log_step(step, train_loss, dt, lrm, {"train/num_tokens": trained}, f" | trained tokens: {int(trained):,}",
+                       mfu=False)
 
     # ---------------------------------------------------------------- wrap up
-    if master:
-        from nanochat.report import get_report
-
-        report = get_report()
-        metrics_log.log_curves(report, {"train/loss": ("Chat SFT loss", "loss (EMA)"),
-                                        "val/loss": ("Chat SFT validation loss", "loss")})
-        report.log(section="Chat SFT", data=[
-            user_config,
-            {"Training tasks": ", ".join(train_names), "Training rows": len(train_ds),
-             "Number of iterations": num_iterations, "DDP world size": world_size},
-            {"Training loss": train_loss, "Validation loss": val_loss, **metrics},
-        ])
-    metrics_log.finish()
-    stop.uninstall()
-    compute_cleanup()
+    stage.finish("Chat SFT", [
+        user_config,
+        {"Training tasks": ", ".join(train_names), "Training rows": len(train_ds),
+         "Number of iterations": num_iterations, "DDP world size": stage.world_size},
+        {"Training loss": train_loss, "Validation loss": val_loss, **metrics},
+    ], {"train/loss": ("Chat SFT loss", "loss (EMA)"), "val/loss": ("Chat SFT validation loss", "loss")})
     return {"step": step, "train_loss": train_loss, "val_loss": val_loss, "metrics": metrics,
             "checkpoint_dir": checkpoint_dir, "train_tasks": train_names}
+
+
+def validation_loss(model, val_iter, steps, device):
+    """Loss per trained token (those with a target) over every rank's `steps` batches of the held-out conversations."""
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, trained tokens
+    with torch.no_grad():
+        for _ in range(steps):
+            x, y = next(val_iter)
+            sums[0] += model(x, y, loss_reduction="sum").double()
+            sums[1] += (y >= 0).sum()
+    loss_sum, n_tokens = (all_reduce_mean(v, device) for v in sums.tolist())
+    return loss_sum / n_tokens
 
 
 if __name__ == "__main__":

@@ -13,27 +13,22 @@ one epoch of the mixture. Validation: bits per byte on held-out conversations (S
 """
 
 import os
-import time
 
-import torch
 
 from nanochat.attention import attn_flag
 from nanochat.batching import batch_arithmetic
 from nanochat.checkpoint_manager import checkpoint_root
-from nanochat.common import compute_cleanup, get_wandb, print0, print_banner
-from nanochat.compile import compile_flag, maybe_compile
+from nanochat.common import compute_cleanup, print0, print_banner
+from nanochat.compile import compile_flag
 from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
 from nanochat.data.conversations import ConversationPacker, check_stage_model, load_stage_model, scale_initial_lr
-from nanochat.dist import all_reduce_mean, any_rank
+from nanochat.distributed.dist import all_reduce_mean, any_rank
 from nanochat.loss_eval import evaluate_bpb
-from nanochat.metrics import MetricsLogger
-from nanochat.parallel import parallel_from_config
-from nanochat.preemption import StopSignal, report_stop
+from nanochat.stage import Stage
 from nanochat.tokenizer import get_token_bytes
 from nanochat.training import (
-    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, ProgressMeter, apply_model_options, apply_schedule, assert_finite,
-    eval_steps_for, every, format_duration, memory_flags, muon_momentum, optimizer_flags, resume_flag,
-    resume_run, run_flags, save_train_state, setup_run, source_flags, train_step
+    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, apply_schedule, eval_steps_for,
+    format_duration, memory_flags, muon_momentum, optimizer_flags, resume_flag, run_flags, save_train_state, source_flags
 )
 from nanochat.usage import run_main
 from tasks.suites import build_mixture, held_out_tasks
@@ -105,12 +100,9 @@ def main(argv=None):
     check_stage_model("base", config["model_tag"], config["model_step"])  # start-up check: the model exists
     print_banner()
 
-    ctx = setup_run(config)
-    rank, world_size, device, autocast = ctx.rank, ctx.world_size, ctx.device, ctx.autocast
-    parallel = parallel_from_config(config)  # the DDP path, FSDP2 or FSDP2 x TP (nanochat/parallel.py)
-    data_rank, data_world = parallel.data_rank_and_world(rank, world_size)  # tp ranks of a group read the same data
-    device_type = device.type
-    master = ctx.master
+    stage = Stage(config)  # device, process group, the parallel plan (nanochat/stage.py)
+    parallel, device, dry_run = stage.parallel, stage.device, config["dry_run"]
+    data_rank, data_world = parallel.data_rank, parallel.data_world  # tp ranks of a group read the same data
 
     # the batch and the data first: a batch that does not divide, or task data that is missing, stops the run before
     # the model loads (the training mixture, packed; a held-out mixture for validation, rebuilt per eval)
@@ -124,51 +116,33 @@ def main(argv=None):
     model, tokenizer, base_meta = load_stage_model("base", device, config["model_tag"], config["model_step"])
     model_config = model.config
     print0(f"attention: {model.set_attn(config['attn']).describe()}")
-    model = parallel.wrap(apply_model_options(model, config, device, parallel), device)  # --activation_checkpointing
-    orig_model = model  # uncompiled, for eval and saving
-    model = maybe_compile(model, config["compile"], device, config["device_batch_size"], config["max_seq_len"],
-                          parallel.compile_per_block, autocast)
+    model, orig_model = stage.prepare(model)  # orig_model: uncompiled, for eval and saving
     token_bytes = get_token_bytes(device=device)
-    flops_per_token = orig_model.estimate_flops()
     print0(f"Base model step {base_meta.get('step')}: {model_config} | {orig_model.num_params():,} params")
-
     if Tlen != model_config.sequence_len:
         print0(f"Note: training at --max_seq_len={Tlen}; the base model was trained at {model_config.sequence_len}")
     print0(f"Batch: {B} x {Tlen} x {data_world} rank(s) x {grad_accum} accumulation = {total_batch:,} tokens/step")
-    eval_steps = eval_steps_for(config["eval_tokens"], tokens_per_fwdbwd, device_type, enabled=config["eval_every"] > 0)
+    eval_steps = eval_steps_for(config["eval_tokens"], tokens_per_fwdbwd, device.type, enabled=config["eval_every"] > 0)
 
-    optimizers = parallel.setup_optimizers(
-        orig_model, unembedding_lr=config["unembedding_lr"],
-        embedding_lr=config["embedding_lr"], matrix_lr=config["matrix_lr"], weight_decay=config["weight_decay"],
-    )
+    optimizers = stage.optimizers(orig_model)
     scale_initial_lr(optimizers, config["init_lr_frac"])
-
     train_loader = ConversationPacker(train_ds, tokenizer, B, Tlen, device, data_rank, data_world)
-
-    def build_val_loader():
-        return ConversationPacker(val_ds, tokenizer, B, Tlen, device, data_rank, data_world)
-
     num_iterations = config["num_iterations"]
-    if num_iterations > 0:
-        print0(f"Training for {num_iterations:,} steps = {num_iterations * total_batch:,} tokens")
-    else:
-        print0(f"Training for one epoch of {len(train_ds):,} conversations")
+    print0(f"Training for {num_iterations:,} steps = {num_iterations * total_batch:,} tokens" if num_iterations > 0
+           else f"Training for one epoch of {len(train_ds):,} conversations")
 
-    model_tag = config["model_tag"] or f"d{model_config.n_layer}"
-    checkpoint_dir = os.path.join(checkpoint_root("mid"), model_tag)
-    start_step, loop = (0, None) if config["dry_run"] else resume_run(
-        config, checkpoint_dir, orig_model, optimizers, device, parallel, ("meter", "min_val_bpb", "finished"))
+    checkpoint_dir = os.path.join(checkpoint_root("mid"), config["model_tag"] or f"d{model_config.n_layer}")
+    start_step, loop = (0, None) if dry_run else stage.resume(
+        checkpoint_dir, orig_model, optimizers, ("meter", "min_val_bpb", "finished"))
     if loop is not None and loop["finished"]:
         print0(f"Step {start_step} is the last and is already saved in {checkpoint_dir}: mid-training is complete")
         compute_cleanup()
         return {"step": start_step, "checkpoint_dir": checkpoint_dir, "train_tasks": train_names}
-    wandb_run = get_wandb("dummy" if config["dry_run"] else config["run"], "nanochat-mid", user_config, master)
-    metrics = MetricsLogger(None if config["dry_run"] else os.path.join(checkpoint_dir, "metrics.jsonl"), wandb_run, master,
-                            start_step if loop is not None else None)
+    metrics = stage.open_log(None if dry_run else checkpoint_dir, "nanochat-mid",
+                             start_step if loop is not None else None, user_config, run="dummy" if dry_run else None)
     # in one-epoch mode the step count is not known in advance: the meter's ETA uses an estimate from progress
-    meter = ProgressMeter(total_batch, flops_per_token, device, world_size, max(num_iterations, 1))
-    if loop is not None:
-        meter.load_state_dict(loop["meter"])
+    meter = stage.start_meter(total_batch, orig_model.estimate_flops(), max(num_iterations, 1),
+                              loop["meter"] if loop else None)
 
     # ---------------------------------------------------------------- the loop
     # where the trained batches reached in the data (the schedule and the one-epoch stop read this, not the loader,
@@ -198,70 +172,47 @@ def main(argv=None):
         print0(f"Saved mid-training checkpoint step {step} to {checkpoint_dir}")
 
     step, epoch_done, stopped = start_step, False, False
-    stop = StopSignal().install()  # SIGTERM/SIGUSR1: finish the step, save, exit 0 (nanochat/preemption.py)
     while True:
         last_step = step == num_iterations if num_iterations > 0 else epoch_done
-        if stop.requested(device):
-            if step > start_step and not config["dry_run"]:
-                save(step, finished=False)
-            report_stop(step, checkpoint_dir)
+        if stage.stopping(step, start_step, checkpoint_dir, None if dry_run else lambda: save(step, finished=False)):
             stopped = True
             break
 
-        if every(step, config["eval_every"], last_step):
-            orig_model.eval()
-            with autocast():
-                val_bpb = evaluate_bpb(orig_model, build_val_loader(), eval_steps, token_bytes)
-            orig_model.train()
+        if stage.due(step, "eval_every", last_step):
+            with stage.evaluating(orig_model):
+                val_loader = ConversationPacker(val_ds, tokenizer, B, Tlen, device, data_rank, data_world)
+                val_bpb = evaluate_bpb(orig_model, val_loader, eval_steps, token_bytes)
             min_val_bpb = min(min_val_bpb, val_bpb)
             metrics.log(step, {"val/bpb": val_bpb}, console=f"step {step:05d} | val bpb: {val_bpb:.4f}")
 
         if last_step:
             break
-        if step > start_step and every(step, config["save_every"]) and not config["dry_run"]:
+        if step > start_step and stage.due(step, "save_every") and not dry_run:
             save(step, finished=False)
 
         progress = step / num_iterations if num_iterations > 0 else all_reduce_mean(position["progress"], device)
         lrm = lr_multiplier(progress)
         apply_schedule(optimizers, lrm, muon_momentum(step))
-        t0 = time.time()
-        loss, grad_norm, _ = train_step(model, optimizers, train_batches, grad_accum, config["grad_clip"], autocast,
-                                        parallel=parallel)
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.time() - t0
-        assert_finite(loss, step)
+        loss, grad_norm, _, dt = stage.timed_step(step, model, optimizers, train_batches, grad_accum, config["grad_clip"])
         if num_iterations <= 0:
             epoch_done = any_rank(position["epoch"] >= 1, device)
             meter.num_iterations = step + 1 if epoch_done else max(step + 2, round((step + 1) / max(position["progress"], 1e-9)))
-        fields = meter.update(step, loss, dt)
-        metrics.log(step + 1, {"train/loss": fields["loss"], "train/raw_loss": loss, "train/lrm": lrm,
-                               "train/grad_norm": grad_norm, "train/tok_per_sec": fields["tok_per_sec"],
-                               "train/mfu": fields["mfu"]},
-                    console=meter.format(step, fields, lrm, f" | gnorm: {grad_norm:.3f}" if grad_norm is not None else ""))
+        stage.log_step(step, loss, dt, lrm, {"train/grad_norm": grad_norm},
+                       f" | gnorm: {grad_norm:.3f}" if grad_norm is not None else "")
         step += 1
 
     # ---------------------------------------------------------------- wrap up
-    if not config["dry_run"] and not stopped:
+    if not dry_run and not stopped:
         save(step, finished=True)
     print0(f"Total training time: {format_duration(meter.total_time)}" +
            (f" | min val bpb: {min_val_bpb:.4f}" if val_bpb is not None else ""))
-    if master and not config["dry_run"]:
-        from nanochat.report import get_report
-
-        report = get_report()
-        metrics.log_curves(report, {"train/loss": ("Midtraining loss", "loss (EMA)"),
-                                    "val/bpb": ("Midtraining validation bpb", "bits per byte")})
-        report.log(section="Midtraining", data=[
-            user_config,
-            {"Training tasks": ", ".join(train_names), "Training conversations": len(train_ds),
-             "Number of iterations": step, "Tokens per step": total_batch, "DDP world size": world_size},
-            {"Minimum validation bpb": min_val_bpb if val_bpb is not None else None, "Final validation bpb": val_bpb,
-             "Total training time": format_duration(meter.total_time)},
-        ])
-    metrics.finish()
-    stop.uninstall()
-    compute_cleanup()
+    stage.finish(None if dry_run else "Midtraining", [
+        user_config,
+        {"Training tasks": ", ".join(train_names), "Training conversations": len(train_ds),
+         "Number of iterations": step, "Tokens per step": total_batch, "DDP world size": stage.world_size},
+        {"Minimum validation bpb": min_val_bpb if val_bpb is not None else None, "Final validation bpb": val_bpb,
+         "Total training time": format_duration(meter.total_time)},
+    ], {"train/loss": ("Midtraining loss", "loss (EMA)"), "val/bpb": ("Midtraining validation bpb", "bits per byte")})
     return {"step": step, "val_bpb": val_bpb, "min_val_bpb": min_val_bpb, "checkpoint_dir": checkpoint_dir,
             "train_tasks": train_names}
 

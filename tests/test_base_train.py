@@ -94,7 +94,7 @@ def test_resume_is_exact(base_dir, capsys):
 def test_resume_refuses_other_parallelism_path(tmp_path):
     """Optimizer state differs between the DDP and FSDP paths: resuming across them is a clear error, not a crash."""
     from nanochat.gpt import GPTConfig
-    from nanochat.parallel import FSDP, DataParallel
+    from nanochat.distributed.parallel import FSDP, DataParallel
 
     model = training.build_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=64), "cpu")
     optimizers = model.setup_optimizers()
@@ -147,7 +147,7 @@ def test_resume_with_other_optimizers_names_the_file_and_the_flag(tmp_path):
 
 
 def test_parallel_strategy_from_flags():
-    from nanochat.parallel import FSDP, DataParallel, parallel_from_config
+    from nanochat.distributed.parallel import FSDP, DataParallel, parallel_from_config
 
     assert type(parallel_from_config({"use_fsdp": False})) is DataParallel
     assert type(parallel_from_config({})) is DataParallel  # scripts without FSDP flags (chat_rl)
@@ -166,7 +166,7 @@ def test_next_micro_batch_is_fetched_after_backward_is_queued():
     launched (not before the forward), and a MicroBatches kept across steps fetches the next step's first batch
     before the optimizer step. The losses are the same as fetching on demand."""
     from nanochat.gpt import GPTConfig
-    from nanochat.parallel import DataParallel
+    from nanochat.distributed.parallel import DataParallel
 
     config = GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=64)
 

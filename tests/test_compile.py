@@ -116,8 +116,8 @@ def test_ddp_path_is_one_graph_without_breaks():
 def test_fsdp_path_compiles_blocks_and_the_head(tmp_path):
     import torch.distributed as dist
 
-    from nanochat.dist import compute_cleanup
-    from nanochat.fsdp import apply_fsdp
+    from nanochat.distributed.dist import compute_cleanup
+    from nanochat.distributed.fsdp import apply_fsdp
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
@@ -138,7 +138,7 @@ def test_fsdp_path_compiles_blocks_and_the_head(tmp_path):
             model(x[:, :7], x[:, :7])
         assert len(backend.graphs) == 2
     finally:
-        compute_cleanup()  # also lets the FSDP mesh's gloo group go at exit (nanochat.dist.release_process_groups)
+        compute_cleanup()  # also lets the FSDP mesh's gloo group go at exit (nanochat.distributed.dist.release_process_groups)
 
 
 def test_graph_breaking_attention_kernel_is_reported(monkeypatch):

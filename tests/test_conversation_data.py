@@ -166,7 +166,7 @@ def test_rank_agreement_is_a_pass_through_in_one_process():
     """Without torchrun the collective helpers change nothing: same result, same exception (the torchrun case is
     tests/test_chat_eval.py::test_ddp_ranks_agree_on_a_task_one_rank_lacks)."""
     from nanochat.data.conversations import build_on_every_rank
-    from nanochat.dist import raise_on_every_rank
+    from nanochat.distributed.dist import raise_on_every_rank
     from nanochat.data.task_data import TaskDataNotFound
 
     raise_on_every_rank(None, "nothing")

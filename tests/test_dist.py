@@ -1,4 +1,4 @@
-"""nanochat/dist.py alone: the process-group timeout reaches init_process_group; the helpers in one process."""
+"""nanochat/distributed/dist.py alone: the process-group timeout reaches init_process_group; the helpers in one process."""
 
 import datetime
 import os
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import free_port
-from nanochat import dist as ndist
+from nanochat.distributed import dist as ndist
 
 
 def test_timeout_default_and_env(monkeypatch):

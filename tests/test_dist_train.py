@@ -180,8 +180,9 @@ def test_torchrun_failure_summary_names_the_error(base_dir):
 def test_every_torchrun_script_runs_main_under_record():
     """The test above shows base_train; every script that can run under torchrun (it ends through compute_cleanup)
     must enter the same way (nanochat.usage.run_main, which runs main under torch's `record` there), or its failures
-    go back to "error_file: <N/A>"."""
-    launched = [p for p in sorted((REPO / "scripts").glob("*.py")) if "compute_cleanup()" in p.read_text()]
+    go back to "error_file: <N/A>". The training stages end through nanochat/stage.py's Stage.finish."""
+    launched = [p for p in sorted((REPO / "scripts").glob("*.py"))
+                if "compute_cleanup()" in p.read_text() or "Stage(config" in p.read_text()]
     assert len(launched) >= 7
     missing = [p.name for p in launched if 'if __name__ == "__main__":\n    run_main(main)' not in p.read_text()]
     assert not missing, f"run main as run_main(main) in: {missing}"
@@ -190,7 +191,7 @@ def test_every_torchrun_script_runs_main_under_record():
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])
 def test_cleanup_tears_the_gloo_groups_down(strategy):
     """After compute_cleanup and main's return, no gloo thread is left for interpreter shutdown to tear down (where a
-    rank can abort: nanochat.dist.release_process_groups). Under FSDP2/TP the model holds the groups while main runs,
+    rank can abort: nanochat.distributed.dist.release_process_groups). Under FSDP2/TP the model holds the groups while main runs,
     so the first line still shows the threads: the probe sees them when they are there."""
     import json
 

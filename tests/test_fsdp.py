@@ -1,5 +1,5 @@
 """
-The FSDP2 path (nanochat/fsdp.py) on 2 gloo ranks (torchrun) against one process with GPT.setup_optimizers():
+The FSDP2 path (nanochat/distributed/fsdp.py) on 2 gloo ranks (torchrun) against one process with GPT.setup_optimizers():
 
 - FSDP + AdamW only (use_muon=0) and FSDP + FSDPMuon: losses and parameters equal over 6 steps
 - awkward shapes (uneven dim 0, a 1-row matrix, 3 matrices per shape group) for FSDPMuon/FSDPAdamW
@@ -121,7 +121,7 @@ def test_ddp_checkpoint_loads_into_fsdp(runs):
 
 def test_fsdp_needs_a_process_group():
     pytest.importorskip("nanochat.gpt")
-    from nanochat.fsdp import apply_fsdp
+    from nanochat.distributed.fsdp import apply_fsdp
     from nanochat.optim.sharded import FSDPAdamW, FSDPMuon, ShardedMuon
     from nanochat.gpt import GPT, GPTConfig
 

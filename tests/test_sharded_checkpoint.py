@@ -166,7 +166,7 @@ def test_loader_states_for_another_world_size():
 
 
 def test_checkpoint_format_flags(monkeypatch):
-    from nanochat.parallel import parallel_from_config
+    from nanochat.distributed.parallel import parallel_from_config
 
     assert parallel_from_config({"use_fsdp": True}).sharded_checkpoint
     assert not parallel_from_config({"use_fsdp": True, "checkpoint_format": "single"}).sharded_checkpoint

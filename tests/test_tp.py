@@ -1,5 +1,5 @@
 """
-Tensor parallelism (nanochat/tensor_parallel.py, `--tp_size`) on CPU with gloo, launched by torchrun as users launch
+Tensor parallelism (nanochat/distributed/tensor_parallel.py, `--tp_size`) on CPU with gloo, launched by torchrun as users launch
 base training, against one process with the same global batch (tolerances as tests/test_dist_train.py):
 
 - TP=2 on 2 ranks == 1 process over 10 steps (losses and final weights), with Muon (ShardedMuon) and with AdamW only
@@ -158,8 +158,8 @@ def test_sharded_muon_matches_muon_on_awkward_layouts():
 
 def test_tp_size_errors_name_the_valid_values():
     from nanochat.gpt import GPTConfig
-    from nanochat.parallel import DataParallel, TensorParallel, parallel_from_config
-    from nanochat.tensor_parallel import check_tp_size
+    from nanochat.distributed.parallel import DataParallel, TensorParallel, parallel_from_config
+    from nanochat.distributed.tensor_parallel import check_tp_size
 
     c = GPTConfig(sequence_len=8, vocab_size=64, n_layer=1, n_head=6, n_kv_head=3, n_embd=96)
     check_tp_size(c, 3, 6)

@@ -18,7 +18,7 @@ pass the tasks in).
 Under torchrun every rank looks for the task data itself (local files, a hub probe), so ranks could disagree about
 what exists: one would then evaluate or train on a task another left out, and their collectives would pair up wrong
 or hang. `build_on_every_rank` makes that decision collective (a task is used only if every rank has it, and has it
-the same size), and `raise_on_every_rank` (nanochat/dist.py) turns an error one rank hits before a collective into
+the same size), and `raise_on_every_rank` (nanochat/distributed/dist.py) turns an error one rank hits before a collective into
 an error on every rank. In a single process both do nothing more than the plain code would.
 """
 
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from nanochat.common import get_base_dir
 from nanochat.data.task_data import TaskDataNotFound
-from nanochat.dist import collective_device, dist_world_size, raise_on_every_rank
+from nanochat.distributed.dist import collective_device, dist_world_size, raise_on_every_rank
 from nanochat.usage import BadValue, Missing
 
 # the command that produces each checkpoint source, for "no checkpoint" errors

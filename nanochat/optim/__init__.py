@@ -1,6 +1,6 @@
 """
 The optimizers, all in one map (nanochat trains with AdamW for the embeddings and lm_head, Muon for the block
-matrices; GPT.setup_optimizers picks the classes and the learning rates, nanochat/parallel.py the path):
+matrices; GPT.setup_optimizers picks the classes and the learning rates, nanochat/distributed/parallel.py the path):
 
     path                    AdamW               Muon          where
     one process             torch.optim.AdamW   Muon          torch, nanochat/muon.py

@@ -1,6 +1,6 @@
 """
-Optimizers for DTensor parameters: what FSDP2 (`--use_fsdp=1`, nanochat/fsdp.py) and FSDP x TP (`--tp_size`,
-nanochat/tensor_parallel.py) hand the optimizer. nanochat/optim/__init__.py has the map of all the optimizers.
+Optimizers for DTensor parameters: what FSDP2 (`--use_fsdp=1`, nanochat/distributed/fsdp.py) and FSDP x TP (`--tp_size`,
+nanochat/distributed/tensor_parallel.py) hand the optimizer. nanochat/optim/__init__.py has the map of all the optimizers.
 
     optimizers = setup_fsdp_optimizers(model, unembedding_lr, embedding_lr, matrix_lr, weight_decay, use_muon)
         # [FSDPAdamW, FSDPMuon] (or [FSDPAdamW] when use_muon is false; muon_cls=ShardedMuon for FSDP x TP). The

@@ -14,8 +14,8 @@ import json
 import torch
 import torch.distributed as dist
 
-from nanochat.dist import compute_cleanup
-from nanochat.fsdp import apply_fsdp
+from nanochat.distributed.dist import compute_cleanup
+from nanochat.distributed.fsdp import apply_fsdp
 from nanochat.gpt import GPT, Block, GPTConfig
 from nanochat.optim.sharded import setup_fsdp_optimizers
 
@@ -43,7 +43,7 @@ def run(strategy, mode, compiled, rank, world):
     if strategy == "fsdp":
         apply_fsdp(model)
         opts = setup_fsdp_optimizers(model, matrix_lr=0.02, use_muon=True)
-    else:  # the DDP path (nanochat.parallel.DataParallel): no wrapper, the distributed optimizers communicate
+    else:  # the DDP path (nanochat.distributed.parallel.DataParallel): no wrapper, the distributed optimizers communicate
         opts = model.setup_optimizers(matrix_lr=0.02, use_muon=True)
     if compiled:
         model = compile_model(model, per_block=strategy == "fsdp", backend="aot_eager")

@@ -38,9 +38,9 @@ def main():
                     threading.Timer(plan["delay"], os.kill, (os.getpid(), signal.SIGKILL)).start()
                 return real_step(*args, **kwargs)
 
-            import scripts.base_train
+            from nanochat import stage
 
-            scripts.base_train.train_step = train_step  # the loop calls the name it imported
+            stage.train_step = train_step  # base_train's loop steps through Stage.timed_step, which calls this name
         elif plan["at"] == "save":
             from nanochat import checkpoint_manager
             from nanochat.atomic import atomic_write

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.adamw import DistAdamW
-from nanochat.dist import compute_cleanup
+from nanochat.distributed.dist import compute_cleanup
 from nanochat.muon import DistMuon, Muon
 
 STEPS = 6
@@ -173,7 +173,7 @@ def main():
     for r in run_checks(dist.get_rank(), dist.get_world_size()):
         if dist.get_rank() == 0:
             print(json.dumps(r), flush=True)
-    compute_cleanup()  # barrier, destroy, and the groups really go at exit (nanochat.dist.release_process_groups)
+    compute_cleanup()  # barrier, destroy, and the groups really go at exit (nanochat.distributed.dist.release_process_groups)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ import json
 import torch
 import torch.distributed as dist
 
-from nanochat.dist import compute_cleanup
+from nanochat.distributed.dist import compute_cleanup
 from nanochat.fp8 import convert_to_fp8
-from nanochat.fsdp import apply_fsdp
+from nanochat.distributed.fsdp import apply_fsdp
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.optim.sharded import setup_fsdp_optimizers
-from nanochat.parallel import FSDP
+from nanochat.distributed.parallel import FSDP
 
 CONFIG = GPTConfig(sequence_len=64, vocab_size=256, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
 STEPS = 3

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanochat.fsdp import apply_fsdp, full_model_state_dict
+from nanochat.distributed.fsdp import apply_fsdp, full_model_state_dict
 from nanochat.muon import Muon
 from nanochat.optim.sharded import FSDPAdamW, FSDPMuon
 

@@ -1,5 +1,5 @@
 """
-nanochat.fsdp.full_weights on 2 gloo ranks (tests/test_fsdp.py). A 3-block GPT is trained for 2 steps as chat_rl
+nanochat.distributed.fsdp.full_weights on 2 gloo ranks (tests/test_fsdp.py). A 3-block GPT is trained for 2 steps as chat_rl
 trains under FSDP: each step, inside full_weights, rank r runs 2r+1 forwards of its own (different numbers per rank, so
 one collective inside would hang the test), then 2 micro-batches of its own rows. One process trains the same model on
 all rows. Rank 0 prints one JSON line:
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from nanochat.dist import compute_cleanup
-from nanochat.fsdp import apply_fsdp, full_weights
+from nanochat.distributed.dist import compute_cleanup
+from nanochat.distributed.fsdp import apply_fsdp, full_weights
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.optim.sharded import setup_fsdp_optimizers
 from nanochat.training import train_step

@@ -20,7 +20,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from nanochat.dist import compute_cleanup
+from nanochat.distributed.dist import compute_cleanup
 from nanochat.gpt import GPT, GPTConfig
 
 STEPS = 6
@@ -63,7 +63,7 @@ def build(mode, use_muon, state_dict=None):
     """(model, optimizers); state_dict: a full single-file state dict to start from (else the seeded init)."""
     model = fresh_model()
     if mode == "fsdp":
-        from nanochat.fsdp import apply_fsdp, load_full_model_state_dict
+        from nanochat.distributed.fsdp import apply_fsdp, load_full_model_state_dict
         from nanochat.optim.sharded import setup_fsdp_optimizers
 
         apply_fsdp(model)
@@ -79,7 +79,7 @@ def build(mode, use_muon, state_dict=None):
 
 def full_state(model, mode):
     if mode == "fsdp":
-        from nanochat.fsdp import full_model_state_dict
+        from nanochat.distributed.fsdp import full_model_state_dict
 
         sd = full_model_state_dict(model)
         # every rank needs the full dict to load it: here, in memory, rank 0's copy is broadcast
@@ -152,7 +152,7 @@ def run(mode, use_muon, rank, world, ddp_ckpt=None):
         final_logits = model(PROBE)  # the live (sharded, under FSDP) model after training
     out = dict(losses=losses, params=final, init=init, probe_logits=probe_logits, final_logits=final_logits, samples=samples, checks=checks)
     if mode == "fsdp" and ddp_ckpt:
-        from nanochat.fsdp import load_full_model_state_dict
+        from nanochat.distributed.fsdp import load_full_model_state_dict
 
         # a single-file checkpoint written by the DDP / single-process path, loaded into a fresh sharded model
         model3, _ = build("fsdp", use_muon)
@@ -194,7 +194,7 @@ def main():
         summary = {k: (v["checks"] if "checks" in v else v) for k, v in results.items()}
         print(json.dumps({"mode": args.mode, "summary": summary}, default=str), flush=True)
     if distributed:
-        compute_cleanup()  # barrier, destroy, and the groups really go at exit (nanochat.dist.release_process_groups)
+        compute_cleanup()  # barrier, destroy, and the groups really go at exit (nanochat.distributed.dist.release_process_groups)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ import json
 import torch
 import torch.distributed as dist
 
-from nanochat.dist import compute_cleanup
+from nanochat.distributed.dist import compute_cleanup
 from nanochat.engine import Engine
-from nanochat.fsdp import apply_fsdp, full_weights
+from nanochat.distributed.fsdp import apply_fsdp, full_weights
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.tokenizer import RustBPETokenizer
 

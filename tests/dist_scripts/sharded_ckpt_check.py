@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from gpt_train_check import CONFIG, GLOBAL_BATCH, global_batch  # the tiny GPT and the learnable batches of test_fsdp
-from nanochat.dist import compute_cleanup, compute_init
+from nanochat.distributed.dist import compute_cleanup, compute_init
 from nanochat.gpt import GPT
-from nanochat.parallel import FSDP
+from nanochat.distributed.parallel import FSDP
 
 STEPS, MORE = 2, 2
 

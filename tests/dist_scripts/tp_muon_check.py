@@ -1,5 +1,5 @@
 """
-ShardedMuon (nanochat/tensor_parallel.py) on awkward layouts against Muon on the full matrices (run under torchrun,
+ShardedMuon (nanochat/distributed/tensor_parallel.py) on awkward layouts against Muon on the full matrices (run under torchrun,
 4 ranks, a 2 x 2 mesh; called by tests/test_tp.py). Layouts: Shard(0) x Shard(1), Shard(1) x Shard(0), replicated
 mesh dims, uneven rectangles (5 x 7 over 2 x 2), a 1-row matrix (some ranks hold nothing), a tall matrix, and a shape
 group of 5 matrices (not a multiple of the world size). Every rank gets the same full gradients and keeps its
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from nanochat.dist import compute_cleanup
+from nanochat.distributed.dist import compute_cleanup
 from nanochat.muon import Muon
 from nanochat.optim.sharded import ShardedMuon
 

@@ -1,11 +1,14 @@
 """
-How a training run spreads the model over ranks: one strategy object, chosen once from the flags, with the few
-operations the training loop needs. The loop never asks which strategy it has.
+The run's parallel plan: one object, chosen once from the flags, that owns how the run spreads over the ranks: the
+device mesh, which share of the data this rank reads, the order in which the model is made ready, and the few
+operations the training loop needs. The loop never asks which strategy it has; it asks the plan's capabilities.
 
-    parallel = parallel_from_config(config)                 # --use_fsdp, --tp_size, --fsdp_reduce_dtype, --fsdp_defer_grad_sync
-    data_rank, data_world = parallel.data_rank_and_world(rank, world)   # which shard of the data this rank reads
-    model = parallel.wrap(model, device)                    # after init_weights / loading the weights
-    optimizers = parallel.setup_optimizers(model, matrix_lr=..., ...)
+    parallel = parallel_from_config(config, rank, world)   # --use_fsdp, --tp_size, --fsdp_*, --checkpoint_format, ...
+    parallel.data_rank, parallel.data_world                 # this rank's shard of the data, the number of shards
+    parallel.data_ranks                                     # DataRanks for the evaluations (core_eval, chat_eval)
+    parallel.read_ranks                                     # the data ranks this process reads (several: --data_world_size)
+    model, orig_model = parallel.prepare(model, config, device, autocast)   # AC -> FP8 -> TP -> FSDP -> compile
+    optimizers = parallel.setup_optimizers(orig_model, matrix_lr=..., ...)
     parallel.set_grad_sync(model, micro_step, grad_accum)  # before each micro-step's forward (training.train_step)
     parallel.after_optimizer_step(model)                    # after all optimizers stepped (training.train_step)
     state = parallel.model_state_dict(model)                # every rank calls; rank 0 gets the full single-file state
@@ -18,19 +21,24 @@ Three strategies (docs/distributed.md compares them):
 - `DataParallel` (name "ddp", the default): every rank holds the whole model and its local gradients; DistAdamW and
   DistMuon average the gradients and shard the optimizer state themselves (in one process: plain AdamW and Muon).
   There is no wrapper, so nothing to do per micro-step.
-- `FSDP` (name "fsdp", `--use_fsdp=1`): FSDP2 shards parameters, gradients and optimizer state (nanochat/fsdp.py has
-  the mechanics). With defer_grad_sync the gradients are reduce-scattered once per step instead of per micro-step.
-
+- `FSDP` (name "fsdp", `--use_fsdp=1`): FSDP2 shards parameters, gradients and optimizer state over a 1-D mesh of all
+  ranks (nanochat/distributed/fsdp.py has the mechanics). With defer_grad_sync the gradients are reduce-scattered once
+  per step instead of per micro-step.
 - `TensorParallel` (name "tp", `--tp_size=N`, N > 1): the blocks' matrices split over N ranks (heads and MLP units),
-  composed with FSDP2 over the world/N data ranks (nanochat/tensor_parallel.py). The N ranks of a tensor-parallel
-  group read the same data: `data_rank_and_world` gives the data rank (rank // N) and the number of data ranks.
+  composed with FSDP2 over the world/N data ranks on a 2-D ("dp", "tp") mesh (nanochat/distributed/tensor_parallel.py).
+  The N ranks of a tensor-parallel group read the same data: the data rank is rank // N, the data world world // N,
+  and only tp rank 0 counts a group's evaluation results.
+
+The capabilities (class attributes) say what a strategy can do, so callers never compare names: `shards_weights`
+(FSDP's FP8 all-gather applies), `fp8_supported`, `has_full_weights` (ranks can sample alone), `collective_forward`,
+`compile_per_block`, `sharded_checkpoint`/`async_save`/`reads_sharded_checkpoint`.
 
 The model file is the same single-file format for all (only the per-rank optimizer files differ), so a later stage
 may use either strategy on an earlier stage's model; FSDP writes sharded checkpoints instead (one directory per step,
 every rank its shard, nanochat/sharded_checkpoint.py) unless --checkpoint_format=single, and every loader reads them.
 Resuming a run's optimizer state needs the strategy (and tp size) it was saved with (`check_resume`); a sharded step
-also resumes on another number of ranks. Another strategy (HSDP, pipeline parallelism) is one more class here plus a line in
-`parallel_from_config`.
+also resumes on another number of ranks. Another strategy (HSDP, pipeline parallelism) is one more class here plus a
+line in `parallel_from_config`.
 """
 
 import contextlib
@@ -39,7 +47,8 @@ import os
 import torch
 
 from nanochat.checkpoint_manager import clean_state_dict
-from nanochat.dist import is_ddp_initialized
+from nanochat.common import print0
+from nanochat.distributed.dist import DataRanks, is_ddp_initialized, process_data_ranks
 from nanochat.fp8 import precompute_fp8_scales, uses_fp8_all_gather
 from nanochat.usage import BadValue, CannotRun
 
@@ -52,16 +61,93 @@ class DataParallel:
     name = "ddp"
     flag = "--use_fsdp=0"
     sharded_checkpoint = False  # True: checkpoints are written by every rank (nanochat/sharded_checkpoint.py)
+    reads_sharded_checkpoint = False  # True: resumes from a sharded step (FSDP's 1-D layout, any number of ranks)
     async_save = False  # and in a background thread
     collective_forward = False  # ranks may run different forwards (rank 0 samples alone, ranks split eval problems)
     compile_per_block = False  # torch.compile the whole model (nanochat/compile.py)
+    shards_weights = False  # weights are all-gathered for each forward (FP8 may then all-gather in FP8)
+    fp8_supported = True  # --fp8=1 works on this layout
+    has_full_weights = True  # full_weights() gives every rank the whole model (ranks can sample alone)
+    mesh = None  # the device mesh the weights are laid out on (set by wrap where there is one)
+    _ranks = None  # DataRanks, set by bind
+    _read_world = None  # --data_world_size: one process reads as this many data ranks
 
-    def wrap(self, model, device):
-        return model
+    # ---------------------------------------------------------------- who reads which data
 
     def data_rank_and_world(self, rank, world):
         """(this rank's data shard, number of data shards): every rank reads its own data on this path."""
         return rank, world
+
+    def bind(self, rank, world, data_world_size=1):
+        """
+        Fix this process's data ranks: its rank and the world give (data rank, data world, tp rank). data_world_size
+        > 1 (base_train --data_world_size, one process only) replays a run of that many data ranks: this process
+        reads all their data (read_ranks) in the order the ranks would have, so a test can compare runs exactly.
+        """
+        data_rank, data_world = self.data_rank_and_world(rank, world)
+        self._ranks = DataRanks(data_rank, data_world, rank - data_rank * (world // data_world))
+        if data_world_size > 1 and world > 1:
+            raise BadValue("--data_world_size is for single-process runs that reproduce a multi-rank run; unset it")
+        self._read_world = max(data_world, data_world_size)
+        return self
+
+    @property
+    def data_ranks(self):
+        """DataRanks(rank, world, tp_rank) for loaders and evaluations; the process group's until bind."""
+        return self._ranks if self._ranks is not None else process_data_ranks()
+
+    @property
+    def data_rank(self):
+        return self.data_ranks.rank
+
+    @property
+    def data_world(self):
+        return self.data_ranks.world
+
+    @property
+    def read_world(self):
+        """The data ranks the batch arithmetic counts: data_world, or --data_world_size in a replaying process."""
+        return self._read_world or self.data_world
+
+    @property
+    def read_ranks(self):
+        """The data ranks this process reads: its own, or all of --data_world_size's when it replays them."""
+        return list(range(self.read_world)) if self.read_world != self.data_world else [self.data_rank]
+
+    # ---------------------------------------------------------------- the model
+
+    def prepare(self, model, config, device, autocast=None):
+        """
+        Make a built or loaded model ready to train, in the one order that works: activation checkpointing
+        (--activation_checkpointing/--ac_every) and FP8 (--fp8) on the plain modules, then the layout (TP, then FSDP:
+        they wrap what AC and FP8 set), then torch.compile (--compile, where the script has it) of the wrapped model.
+        Returns (model to train, uncompiled model for evaluation, sampling and saving).
+        """
+        chosen = model.set_activation_checkpointing(config.get("activation_checkpointing", "none"),
+                                                    config.get("ac_every", 2))
+        if chosen:
+            print0(f"Activation checkpointing ({config['activation_checkpointing']}): {len(chosen)} of "
+                   f"{len(model.transformer.h)} blocks recompute their activations in the backward")
+        if config.get("fp8"):
+            from nanochat.fp8 import apply_fp8
+
+            if not self.fp8_supported:
+                # torchao's float8 linears need their own TP styles (Float8ColwiseParallel...), not wired up here
+                raise BadValue(f"--fp8=1 does not work with {self.flag} yet: use --fp8=0, or --tp_size=1 (--use_fsdp=1)")
+            apply_fp8(model, config.get("fp8_recipe", "tensorwise"), device, fsdp=self.shards_weights, log=print0,
+                      filter=config.get("fp8_filter", "auto"))
+        model = self.wrap(model, device)
+        if "compile" not in config:
+            return model, model
+        from nanochat.compile import maybe_compile
+
+        compiled = maybe_compile(model, config["compile"], device, config["device_batch_size"], config["max_seq_len"],
+                                 self.compile_per_block, autocast)
+        return compiled, model
+
+    def wrap(self, model, device):
+        """The layout alone (prepare calls it): nothing to do on this path."""
+        return model
 
     def resume_meta(self):
         """What a training checkpoint records about the layout (check_resume compares it)."""
@@ -100,12 +186,14 @@ class DataParallel:
 
 
 class FSDP(DataParallel):
-    """FSDP2 on a 1-D mesh over all ranks (nanochat/fsdp.py): parameters, gradients and optimizer state sharded."""
+    """FSDP2 on a 1-D mesh over all ranks (nanochat/distributed/fsdp.py): parameters, gradients and optimizer state sharded."""
 
     name = "fsdp"
     flag = "--use_fsdp=1"
     collective_forward = True  # each forward all-gathers weights: every rank must run the same forwards
     compile_per_block = True  # FSDP's hooks break a whole-model graph: compile each block and the head
+    shards_weights = True
+    reads_sharded_checkpoint = True
 
     def __init__(self, reduce_dtype="float32", defer_grad_sync=False, sharded_checkpoint=True, async_save=False):
         if reduce_dtype not in REDUCE_DTYPES:
@@ -116,13 +204,17 @@ class FSDP(DataParallel):
         self.fp8_all_gather = False  # set by wrap: weights all-gathered in FP8 (--fp8=1, tensorwise)
 
     def wrap(self, model, device):
-        from nanochat.fsdp import apply_fsdp
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from nanochat.distributed.fsdp import apply_fsdp
 
         if not is_ddp_initialized():
             raise CannotRun("--use_fsdp=1 needs torch.distributed: launch with torchrun (even --nproc_per_node=1)")
+        device_type = torch.device(device).type
+        self.mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))  # 1-D over all ranks
         # bf16 all-gathered weights for compute on CUDA (the sharded masters stay fp32), fp32 on CPU
-        param_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else None
-        model = apply_fsdp(model, param_dtype=param_dtype, reduce_dtype=self.reduce_dtype)
+        param_dtype = torch.bfloat16 if device_type == "cuda" else None
+        model = apply_fsdp(model, mesh=self.mesh, param_dtype=param_dtype, reduce_dtype=self.reduce_dtype)
         self.fp8_all_gather = uses_fp8_all_gather(model)
         return model
 
@@ -138,8 +230,8 @@ class FSDP(DataParallel):
             getattr(model, "_orig_mod", model).set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
 
     def full_weights(self, model):
-        # one all-gather of every group, then forwards without collectives; freed on exit (nanochat/fsdp.py)
-        from nanochat.fsdp import full_weights
+        # one all-gather of every group, then forwards without collectives; freed on exit (nanochat/distributed/fsdp.py)
+        from nanochat.distributed.fsdp import full_weights
 
         return full_weights(model)
 
@@ -150,25 +242,28 @@ class FSDP(DataParallel):
 
     def model_state_dict(self, model):
         """Gathered one tensor at a time; rank 0 gets the full state on the CPU, the other ranks {}."""
-        from nanochat.fsdp import full_model_state_dict
+        from nanochat.distributed.fsdp import full_model_state_dict
 
         return full_model_state_dict(model)
 
     def load_model_state_dict(self, model, state_dict):
-        from nanochat.fsdp import load_full_model_state_dict
+        from nanochat.distributed.fsdp import load_full_model_state_dict
 
         load_full_model_state_dict(model, clean_state_dict(state_dict))
 
 
 class TensorParallel(FSDP):
     """
-    Tensor parallelism over tp_size ranks composed with FSDP2 over the data ranks (nanochat/tensor_parallel.py):
+    Tensor parallelism over tp_size ranks composed with FSDP2 over the data ranks (nanochat/distributed/tensor_parallel.py):
     every forward is collective, the tp ranks of a group read the same data, the model file is the full single file.
     """
 
     name = "tp"
     collective_forward = True  # two all-reduces per block in every forward
     compile_per_block = True
+    fp8_supported = False  # torchao's float8 linears need their own TP styles
+    reads_sharded_checkpoint = False  # sharded steps hold FSDP's 1-D layout
+    has_full_weights = False  # the blocks' matrices stay split over the tp ranks
 
     def __init__(self, tp_size, reduce_dtype="float32", defer_grad_sync=False):
         super().__init__(reduce_dtype, defer_grad_sync, sharded_checkpoint=False)  # sharded: FSDP's 1-D layout only
@@ -188,25 +283,33 @@ class TensorParallel(FSDP):
         return {"parallel": self.name, "tp_size": self.tp_size}
 
     def wrap(self, model, device):
-        from nanochat.tensor_parallel import apply_tp
+        from nanochat.distributed.tensor_parallel import apply_tp, check_tp_size, tp_mesh
 
         if not is_ddp_initialized():
             raise CannotRun(f"--tp_size={self.tp_size} needs torch.distributed: launch with torchrun --nproc_per_node={self.tp_size} (or a multiple)")
-        param_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else None
-        return apply_tp(model, self.tp_size, param_dtype=param_dtype, reduce_dtype=self.reduce_dtype)
+        device_type = torch.device(device).type
+        check_tp_size(model.config, self.tp_size, torch.distributed.get_world_size())  # before the mesh: a clear error
+        self.mesh = tp_mesh(device_type, self.tp_size)  # ("dp", "tp"): rank r at (r // tp_size, r % tp_size)
+        param_dtype = torch.bfloat16 if device_type == "cuda" else None
+        return apply_tp(model, self.tp_size, param_dtype=param_dtype, reduce_dtype=self.reduce_dtype, mesh=self.mesh)
 
     def full_weights(self, model):
-        raise BadValue(f"{self.flag}: the blocks' matrices stay split over the tp ranks, so every forward is a "
-                         f"collective and ranks cannot sample on their own; use --tp_size=1 here (--use_fsdp=1 shards "
-                         f"the model and gathers it whole for sampling)")
+        raise BadValue(refuse_full_weights(self, "this run"))
 
     def setup_optimizers(self, model, **kwargs):
-        from nanochat.tensor_parallel import setup_tp_optimizers
+        from nanochat.distributed.tensor_parallel import setup_tp_optimizers
 
         return setup_tp_optimizers(model, **kwargs)
 
 
 FLAGS = {DataParallel.name: DataParallel.flag, FSDP.name: FSDP.flag}
+
+
+def refuse_full_weights(parallel, who):
+    """The error for a plan without full weights (tensor parallelism) where `who` samples on each rank alone."""
+    return (f"{who} samples on each rank alone, which {parallel.flag} cannot do (the blocks' matrices stay split "
+            f"over the tp ranks, so every forward is a collective): use --tp_size=1, with --use_fsdp=1 for a model "
+            f"too big for DDP (it gathers the whole model for sampling)")
 
 
 def saved_strategy_name(meta):
@@ -230,8 +333,22 @@ def node_local_base_dirs():
     return multi_node and os.environ.get("NANOCHAT_SHARED_FS", "1").strip().lower() in ("0", "false", "no")
 
 
-def parallel_from_config(config):
-    """The strategy for a script's flags (a script without FSDP/TP flags gets the DDP path)."""
+def parallel_from_config(config, rank=None, world=None, samples_alone=None):
+    """
+    The plan for a script's flags (a script without FSDP/TP flags gets the DDP path). With rank and world (the
+    process's, after setup_run) its data ranks are fixed now (`bind`; --data_world_size replays that many data ranks in
+    one process); without, they are the process group's when first asked. samples_alone: the script's name when its
+    ranks sample on their own (chat_rl): a plan that cannot give them full weights is refused here, before any work.
+    """
+    plan = _strategy_from_config(config)
+    if samples_alone and not plan.has_full_weights:
+        raise BadValue(refuse_full_weights(plan, samples_alone))
+    if rank is not None:
+        plan.bind(rank, world, config.get("data_world_size", 1))
+    return plan
+
+
+def _strategy_from_config(config):
     use_fsdp = bool(config.get("use_fsdp", False))
     defer = bool(config.get("fsdp_defer_grad_sync", False))
     tp_size = config.get("tp_size", 1)

@@ -8,9 +8,10 @@ torch.distributed in one place: process-group setup and the few collectives the 
   collective must live.
 - `all_reduce_mean`, `all_reduce_sum`, `any_rank`, `gather_objects`: python values across ranks.
 - `raise_on_every_rank`: an error one rank hits before a collective becomes an error on every rank (not a hang).
-- `data_rank_world`, `set_tp_size`: under tensor parallelism (`--tp_size`, nanochat/tensor_parallel.py) the tp ranks
-  of a group must see the same data, so loaders and evaluations split work by data rank = rank // tp_size over
-  world // tp_size data ranks, and count each group's result once (tp_rank 0). Without TP: the rank and world.
+- `DataRanks`, `process_data_ranks`: how loaders and evaluations split work: (data rank, data world, tp rank). The run's
+  parallel plan (nanochat/distributed/parallel.py) owns the answer under tensor parallelism (the tp ranks of a group
+  see the same data: data rank = rank // tp_size) and passes it down; without a plan it is this process's rank and
+  world, tp rank 0.
 
 Every function works in a single process (without torch.distributed initialised) and then does what the plain code
 would: a mean of one value is the value, and so on. nanochat's names (`get_dist_info`, `compute_init`, ...) are also
@@ -22,6 +23,7 @@ import datetime
 import logging
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -51,24 +53,20 @@ def get_dist_info():
     return False, 0, 0, 1
 
 
-_TP_SIZE = 1  # set once by nanochat.tensor_parallel.apply_tp; 1 = no tensor parallelism
+class DataRanks(NamedTuple):
+    """Which share of the data and of an evaluation's problems this process takes."""
+
+    rank: int  # this process's data rank
+    world: int  # the number of data ranks
+    tp_rank: int = 0  # its place in a tensor-parallel group: only tp rank 0 counts the group's results
 
 
-def set_tp_size(tp_size):
-    """Record this process's tensor-parallel size (ranks r with the same r // tp_size form one data rank)."""
-    global _TP_SIZE
-    if int(tp_size) < 1:
-        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    _TP_SIZE = int(tp_size)
-
-
-def data_rank_world():
-    """(data_rank, data_world, tp_rank): how to split data and evaluation work; (rank, world, 0) without TP."""
+def process_data_ranks():
+    """DataRanks of a run without tensor parallelism: the process group's rank and world (torchrun's before init)."""
     _, rank, _, world = get_dist_info()
     if is_ddp_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-    tp = _TP_SIZE if world % _TP_SIZE == 0 else 1
-    return rank // tp, world // tp, rank % tp
+    return DataRanks(rank, world, 0)
 
 
 def is_ddp_initialized():

@@ -16,12 +16,12 @@ API (every function is collective: call it on every rank, in the same order):
         # [FSDPAdamW, ShardedMuon] (or [FSDPAdamW]; nanochat/optim/sharded.py): GPT.setup_optimizers' groups and
         # learning rates, DTensor-aware
     loss = model(x, y); loss.backward()    # x, y: the same batch on every tp rank of a data group (data rank r // tp)
-    full_model_state_dict / load_full_model_state_dict (nanochat/fsdp.py): the single-file format, any layout
+    full_model_state_dict / load_full_model_state_dict (nanochat/distributed/fsdp.py): the single-file format, any layout
 
 Collective rules (why each exists):
   * every tp rank of a data group must get the same tokens: a row-wise layer sums the partial products of the tp
     ranks, so different inputs give silently wrong activations (not an error). Loaders and evaluations therefore
-    split work by DATA rank (`nanochat.dist.data_rank_world`), never by global rank.
+    split work by DATA rank (the parallel plan's `data_rank`/`data_ranks`, passed to them), never by global rank.
   * every forward is a collective (two all-reduces per block), as under FSDP: sample on every rank, and an eval that
     splits problems over data ranks must give each rank the same number of forwards.
   * n_head, n_kv_head and 4*n_embd must be divisible by tp_size (heads are not split), checked with a message naming
@@ -46,7 +46,7 @@ each rank its rectangle of the updates. So each full matrix is orthogonalised ex
 unsharded one (same full matrix, same Newton-Schulz).
 
 Not TP-aware (they run in one process or on the DDP path, loading the full model file): the inference Engine,
-chat_cli, chat_web, scripts.chat_eval, chat_rl (it refuses --tp_size: each rank samples alone; it takes --use_fsdp=1).
+chat_cli, chat_web, scripts.chat_eval, chat_rl (its plan needs full weights, which --tp_size refuses; it takes --use_fsdp=1).
 --fp8=1 with tp_size > 1 is refused (torchao's float8 linears need their own TP styles).
 """
 
@@ -57,8 +57,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
-from nanochat.dist import set_tp_size
-from nanochat.fsdp import keep_unsharded_params_out_of_inference_mode
+from nanochat.distributed.fsdp import keep_unsharded_params_out_of_inference_mode
 from nanochat.optim.sharded import ShardedMuon, setup_fsdp_optimizers
 
 
@@ -108,14 +107,15 @@ def block_plan():
     }
 
 
-def apply_tp(model, tp_size, param_dtype=None, reduce_dtype=torch.float32):
-    """Tensor-parallel blocks over "tp", then FSDP2 over "dp" (see the module docstring). Returns the model."""
+def apply_tp(model, tp_size, param_dtype=None, reduce_dtype=torch.float32, mesh=None):
+    """Tensor-parallel blocks over "tp", then FSDP2 over "dp" (see the module docstring); mesh: the run's
+    ("dp", "tp") mesh (the parallel plan's), default tp_mesh(). Returns the model."""
     _, world = _require_dist()
     check_tp_size(model.config, tp_size, world)
     device = model.get_device()
     if device.type == "meta":
         raise ValueError("apply_tp: the model is on the meta device; call model.to_empty(device=...) and model.init_weights() first")
-    mesh = tp_mesh(device.type, tp_size)
+    mesh = mesh if mesh is not None else tp_mesh(device.type, tp_size)
     for block in model.transformer.h:
         parallelize_module(block, mesh["tp"], block_plan())
     if param_dtype is None:
@@ -127,7 +127,6 @@ def apply_tp(model, tp_size, param_dtype=None, reduce_dtype=torch.float32):
     fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
     keep_unsharded_params_out_of_inference_mode(model)  # a first forward may be a sample (see there)
     model.tp_mesh = mesh  # for the optimizers and tools; not a module attribute that state_dict sees
-    set_tp_size(tp_size)  # loaders and evaluations split work by data rank from now on
     return model
 
 

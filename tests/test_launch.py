@@ -10,7 +10,9 @@ the batch arithmetic they go through is checked with numbers worked out here, fr
 """
 
 import os
+import re
 import shlex
+import signal
 import stat
 import subprocess
 import sys
@@ -21,6 +23,8 @@ import pytest
 import yaml
 
 from nanochat import presets
+from nanochat.usage import BadValue
+from scripts import launch
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "pretrain.sh"
@@ -28,6 +32,17 @@ VOLC_SUBMIT = REPO / "volc" / "volc_submit.sh"
 
 PRESETS = presets.PRESETS
 D20 = PRESETS[20].device_batch_size  # 32 (nanochat's speedrun value)
+# what a training stage's torchrun gets besides the rendezvous: restarts after a crash, the stop signals passed on to
+# the ranks (SIGUSR1 included: Slurm's --signal), time for a step and a checkpoint write before torchrun kills them
+RESTART = ["--max-restarts=3", "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=300"]
+# and what the training script gets: periodic checkpoints, and a start from the latest complete one
+RESUME = ["--save_every=500", "--resume_from_step=auto"]
+
+
+def rdzv(nnodes, nproc, endpoint, job):
+    """A multi-node torchrun's rendezvous: c10d on node 0's address, the job's id (no static master, no node rank)."""
+    return [f"--nnodes={nnodes}", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={job}"]
 
 
 def make_exe(path: Path, body: str):
@@ -108,10 +123,11 @@ def test_single_node_cpu_runs_one_standalone_process(tmp_path):
     assert commands[6] == ["python", "-m", "nanochat.report", "generate"]
     calls = torchrun_calls(commands)
     assert calls["scripts.base_train"] == (
-        ["--standalone", "--nproc_per_node=1"],
-        ["--depth=20", f"--device_batch_size={D20}", "--run=dummy"],
+        ["--standalone", "--nproc_per_node=1", *RESTART],
+        ["--depth=20", f"--device_batch_size={D20}", "--run=dummy", *RESUME],
     )
-    assert calls["scripts.base_loss"][1] == [f"--device_batch_size={D20}"]
+    # evaluation stages are neither restarted nor resumed
+    assert calls["scripts.base_loss"] == (["--standalone", "--nproc_per_node=1"], [f"--device_batch_size={D20}"])
     assert calls["scripts.base_eval"][1] == []
     # a dry run leaves the disk alone
     assert not (tmp_path / "base").exists()
@@ -121,7 +137,7 @@ def test_single_node_counts_visible_gpus(tmp_path):
     # 3 GPUs: 524288 tokens are no whole number of 32 x 2048 x 3 micro-batches, so give a total that is
     p = run_pretrain(tmp_path, "--total_batch_size=589824", env=base_env(tmp_path, CUDA_VISIBLE_DEVICES="0,1,3"))
     calls = torchrun_calls(parse(p.stdout)[1])
-    assert calls["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=3"]
+    assert calls["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=3", *RESTART]
     # visible GPUs: every stage runs on CUDA (never the CPU by accident), after torch is checked to see them
     assert all(args[0] == "--device_type=cuda" for _, args in calls.values())
     assert "CHECK: python -m nanochat.setup_check gpu" in p.stdout
@@ -132,11 +148,11 @@ def test_single_node_counts_visible_gpus(tmp_path):
     make_exe(tmp_path / "bin" / "nvidia-smi", f'[ "$1" = "-L" ] || exit 1\n{lines}')
     p = run_pretrain(tmp_path, env=env)
     settings, commands, _ = parse(p.stdout)
-    assert torchrun_calls(commands)["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=8"]
+    assert torchrun_calls(commands)["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=8", *RESTART]
     assert settings["world_size"] == "8"
     # an explicit count wins
     p = run_pretrain(tmp_path, "--nproc-per-node", "2", env=env)
-    assert torchrun_calls(parse(p.stdout)[1])["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=2"]
+    assert torchrun_calls(parse(p.stdout)[1])["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=2", *RESTART]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -161,16 +177,12 @@ def test_volcengine_multi_node(tmp_path, rank):
     settings, commands, lines = parse(p.stdout)
     assert settings["launcher"] == "volcengine"
     assert settings["world_size"] == "32"
-    launcher = [
-        "--nnodes=4",
-        f"--node_rank={rank}",
-        "--nproc_per_node=8",
-        "--master_addr=10.0.0.7",
-        "--master_port=23456",
-    ]
+    # every node the same rendezvous: node 0's address, the task id
+    launcher = rdzv(4, 8, "10.0.0.7:23456", "t-20250101-abc")
+    assert settings["node_rank"] == str(rank)
     calls = torchrun_calls(commands)
     # d32's 8 rows x 2048 x 32 processes = 524288 tokens: one micro-step per optimizer step
-    assert calls["scripts.base_train"] == (launcher, ["--depth=32", "--device_batch_size=8", "--run=dummy"])
+    assert calls["scripts.base_train"] == (launcher + RESTART, ["--depth=32", "--device_batch_size=8", "--run=dummy", *RESUME])
     assert settings["grad_accum"] == "1"
     assert calls["scripts.base_loss"][0] == launcher and calls["scripts.base_eval"][0] == launcher
     marker = str(tmp_path / "base" / ".nanochat_ready" / "prep-t-20250101-abc")
@@ -212,7 +224,7 @@ def test_preset_batch_is_halved_when_one_step_exceeds_the_total_batch(tmp_path):
 def test_volcengine_single_worker_is_standalone(tmp_path):
     p = run_pretrain(tmp_path, env=volc_env(tmp_path, 0, nodes=1))
     calls = torchrun_calls(parse(p.stdout)[1])
-    assert calls["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=8"]
+    assert calls["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=8", *RESTART]
 
 
 def test_volcengine_missing_master_is_an_error(tmp_path):
@@ -247,10 +259,11 @@ def test_slurm_multi_node(tmp_path, nodeid):
     assert settings["launcher"] == "slurm"
     assert settings["hosts"] == "gpu01 gpu02 gpu03 gpu07"
     # port: 20000 + job id % 10000, the same on every node of the job; d26's 16 rows x 2048 x 32 halve to 8
-    launcher = ["--nnodes=4", f"--node_rank={nodeid}", "--nproc_per_node=8", "--master_addr=gpu01", "--master_port=24242"]
+    launcher = rdzv(4, 8, "gpu01:24242", "4242")
+    assert settings["node_rank"] == str(nodeid)
     assert torchrun_calls(commands)["scripts.base_train"] == (
-        launcher,
-        ["--depth=26", "--device_batch_size=8", "--run=dummy"],
+        launcher + RESTART,
+        ["--depth=26", "--device_batch_size=8", "--run=dummy", *RESUME],
     )
 
 
@@ -258,8 +271,7 @@ def test_slurm_master_port_and_step_nodelist(tmp_path):
     env = slurm_env(tmp_path, 1, nnodes=2, MASTER_PORT=31000, SLURM_STEP_NODELIST="node[7-8]")
     calls = torchrun_calls(parse(run_pretrain(tmp_path, env=env).stdout)[1])
     # inside an srun step the step's own nodes count, not the whole allocation
-    assert "--master_addr=node7" in calls["scripts.base_train"][0]
-    assert "--master_port=31000" in calls["scripts.base_train"][0]
+    assert "--rdzv-endpoint=node7:31000" in calls["scripts.base_train"][0]
 
 
 def test_slurm_errors(tmp_path):
@@ -277,14 +289,7 @@ def test_slurm_prefers_scontrol(tmp_path):
         '[ "$1 $2" = "show hostnames" ] || exit 1\n[ "$3" = "weird-list" ] || exit 1\necho hostA\necho hostB\n',
     )
     calls = torchrun_calls(parse(run_pretrain(tmp_path, env=env).stdout)[1])
-    assert "--master_addr=hostA" in calls["scripts.base_train"][0]
-
-
-def expand(nodelist):
-    script = 'source "$1"; expand_nodelist "$2"'
-    return subprocess.run(
-        ["bash", "-c", script, "_", str(PRETRAIN), nodelist], capture_output=True, text=True, timeout=30
-    )
+    assert "--rdzv-endpoint=hostA:24242" in calls["scripts.base_train"][0]
 
 
 @pytest.mark.parametrize(
@@ -301,16 +306,13 @@ def expand(nodelist):
     ],
 )
 def test_expand_nodelist(nodelist, hosts):
-    p = expand(nodelist)
-    assert p.returncode == 0, p.stderr
-    assert p.stdout.split() == hosts
+    assert launch.expand_hostlist(nodelist) == hosts
 
 
 @pytest.mark.parametrize("bad", ["x[3-1]", "x[1-2", "x[a-b]", "x[]"])
 def test_expand_nodelist_rejects_bad_lists(bad):
-    p = expand(bad)
-    assert p.returncode != 0
-    assert bad in p.stderr
+    with pytest.raises(BadValue, match=re.escape(bad)):
+        launch.expand_hostlist(bad)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -322,13 +324,9 @@ def test_manual_multi_node_env(tmp_path):
     p = run_pretrain(tmp_path, "--nproc_per_node=2", env=env)
     settings, commands, _ = parse(p.stdout)
     assert settings["launcher"] == "torchrun"
-    assert torchrun_calls(commands)["scripts.base_train"][0] == [
-        "--nnodes=2",
-        "--node_rank=1",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        "--master_port=29611",
-    ]
+    assert settings["node_rank"] == "1"
+    # without a scheduler's job id the rendezvous id is the master's address and port, the same on every node
+    assert torchrun_calls(commands)["scripts.base_train"][0] == rdzv(2, 2, "127.0.0.1:29611", "127.0.0.1-29611") + RESTART
 
 
 def test_launcher_override(tmp_path):
@@ -336,7 +334,7 @@ def test_launcher_override(tmp_path):
     settings, commands, _ = parse(run_pretrain(tmp_path, env=env).stdout)
     assert settings["launcher"] == "single"
     # a single node counts its visible GPUs (none here), whatever SLURM_GPUS_ON_NODE says
-    assert torchrun_calls(commands)["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=1"]
+    assert torchrun_calls(commands)["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=1", *RESTART]
     env["NANOCHAT_LAUNCHER"] = "kubernetes"
     p = run_pretrain(tmp_path, env=env, check=False)
     assert p.returncode != 0 and "NANOCHAT_LAUNCHER" in p.stderr
@@ -375,9 +373,9 @@ def test_activation_checkpointing_and_tp_overrides(tmp_path):
     assert settings["activation_checkpointing"] == "selective (ac_every=3)" and settings["tp_size"] == "2"
     calls = torchrun_calls(commands)
     model_args = ["--activation_checkpointing=selective", "--ac_every=3", "--tp_size=2"]
-    assert calls["scripts.base_train"][1] == ["--depth=20", f"--device_batch_size={D20}", *model_args, "--run=dummy"]
-    assert calls["scripts.mid_train"][1] == ["--run=dummy", f"--device_batch_size={D20}", *model_args]
-    assert calls["scripts.chat_sft"][1][-3:] == model_args
+    assert calls["scripts.base_train"][1] == ["--depth=20", f"--device_batch_size={D20}", *model_args, "--run=dummy", *RESUME]
+    assert calls["scripts.mid_train"][1] == ["--run=dummy", f"--device_batch_size={D20}", *model_args, *RESUME]
+    assert calls["scripts.chat_sft"][1][-5:] == model_args + RESUME
     # 4 processes in TP pairs = 2 data-parallel ranks: 32 x 2048 x 2 = 131072 tokens a micro-step, 4 accumulated
     assert settings["grad_accum"] == "4"
     # the override also changes the memory estimate printed with the settings
@@ -411,6 +409,7 @@ def test_overrides_and_pass_through(tmp_path):
         "--device_batch_size=2",
         "--model_tag=mytag",
         "--run=my run",
+        *RESUME,
         "--warmup_ratio=0.1",
         "--num_iterations=-1",
     ]
@@ -444,8 +443,8 @@ def test_posttrain_and_fullrun(tmp_path):
     evals = [torchrun_calls([c])["scripts.chat_eval"][1] for c in commands if "scripts.chat_eval" in c]
     assert evals == [["-i", "mid", "-g", "t"], ["-i", "sft", "-g", "t"]]
     calls = torchrun_calls(commands)
-    assert calls["scripts.mid_train"][1] == ["--run=dummy", "--device_batch_size=1", "--use_fsdp=1", "--model_tag=t"]
-    assert calls["scripts.chat_sft"][1] == ["--run=dummy", "--device_batch_size=1", "--use_fsdp=1", "--model_tag=t"]
+    assert calls["scripts.mid_train"][1] == ["--run=dummy", "--device_batch_size=1", "--use_fsdp=1", "--model_tag=t", *RESUME]
+    assert calls["scripts.chat_sft"][1] == ["--run=dummy", "--device_batch_size=1", "--use_fsdp=1", "--model_tag=t", *RESUME]
     # posttrain downloads nothing and keeps the existing report sections
     assert not any(c[:3] == ["python", "-m", "nanochat.dataset"] for c in commands)
     assert ["python", "-m", "nanochat.report", "reset"] not in commands
@@ -455,7 +454,7 @@ def test_posttrain_and_fullrun(tmp_path):
     assert mods == ["scripts.base_train", "scripts.base_loss", "scripts.base_eval",
                     "scripts.mid_train", "scripts.chat_eval", "scripts.chat_sft", "scripts.chat_eval"]
     # d20's 32 rows are not chat_sft's business: its own default stays
-    assert torchrun_calls(commands)["scripts.chat_sft"][1] == ["--run=dummy"]
+    assert torchrun_calls(commands)["scripts.chat_sft"][1] == ["--run=dummy", *RESUME]
 
 
 @pytest.mark.parametrize(
@@ -473,7 +472,7 @@ def test_chat_sft_batch_fits_the_world(tmp_path, nodes, gpus, depth, sft_args):
     if nodes == 1:
         env = base_env(tmp_path, NPROC_PER_NODE=gpus)
     calls = torchrun_calls(parse(run_pretrain(tmp_path, "--posttrain", f"--depth={depth}", env=env).stdout)[1])
-    assert calls["scripts.chat_sft"][1] == ["--run=dummy"] + sft_args
+    assert calls["scripts.chat_sft"][1] == ["--run=dummy"] + sft_args + RESUME
 
 
 def test_bad_depth_and_flags(tmp_path):
@@ -506,7 +505,7 @@ def install_fakes(tmp_path):
     make_exe(
         bin_dir / "python",
         # the launcher's own questions (presets, GPU check) go to the real interpreter, unlogged
-        f'case "$*" in "-m nanochat.presets "* | "-m nanochat.setup_check "*) exec {shlex.quote(sys.executable)} "$@" ;; esac\n'
+        f'case "$*" in "-m scripts.launch "* | "-m nanochat.presets "* | "-m nanochat.setup_check "*) exec {shlex.quote(sys.executable)} "$@" ;; esac\n'
         'echo "python $*" >> "$CALL_LOG"\n'
         # a node-level RANK from the platform would make the single-process steps think they are distributed
         '[ -z "${RANK:-}${WORLD_SIZE:-}${LOCAL_RANK:-}" ] || { echo "RANK leaked" >&2; exit 9; }\n'
@@ -553,12 +552,14 @@ def test_node0_prepares_and_other_node_waits(tmp_path):
     assert calls0[6] == "python -m nanochat.report generate"
     # node 1: no data, no tokenizer, no report; the same torchrun stages with its own rank
     assert all(c.startswith("torchrun ") for c in calls1) and len(calls1) == 3
-    assert "--node_rank=1" in calls1[0] and "--node_rank=0" in calls0[3]
+    assert calls1[0].split(" -m ")[0] == calls0[3].split(" -m ")[0]  # one rendezvous: the same torchrun arguments
+    assert "--rdzv-endpoint=10.0.0.7:23456" in calls1[0]
     assert "node 0 finished the preparation" in out1
     marker = tmp_path / "base" / ".nanochat_ready" / "prep-t-20250101-abc"
     assert marker.read_text().strip() == "num_shards=240"
     # the final torchrun command is printed before it runs
-    assert any(l.startswith("RUN: torchrun --nnodes=2 --node_rank=0") for l in node0.stdout.splitlines())
+    assert any(l.startswith("RUN: torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d")
+               for l in node0.stdout.splitlines())
 
 
 def test_waiting_node_times_out_with_a_clear_message(tmp_path):
@@ -877,7 +878,8 @@ def test_speedrun_and_run1000_read_the_presets(tmp_path, script, depth, shards, 
     assert f"-m nanochat.dataset -n {shards}" in p.stdout
     base = next(c for c in commands if "scripts.base_train" in c)
     assert base[base.index("--") + 1:] == ["--device_type=cuda", f"--depth={depth}", f"--device_batch_size={rows}",
-                                           "--run=dummy"]
+                                           "--run=dummy", *RESUME]
+    assert base[1:base.index("-m")] == ["--standalone", "--nproc_per_node=8", *RESTART]
     # every torchrun stage runs on CUDA, after the GPU check
     assert all(c[c.index("--") + 1] == "--device_type=cuda" for c in commands if "torchrun" in c[0])
     assert f"CHECK: {venv}/bin/python -m nanochat.setup_check gpu" in p.stdout

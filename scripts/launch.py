@@ -386,7 +386,7 @@ def pretrain_flags():
 
 
 def split_args(argv, flags):
-    """pretrain.sh's arguments as --name=value: (its own, base_train's). A bool of its own may stand alone."""
+    """pretrain.sh's arguments as --name=value: (its own, base_train's). A switch may stand alone."""
     own, rest, i = [], [], 0
     while i < len(argv):
         arg = argv[i]
@@ -401,7 +401,10 @@ def split_args(argv, flags):
                 bool_word = nxt is not None and nxt.lower() in ("0", "1", "true", "false", "yes", "no", "on", "off")
                 value, i = (nxt, i + 1) if bool_word else ("1", i)
             elif nxt is None or nxt.startswith("--"):
-                raise FlagError(f"flag --{name} needs a value (--{name}=VALUE)")
+                if name in flags:
+                    raise FlagError(f"flag --{name} needs a value (--{name}=VALUE)")
+                rest.append(f"--{name}")  # base_train says what it is: a switch of its own, or a mistake
+                continue
             else:
                 value, i = nxt, i + 1
         (own if name in flags else rest).append(f"--{name}={value}")

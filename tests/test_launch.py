@@ -883,3 +883,101 @@ def test_speedrun_and_run1000_read_the_presets(tmp_path, script, depth, shards, 
     # every torchrun stage runs on CUDA, after the GPU check
     assert all(c[c.index("--") + 1] == "--device_type=cuda" for c in commands if "torchrun" in c[0])
     assert f"CHECK: {venv}/bin/python -m nanochat.setup_check gpu" in p.stdout
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# scripts/launch.py in-process: where a node runs, and what a training stage's torchrun gets
+
+
+def test_discover_reads_each_platform():
+    gpus = {"CUDA_VISIBLE_DEVICES": ""}
+    volc = launch.discover({**gpus, "MLP_WORKER_NUM": "2", "MLP_ROLE_INDEX": "1", "MLP_WORKER_0_HOST": "10.1.2.3",
+                            "MLP_WORKER_0_PORT": "2222", "MLP_WORKER_GPU": "8", "MLP_TASK_ID": "t-1"})
+    assert (volc.launcher, volc.nnodes, volc.node_rank, volc.master_addr, volc.master_port, volc.nproc, volc.job_key) == \
+        ("volcengine", 2, 1, "10.1.2.3", 2222, 8, "t-1")
+    slurm = launch.discover({**gpus, "SLURM_JOB_NUM_NODES": "3", "SLURM_NODEID": "2", "SLURM_JOB_ID": "77",
+                             "SLURM_JOB_NODELIST": "n[08-10]", "SLURM_GPUS_ON_NODE": "4"})
+    assert (slurm.launcher, slurm.node_rank, slurm.hosts, slurm.master_addr, slurm.master_port, slurm.nproc) == \
+        ("slurm", 2, ["n08", "n09", "n10"], "n08", 20077, 4)
+    assert launch.torchrun_args(slurm, training=False) == rdzv(3, 4, "n08:20077", "77")
+    assert launch.torchrun_args(slurm, training=True, max_restarts=5)[-3:] == ["--max-restarts=5", *RESTART[1:]]
+    plain = launch.discover({**gpus, "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h0", "NANOCHAT_RUN_ID": "my job"},
+                            nproc=2)
+    assert (plain.launcher, plain.master_port, plain.job_key, plain.nproc_src) == ("torchrun", 29500, "my_job", "flag or NPROC_PER_NODE")
+    single = launch.discover({"CUDA_VISIBLE_DEVICES": "0,1", "NNODES": "1"})
+    assert (single.launcher, single.nproc, single.ngpu) == ("single", 2, 2)
+    assert launch.torchrun_args(single, training=False) == ["--standalone", "--nproc_per_node=2"]
+    with pytest.raises(BadValue, match="node rank 3 is out of range for 2 nodes"):
+        launch.discover({**gpus, "NNODES": "2", "NODE_RANK": "3", "MASTER_ADDR": "h0"})
+    with pytest.raises(BadValue, match="MLP_WORKER_NUM must be a whole number >= 1, got 'two'"):
+        launch.discover({**gpus, "MLP_WORKER_NUM": "two"})
+
+
+def test_save_every_and_max_restarts_reach_every_training_stage(tmp_path):
+    p = run_pretrain(tmp_path, "--fullrun", "--save_every=100", "--max-restarts", "1")
+    calls = torchrun_calls(parse(p.stdout)[1])
+    for module in ("scripts.base_train", "scripts.mid_train", "scripts.chat_sft"):
+        assert "--max-restarts=1" in calls[module][0], module
+        assert calls[module][1][-2:] == ["--save_every=100", "--resume_from_step=auto"], module
+    for module in ("scripts.base_loss", "scripts.base_eval", "scripts.chat_eval"):
+        assert not any(a.startswith("--max-restarts") for a in calls[module][0]), module
+        assert not any(a.startswith(("--save_every", "--resume_from_step")) for a in calls[module][1]), module
+    # the environment's defaults, and a resume step of the user's own goes after (base_train: the last value wins)
+    p = run_pretrain(tmp_path, "--resume_from_step=40", env=base_env(tmp_path, MAX_RESTARTS=7, SAVE_EVERY=-1))
+    launcher, args = torchrun_calls(parse(p.stdout)[1])["scripts.base_train"]
+    assert "--max-restarts=7" in launcher and args[-3:] == ["--save_every=-1", "--resume_from_step=auto",
+                                                             "--resume_from_step=40"]
+    p = run_pretrain(tmp_path, "--max_restarts=-1", check=False)
+    assert p.returncode == 2 and "--max_restarts must be >= 0" in p.stderr and "RUN:" not in p.stdout
+
+
+def test_a_wrong_flag_runs_nothing_for_real(tmp_path):
+    """Not a dry run: a launcher flag with a bad value stops before the data, the report or any torchrun."""
+    install_fakes(tmp_path)
+    log = tmp_path / "calls.log"
+    env = base_env(tmp_path, CALL_LOG=log)
+    env["PATH"] = f"{tmp_path / 'bin'}:/usr/bin:/bin"
+    for bad in ("--save_every=often", "--depth=21", "--nproc_per_node=0"):
+        p = run_pretrain(tmp_path, bad, env=env, check=False, dry=False)
+        assert p.returncode == 2 and p.stderr.startswith("error: "), (bad, p.stderr)
+    assert not log.exists() and not (tmp_path / "base").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_stop_signal_to_pretrain_sh_saves_and_stops_the_pipeline(base_dir, sig):
+    """A real pretrain.sh at toy size, 2 CPU ranks: the signal to the launcher (the only process a Kubernetes-style
+    platform signals) reaches the ranks through torchrun (SIGUSR1 only with --signals-to-handle), they finish the
+    step and save it, and the launcher stops the pipeline with status 128 + the signal, so the job is requeued."""
+    from conftest import subprocess_env
+    from nanochat.checkpoint_manager import latest_resumable_step
+
+    env = subprocess_env(base_dir, PYTHON=sys.executable, TORCHRUN=f"{sys.executable} -m torch.distributed.run",
+                         CUDA_VISIBLE_DEVICES="")
+    steps = 2000
+    args = ["--depth=2", "--num_shards=2", "--device_batch_size=4", "--nproc_per_node=2", "--prepare=0",
+            "--model_tag=stopped", "--max_seq_len=64", "--total_batch_size=512", f"--num_iterations={steps}",
+            "--eval_every=-1", "--core_metric_every=-1", "--sample_every=-1", "--device_type=cpu", "--save_every=5000"]
+    proc = subprocess.Popen(["bash", str(PRETRAIN), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if f"step 00003/{steps:05d}" in line:
+                break
+        else:
+            pytest.fail("the run ended before step 3:\n" + "".join(seen[-40:]))
+        proc.send_signal(sig)
+        out = "".join(seen) + proc.stdout.read()
+        assert proc.wait(timeout=300) == 128 + sig, out[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert f"{sig.name} received: finishing this step" in out, out[-4000:]
+    stopped_at = latest_resumable_step(str(base_dir / "base_checkpoints" / "stopped"))
+    assert stopped_at is not None and 3 <= stopped_at < steps, out[-4000:]
+    assert f"Stopped at step {stopped_at} on a stop signal" in out
+    assert f"stopped by {sig.name}" in out
+    assert "scripts.base_loss" not in out and "report generate" not in out  # the pipeline stopped there

@@ -491,12 +491,10 @@ def run_pretrain(argv):
     mode = "fullrun" if cfg.fullrun else "posttrain" if cfg.posttrain else "pretrain"
     node = discover(env, cfg.nproc_per_node)
     try:
-        launch = presets.resolve(
-            cfg.depth, cfg.num_shards, cfg.device_batch_size, cfg.use_fsdp, node.nnodes * node.nproc,
-            presets._train_flag(rest, "total_batch_size", presets.TOTAL_BATCH_SIZE),
-            presets._train_flag(rest, "max_seq_len", presets.MAX_SEQ_LEN), mode,
-            presets._whole("NANOCHAT_MAX_SHARDS", env.get("NANOCHAT_MAX_SHARDS", str(presets.FINEWEB_SHARDS)), 2),
-            cfg.activation_checkpointing, cfg.tp_size, cfg.ac_every or 2)
+        launch = presets.resolve_launch(
+            cfg.depth, rest + ([f"--ac_every={cfg.ac_every}"] if cfg.ac_every else []), num_shards=cfg.num_shards,
+            device_batch_size=cfg.device_batch_size, use_fsdp=cfg.use_fsdp, world_size=node.nnodes * node.nproc,
+            mode=mode, activation_checkpointing=cfg.activation_checkpointing, tp_size=cfg.tp_size)
     except ValueError as e:
         raise BadValue(str(e)) from None
     plan = Plan(launch, cfg.run, cfg.model_tag, cfg.ac_every, cfg.save_every, rest)
@@ -561,7 +559,8 @@ def run_speedrun(argv):
     nproc, depth = _whole("NPROC", env.get("NPROC", "8"), 1), _whole("DEPTH", env.get("DEPTH", "20"), 1)
     given = lambda var: _whole(var, env[var], 0) if env.get(var) else None
     try:
-        launch = presets.resolve(depth, given("NUM_SHARDS"), given("DEVICE_BATCH"), world_size=nproc, mode="fullrun")
+        launch = presets.resolve_launch(depth, num_shards=given("NUM_SHARDS"), device_batch_size=given("DEVICE_BATCH"),
+                                        world_size=nproc, mode="fullrun")
     except ValueError as e:
         raise BadValue(str(e)) from None
     for note in launch.notes:

@@ -666,7 +666,8 @@ def test_volc_submit_defaults_and_placeholders(tmp_path):
     out = tmp_path / "job.yaml"
     p = run_submit(tmp_path, "--dry-run", "--out", str(out), "--no_upload", env_extra={"NNODES": "2"})
     job = yaml.safe_load(out.read_text())
-    assert job["Entrypoint"] == "cd /root/code/nanochat && bash pretrain.sh"
+    # exec: pretrain.sh replaces the entrypoint's shell and gets the platform's stop signal itself
+    assert job["Entrypoint"] == "cd /root/code/nanochat && exec bash pretrain.sh"
     assert job["TaskName"].startswith("nanochat-n2-")
     assert job["TaskRoleSpecs"][0]["RoleReplicas"] == 2
     assert job["ImageUrl"] == "<IMAGE_URL>" and job["ResourceQueueID"] == "<RESOURCE_QUEUE_ID>"

@@ -290,7 +290,9 @@ class Runner:
                 signal.signal(sig, self._forward)
 
     def _forward(self, signum, frame):
-        self.stopped = self.stopped or signum
+        if self.stopped:  # one notice is enough: a second one could cut short the checkpoint being written
+            return
+        self.stopped = signum
         for child in self.children:
             if child.poll() is None:
                 child.send_signal(signum)
@@ -315,14 +317,9 @@ class Runner:
         return child
 
     def wait(self, child, argv):
-        while child is not None:
-            try:
-                rc = child.wait()
-                break
-            except InterruptedError:  # pragma: no cover (PEP 475 retries; kept for clarity)
-                continue
+        rc = 0 if child is None else child.wait()  # a signal runs _forward meanwhile; the wait goes on
         self.check_stop()
-        if child is not None and rc != 0:
+        if rc != 0:
             log(self.name, f"error: exit status {rc} from {shlex.join(argv)}")
             sys.exit(rc if 0 < rc < 256 else 1)
 
@@ -335,7 +332,10 @@ def interpreter(env):
     """(python, torchrun) argv prefixes: $PYTHON and $TORCHRUN, else python (python3) and torchrun (python -m
     torch.distributed.run)."""
     py = shlex.split(env.get("PYTHON") or ("python" if shutil.which("python") else "python3"))
-    tr = shlex.split(env.get("TORCHRUN") or ("torchrun" if shutil.which("torchrun") else shlex.join(py + ["-m", "torch.distributed.run"])))
+    if env.get("TORCHRUN"):
+        tr = shlex.split(env["TORCHRUN"])
+    else:
+        tr = ["torchrun"] if shutil.which("torchrun") else [*py, "-m", "torch.distributed.run"]
     return py, tr
 
 
@@ -343,7 +343,8 @@ def torchrun_stages(runner, tr, node, plan, mode, device_args, max_restarts):
     for module, args in stages(plan, mode):
         # "--" keeps the script's flags away from torchrun's own option parsing (--run would be ambiguous there)
         script = [*device_args, *args]
-        runner.run([*tr, *torchrun_args(node, module in TRAINING, max_restarts), "-m", module, *(["--", *script] if script else [])])
+        launcher = torchrun_args(node, module in TRAINING, max_restarts)
+        runner.run([*tr, *launcher, "-m", module, *(["--", *script] if script else [])])
 
 
 # -----------------------------------------------------------------------------
@@ -354,11 +355,18 @@ def dry_run_flag(what):
     return Flag("dry_run", os.environ.get("NANOCHAT_DRY_RUN", "0") not in ("", "0"), what)
 
 
+def env_int(name, default):
+    text = os.environ.get(name) or str(default)
+    if not re.fullmatch(r"-?\d+", text):
+        raise BadValue(f"{name} must be a whole number, got '{text}'")
+    return int(text)
+
+
 def resume_flags():
-    return [Flag("save_every", int(os.environ.get("SAVE_EVERY", 500)), "every training stage saves a checkpoint every N "
-                 "steps (-1: the final one only; env SAVE_EVERY) and starts from its latest complete one", min=-1),
-            Flag("max_restarts", int(os.environ.get("MAX_RESTARTS", 3)), "torchrun restarts a crashed training stage up "
-                 "to N times (env MAX_RESTARTS)", min=0)]
+    return [Flag("save_every", env_int("SAVE_EVERY", 500), "every training stage saves a checkpoint every N steps (-1: "
+                 "the final one only; env SAVE_EVERY) and starts from its latest complete one", min=-1),
+            Flag("max_restarts", env_int("MAX_RESTARTS", 3), "torchrun restarts a crashed training stage up to N times "
+                 "(env MAX_RESTARTS)", min=0)]
 
 
 def pretrain_flags():
@@ -377,8 +385,8 @@ def pretrain_flags():
         Flag("tp_size", None, "tensor parallelism over N GPUs of a node (preset: 1)", type=int, min=1),
         Flag("model_tag", "", "checkpoint tag passed to every stage (default: base_train's d{depth})"),
         Flag("run", env.get("WANDB_RUN") or "dummy", "wandb run name (dummy = wandb off)"),
-        Flag("nproc_per_node", int(env["NPROC_PER_NODE"]) if env.get("NPROC_PER_NODE", "").isdigit() else None,
-             "processes per node (default: visible GPUs, SLURM_GPUS_ON_NODE, MLP_WORKER_GPU, 1 on CPU)", type=int, min=1),
+        Flag("nproc_per_node", None, "processes per node (or NPROC_PER_NODE; default: visible GPUs, "
+             "SLURM_GPUS_ON_NODE, MLP_WORKER_GPU, 1 on CPU)", type=int, min=1),
         Flag("prepare", True, "download the data and train the tokenizer first (0: already in place)"),
         *resume_flags(),
         dry_run_flag("print the resolved settings and the commands, run nothing"),
@@ -489,7 +497,8 @@ def run_pretrain(argv):
         check_base_train_flags(py, own, rest, flags)
     cfg = flags.parse(own)
     mode = "fullrun" if cfg.fullrun else "posttrain" if cfg.posttrain else "pretrain"
-    node = discover(env, cfg.nproc_per_node)
+    node = discover(env, cfg.nproc_per_node or env.get("NPROC_PER_NODE") or None)
+    _whole("NANOCHAT_PREP_TIMEOUT", env.get("NANOCHAT_PREP_TIMEOUT", "14400"))  # checked here, used by prepare()
     try:
         launch = presets.resolve_launch(
             cfg.depth, rest + ([f"--ac_every={cfg.ac_every}"] if cfg.ac_every else []), num_shards=cfg.num_shards,

@@ -49,7 +49,8 @@
 #   NANOCHAT_PREP_TIMEOUT   seconds the other nodes wait for node 0's preparation (default 14400)
 #   NANOCHAT_PREP_POLL      seconds between checks for the marker (default 10)
 #   NANOCHAT_MAX_SHARDS     shards the dataset has (default 1823, FineWeb-Edu-100B); larger requests are capped
-#   NANOCHAT_RUN_ID         names the marker; defaults to SLURM_JOB_ID / MLP_TASK_ID / master address and port
+#   NANOCHAT_RUN_ID         names the marker and the rendezvous; defaults to SLURM_JOB_ID / MLP_TASK_ID / master
+#                           address and port
 #   TOK_MAX_CHARS           characters the tokenizer trains on (default 2000000000, as nanochat's speedrun)
 #   PYTHON, TORCHRUN        interpreter and launcher (default: python, torchrun or python -m torch.distributed.run)
 set -euo pipefail

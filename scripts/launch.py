@@ -31,7 +31,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINING = ("scripts.base_train", "scripts.mid_train", "scripts.chat_sft", "scripts.chat_rl")
 # torchrun passes these on to the ranks; without SIGUSR1 in the list (Slurm's --signal) the signal kills torchrun
 STOP_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-SHUTDOWN_TIMEOUT = 300  # seconds torchrun gives the ranks after a signal: one step plus a checkpoint write
+# Seconds torchrun gives the ranks after a signal before it kills them (its default is 30): one step plus a checkpoint
+# write. Given as TORCH_ELASTIC_SHUTDOWN_TIMEOUT, not --shutdown-timeout: torch >= 2.9 takes the signal list, but
+# only later versions the flag, and those read the variable too (older ones keep 30 s). A value already set wins.
+SHUTDOWN_TIMEOUT = 300
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 
@@ -218,8 +221,7 @@ def torchrun_args(node, training, max_restarts=3):
     else:
         args = ["--standalone", f"--nproc_per_node={node.nproc}"]
     if training:
-        args += [f"--max-restarts={max_restarts}", f"--signals-to-handle={STOP_SIGNALS}",
-                 f"--shutdown-timeout={SHUTDOWN_TIMEOUT}"]
+        args += [f"--max-restarts={max_restarts}", f"--signals-to-handle={STOP_SIGNALS}"]
     return args
 
 
@@ -340,6 +342,7 @@ def interpreter(env):
 
 
 def torchrun_stages(runner, tr, node, plan, mode, device_args, max_restarts):
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT))
     for module, args in stages(plan, mode):
         # "--" keeps the script's flags away from torchrun's own option parsing (--run would be ambiguous there)
         script = [*device_args, *args]
@@ -521,7 +524,8 @@ def run_pretrain(argv):
         tp_size=launch.tp_size, est_gb_per_gpu=f"{launch.est_gb} (upper bound; nanochat.presets)",
         device_type="cuda" if node.ngpu else "auto", model_tag=cfg.model_tag or f"(default: d{launch.depth})",
         run=cfg.run, base_dir=base, shared_fs=shared, prepare=int(cfg.prepare), save_every=cfg.save_every,
-        max_restarts=cfg.max_restarts)
+        max_restarts=cfg.max_restarts,
+        shutdown_timeout=_whole("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT)))
     log("pretrain.sh", "resolved settings:")
     print("\n".join(f"{k}={v}" for k, v in settings.items() if v is not None), flush=True)
     for note in launch.notes:

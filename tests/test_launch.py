@@ -33,8 +33,9 @@ VOLC_SUBMIT = REPO / "volc" / "volc_submit.sh"
 PRESETS = presets.PRESETS
 D20 = PRESETS[20].device_batch_size  # 32 (nanochat's speedrun value)
 # what a training stage's torchrun gets besides the rendezvous: restarts after a crash, the stop signals passed on to
-# the ranks (SIGUSR1 included: Slurm's --signal), time for a step and a checkpoint write before torchrun kills them
-RESTART = ["--max-restarts=3", "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=300"]
+# the ranks (SIGUSR1 included: Slurm's --signal); and TORCH_ELASTIC_SHUTDOWN_TIMEOUT (300 s, a step and a checkpoint
+# write) in its environment, the time it gives the ranks before it kills them
+RESTART = ["--max-restarts=3", "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
 # and what the training script gets: periodic checkpoints, and a start from the latest complete one
 RESUME = ["--save_every=500", "--resume_from_step=auto"]
 
@@ -901,7 +902,7 @@ def test_discover_reads_each_platform():
     assert (slurm.launcher, slurm.node_rank, slurm.hosts, slurm.master_addr, slurm.master_port, slurm.nproc) == \
         ("slurm", 2, ["n08", "n09", "n10"], "n08", 20077, 4)
     assert launch.torchrun_args(slurm, training=False) == rdzv(3, 4, "n08:20077", "77")
-    assert launch.torchrun_args(slurm, training=True, max_restarts=5)[-3:] == ["--max-restarts=5", *RESTART[1:]]
+    assert launch.torchrun_args(slurm, training=True, max_restarts=5)[-2:] == ["--max-restarts=5", *RESTART[1:]]
     plain = launch.discover({**gpus, "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h0", "NANOCHAT_RUN_ID": "my job"},
                             nproc=2)
     assert (plain.launcher, plain.master_port, plain.job_key, plain.nproc_src) == ("torchrun", 29500, "my_job", "flag or NPROC_PER_NODE")
@@ -928,6 +929,9 @@ def test_save_every_and_max_restarts_reach_every_training_stage(tmp_path):
     launcher, args = torchrun_calls(parse(p.stdout)[1])["scripts.base_train"]
     assert "--max-restarts=7" in launcher and args[-3:] == ["--save_every=-1", "--resume_from_step=auto",
                                                              "--resume_from_step=40"]
+    assert parse(p.stdout)[0]["shutdown_timeout"] == "300"
+    p = run_pretrain(tmp_path, env=base_env(tmp_path, TORCH_ELASTIC_SHUTDOWN_TIMEOUT=900))
+    assert parse(p.stdout)[0]["shutdown_timeout"] == "900"
     p = run_pretrain(tmp_path, "--max_restarts=-1", check=False)
     assert p.returncode == 2 and "--max_restarts must be >= 0" in p.stderr and "RUN:" not in p.stdout
 

@@ -16,6 +16,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -584,6 +585,8 @@ def test_node_local_base_dir_prepares_on_every_node(tmp_path):
     calls = log1.read_text().splitlines()
     assert calls[0] == "python -m nanochat.dataset -n 240" and calls[1].startswith("python -m scripts.tok_train")
     assert not (tmp_path / "base" / ".nanochat_ready").exists()
+    # auto resume reads the checkpoint on every rank: node-local base dirs are said to defeat it
+    assert "NANOCHAT_SHARED_FS=0: a restarted or requeued training stage resumes only if every node" in p.stdout
 
 
 def test_failed_stage_stops_the_pipeline(tmp_path):
@@ -986,3 +989,52 @@ def test_stop_signal_to_pretrain_sh_saves_and_stops_the_pipeline(base_dir, sig):
     assert f"Stopped at step {stopped_at} on a stop signal" in out
     assert f"stopped by {sig.name}" in out
     assert "scripts.base_loss" not in out and "report generate" not in out  # the pipeline stopped there
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_launchers_meet_in_the_rendezvous_and_stop_together(base_dir):
+    """Two pretrain.sh on this machine as two nodes (NNODES=2, one CPU rank each): their torchruns meet in the c10d
+    rendezvous the launcher sets up (no static master), train together, and a SIGTERM to both launchers (a job being
+    preempted) makes the two ranks save the same step and both launchers stop with 143."""
+    from conftest import free_port, subprocess_env
+    from nanochat.checkpoint_manager import latest_resumable_step
+
+    port = free_port()
+    steps = 2000
+    args = ["--depth=2", "--num_shards=2", "--device_batch_size=4", "--nproc_per_node=1", "--prepare=0",
+            "--model_tag=two", "--max_seq_len=64", "--total_batch_size=512", f"--num_iterations={steps}",
+            "--eval_every=-1", "--core_metric_every=-1", "--sample_every=-1", "--device_type=cpu"]
+    procs = []
+    for rank in (1, 0):
+        env = subprocess_env(base_dir, PYTHON=sys.executable, TORCHRUN=f"{sys.executable} -m torch.distributed.run",
+                             CUDA_VISIBLE_DEVICES="", NNODES=2, NODE_RANK=rank, MASTER_ADDR="127.0.0.1",
+                             MASTER_PORT=port, NANOCHAT_RUN_ID="two-launchers")
+        procs.append(subprocess.Popen(["bash", str(PRETRAIN), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    node1, node0 = procs
+    outputs = [[], []]  # read both all along: torch's rank 0 may be on either node (the rendezvous decides)
+    readers = [threading.Thread(target=lambda p=p, o=o: o.extend(p.stdout), daemon=True) for p, o in zip(procs, outputs)]
+    for t in readers:
+        t.start()
+    try:
+        deadline = time.time() + 240
+        while not any(f"step 00003/{steps:05d}" in "".join(o) for o in outputs):
+            if time.time() > deadline or any(p.poll() is not None for p in procs):
+                pytest.fail("no training step:\n" + "".join(outputs[0][-30:]) + "".join(outputs[1][-30:]))
+            time.sleep(0.5)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        codes = (node0.wait(timeout=300), node1.wait(timeout=300))
+        for t in readers:
+            t.join(timeout=30)
+        out1, out0 = ("".join(o) for o in outputs)
+        assert codes == (143, 143), out0[-3000:] + out1[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert "--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:" in out0 and "--rdzv-id=two-launchers" in out1
+    stopped_at = latest_resumable_step(str(base_dir / "base_checkpoints" / "two"))
+    assert stopped_at is not None and 3 <= stopped_at < steps, out0[-3000:]
+    assert "stopped by SIGTERM" in out0 and "stopped by SIGTERM" in out1

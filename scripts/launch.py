@@ -302,8 +302,8 @@ class Runner:
     def check_stop(self):
         if self.stopped:
             name = signal.Signals(self.stopped).name
-            log(self.name, f"stopped by {name}: the training stage saved its step; the same command continues from it "
-                           f"(--resume_from_step=auto)")
+            log(self.name, f"stopped by {name} (a training stage that was running saved its step first); the same "
+                           f"command continues from the latest checkpoint (--resume_from_step=auto)")
             for child in self.children:
                 if child.poll() is None:
                     child.terminate()
@@ -326,6 +326,7 @@ class Runner:
             sys.exit(rc if 0 < rc < 256 else 1)
 
     def run(self, argv, env=None):
+        self.check_stop()
         print(f"RUN: {shlex.join(argv)}", flush=True)
         self.wait(self.start(argv, env), argv)
 

@@ -1,13 +1,13 @@
 """
-The depth presets: one table for every launcher (pretrain.sh, speedrun.sh, run1000.sh), docs/multinode.md and the
-tests, and the resolution of a launch's batch settings with the arithmetic the training scripts themselves use
-(nanochat.batching). Standard library only: the launchers ask it before anything is installed.
+The depth presets: one table for every launcher (pretrain.sh, speedrun.sh, run1000.sh through scripts/launch.py),
+docs/multinode.md and the tests, and the resolution of a launch's batch settings with the arithmetic the training
+scripts themselves use (nanochat.batching). Standard library only: the launchers ask it before anything is installed.
 
-    python -m nanochat.presets --depth 20 --world_size 8 --format shell   KEY=VALUE lines a launcher `eval`s
+    python -m nanochat.presets --depth 20 --world_size 8 --format shell   KEY=VALUE lines for a shell script to eval
     python -m nanochat.presets --depth 32 --world_size 32                 the same, for people
     python -m nanochat.presets --format markdown                          the table in docs/multinode.md
 
-Flags after `--` are base_train's (as pretrain.sh passes them through): --total_batch_size and --max_seq_len there
+Flags after `--` are base_train's (as pretrain.sh passes them on): --total_batch_size and --max_seq_len there
 change the arithmetic. Errors exit with status 2 and a message naming the flag to change.
 """
 
@@ -301,6 +301,16 @@ def _train_flag(train_args, name, default):
     return value
 
 
+def resolve_launch(depth, train_args=(), max_shards=None, **settings):
+    """resolve() for a launcher: --total_batch_size, --max_seq_len and --ac_every read from the training flags it
+    passes on (as --name=value), the shard cap from NANOCHAT_MAX_SHARDS unless given."""
+    if max_shards is None:
+        max_shards = _whole("NANOCHAT_MAX_SHARDS", os.environ.get("NANOCHAT_MAX_SHARDS", str(FINEWEB_SHARDS)), 2)
+    return resolve(depth, total_batch_size=_train_flag(train_args, "total_batch_size", TOTAL_BATCH_SIZE),
+                   max_seq_len=_train_flag(train_args, "max_seq_len", MAX_SEQ_LEN), max_shards=max_shards,
+                   ac_every=_train_flag(train_args, "ac_every", 2), **settings)
+
+
 def _flags():
     from nanochat.configurator import Flag, Flags
 
@@ -318,7 +328,7 @@ def _flags():
         Flag("mode", "pretrain", "which stages the launch runs", choices=["pretrain", "posttrain", "fullrun"]),
         Flag("max_shards", None, f"shards the dataset has (auto: $NANOCHAT_MAX_SHARDS or {FINEWEB_SHARDS})", type=int,
              min=2),
-        Flag("format", "text", "text: key=value lines; shell: lines for pretrain.sh to eval; markdown: the preset table",
+        Flag("format", "text", "text: key=value lines; shell: lines for a shell script to eval; markdown: the preset table",
              choices=["text", "shell", "markdown"]),
         prog="python -m nanochat.presets", description=__doc__,
     )
@@ -336,12 +346,10 @@ def main(argv=None):
     if args.depth is None:
         flags.error("--depth is required (except with --format markdown)")
     try:
-        if args.max_shards is None:
-            args.max_shards = _whole("NANOCHAT_MAX_SHARDS", os.environ.get("NANOCHAT_MAX_SHARDS", str(FINEWEB_SHARDS)), 2)
-        launch = resolve(args.depth, args.num_shards, args.device_batch_size, args.use_fsdp, args.world_size,
-                         _train_flag(train_args, "total_batch_size", TOTAL_BATCH_SIZE),
-                         _train_flag(train_args, "max_seq_len", MAX_SEQ_LEN), args.mode, args.max_shards,
-                         args.activation_checkpointing, args.tp_size, _train_flag(train_args, "ac_every", 2))
+        launch = resolve_launch(args.depth, train_args, args.max_shards, num_shards=args.num_shards,
+                                device_batch_size=args.device_batch_size, use_fsdp=args.use_fsdp,
+                                world_size=args.world_size, mode=args.mode,
+                                activation_checkpointing=args.activation_checkpointing, tp_size=args.tp_size)
     except ValueError as e:
         report(e)
         return 2

@@ -1,8 +1,9 @@
 # scripts/lib.sh: the shell helpers the launch scripts share (sourced, never run on its own).
-#   runcpu.sh, speedrun.sh (and run1000.sh through it), pretrain.sh, tests/run.sh, volc/volc_submit.sh
+#   runcpu.sh, speedrun.sh (and run1000.sh through it), tests/run.sh, volc/volc_submit.sh (pretrain.sh is
+#   scripts/launch.py, which speedrun.sh also hands its pipeline to after the setup)
 # Callers set LIB_TAG (the log prefix) and DRY_RUN (1: print commands instead of running them) before using these.
-# Logic that can be tested in Python lives in Python (nanochat/setup_check.py, nanochat/presets.py); this file only
-# holds what has to be shell: logging, quoting, running commands, and bootstrapping a fresh machine.
+# Logic that can be tested in Python lives in Python (scripts/launch.py, nanochat/setup_check.py, nanochat/presets.py);
+# this file only holds what has to be shell: logging, quoting, running commands, and bootstrapping a fresh machine.
 
 log() { echo "[${LIB_TAG:-nanochat}] $*"; }
 banner() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
@@ -32,14 +33,6 @@ launch_flags() {
     done
     out="$("$py" -m scripts.launch "$@")" || exit $?
     eval "$out"
-}
-
-to_bool01() { # $1 = flag name, $2 = value
-    case "$(echo "$2" | tr '[:upper:]' '[:lower:]')" in
-        1 | true | yes | on) echo 1 ;;
-        0 | false | no | off) echo 0 ;;
-        *) die "--$1 expects 0 or 1, got '$2'" ;;
-    esac
 }
 
 quote_cmd() {

@@ -10,10 +10,13 @@ the batch arithmetic they go through is checked with numbers worked out here, fr
 """
 
 import os
+import re
 import shlex
+import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +24,8 @@ import pytest
 import yaml
 
 from nanochat import presets
+from nanochat.usage import BadValue
+from scripts import launch
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "pretrain.sh"
@@ -28,6 +33,18 @@ VOLC_SUBMIT = REPO / "volc" / "volc_submit.sh"
 
 PRESETS = presets.PRESETS
 D20 = PRESETS[20].device_batch_size  # 32 (nanochat's speedrun value)
+# what a training stage's torchrun gets besides the rendezvous: restarts after a crash, the stop signals passed on to
+# the ranks (SIGUSR1 included: Slurm's --signal); and TORCH_ELASTIC_SHUTDOWN_TIMEOUT (300 s, a step and a checkpoint
+# write) in its environment, the time it gives the ranks before it kills them
+RESTART = ["--max-restarts=3", "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+# and what the training script gets: periodic checkpoints, and a start from the latest complete one
+RESUME = ["--save_every=500", "--resume_from_step=auto"]
+
+
+def rdzv(nnodes, nproc, endpoint, job):
+    """A multi-node torchrun's rendezvous: c10d on node 0's address, the job's id (no static master, no node rank)."""
+    return [f"--nnodes={nnodes}", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={job}"]
 
 
 def make_exe(path: Path, body: str):
@@ -108,10 +125,11 @@ def test_single_node_cpu_runs_one_standalone_process(tmp_path):
     assert commands[6] == ["python", "-m", "nanochat.report", "generate"]
     calls = torchrun_calls(commands)
     assert calls["scripts.base_train"] == (
-        ["--standalone", "--nproc_per_node=1"],
-        ["--depth=20", f"--device_batch_size={D20}", "--run=dummy"],
+        ["--standalone", "--nproc_per_node=1", *RESTART],
+        ["--depth=20", f"--device_batch_size={D20}", "--run=dummy", *RESUME],
     )
-    assert calls["scripts.base_loss"][1] == [f"--device_batch_size={D20}"]
+    # evaluation stages are neither restarted nor resumed
+    assert calls["scripts.base_loss"] == (["--standalone", "--nproc_per_node=1"], [f"--device_batch_size={D20}"])
     assert calls["scripts.base_eval"][1] == []
     # a dry run leaves the disk alone
     assert not (tmp_path / "base").exists()
@@ -121,7 +139,7 @@ def test_single_node_counts_visible_gpus(tmp_path):
     # 3 GPUs: 524288 tokens are no whole number of 32 x 2048 x 3 micro-batches, so give a total that is
     p = run_pretrain(tmp_path, "--total_batch_size=589824", env=base_env(tmp_path, CUDA_VISIBLE_DEVICES="0,1,3"))
     calls = torchrun_calls(parse(p.stdout)[1])
-    assert calls["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=3"]
+    assert calls["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=3", *RESTART]
     # visible GPUs: every stage runs on CUDA (never the CPU by accident), after torch is checked to see them
     assert all(args[0] == "--device_type=cuda" for _, args in calls.values())
     assert "CHECK: python -m nanochat.setup_check gpu" in p.stdout
@@ -132,11 +150,11 @@ def test_single_node_counts_visible_gpus(tmp_path):
     make_exe(tmp_path / "bin" / "nvidia-smi", f'[ "$1" = "-L" ] || exit 1\n{lines}')
     p = run_pretrain(tmp_path, env=env)
     settings, commands, _ = parse(p.stdout)
-    assert torchrun_calls(commands)["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=8"]
+    assert torchrun_calls(commands)["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=8", *RESTART]
     assert settings["world_size"] == "8"
     # an explicit count wins
     p = run_pretrain(tmp_path, "--nproc-per-node", "2", env=env)
-    assert torchrun_calls(parse(p.stdout)[1])["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=2"]
+    assert torchrun_calls(parse(p.stdout)[1])["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=2", *RESTART]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -161,16 +179,12 @@ def test_volcengine_multi_node(tmp_path, rank):
     settings, commands, lines = parse(p.stdout)
     assert settings["launcher"] == "volcengine"
     assert settings["world_size"] == "32"
-    launcher = [
-        "--nnodes=4",
-        f"--node_rank={rank}",
-        "--nproc_per_node=8",
-        "--master_addr=10.0.0.7",
-        "--master_port=23456",
-    ]
+    # every node the same rendezvous: node 0's address, the task id
+    launcher = rdzv(4, 8, "10.0.0.7:23456", "t-20250101-abc")
+    assert settings["node_rank"] == str(rank)
     calls = torchrun_calls(commands)
     # d32's 8 rows x 2048 x 32 processes = 524288 tokens: one micro-step per optimizer step
-    assert calls["scripts.base_train"] == (launcher, ["--depth=32", "--device_batch_size=8", "--run=dummy"])
+    assert calls["scripts.base_train"] == (launcher + RESTART, ["--depth=32", "--device_batch_size=8", "--run=dummy", *RESUME])
     assert settings["grad_accum"] == "1"
     assert calls["scripts.base_loss"][0] == launcher and calls["scripts.base_eval"][0] == launcher
     marker = str(tmp_path / "base" / ".nanochat_ready" / "prep-t-20250101-abc")
@@ -212,7 +226,7 @@ def test_preset_batch_is_halved_when_one_step_exceeds_the_total_batch(tmp_path):
 def test_volcengine_single_worker_is_standalone(tmp_path):
     p = run_pretrain(tmp_path, env=volc_env(tmp_path, 0, nodes=1))
     calls = torchrun_calls(parse(p.stdout)[1])
-    assert calls["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=8"]
+    assert calls["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=8", *RESTART]
 
 
 def test_volcengine_missing_master_is_an_error(tmp_path):
@@ -247,10 +261,11 @@ def test_slurm_multi_node(tmp_path, nodeid):
     assert settings["launcher"] == "slurm"
     assert settings["hosts"] == "gpu01 gpu02 gpu03 gpu07"
     # port: 20000 + job id % 10000, the same on every node of the job; d26's 16 rows x 2048 x 32 halve to 8
-    launcher = ["--nnodes=4", f"--node_rank={nodeid}", "--nproc_per_node=8", "--master_addr=gpu01", "--master_port=24242"]
+    launcher = rdzv(4, 8, "gpu01:24242", "4242")
+    assert settings["node_rank"] == str(nodeid)
     assert torchrun_calls(commands)["scripts.base_train"] == (
-        launcher,
-        ["--depth=26", "--device_batch_size=8", "--run=dummy"],
+        launcher + RESTART,
+        ["--depth=26", "--device_batch_size=8", "--run=dummy", *RESUME],
     )
 
 
@@ -258,8 +273,7 @@ def test_slurm_master_port_and_step_nodelist(tmp_path):
     env = slurm_env(tmp_path, 1, nnodes=2, MASTER_PORT=31000, SLURM_STEP_NODELIST="node[7-8]")
     calls = torchrun_calls(parse(run_pretrain(tmp_path, env=env).stdout)[1])
     # inside an srun step the step's own nodes count, not the whole allocation
-    assert "--master_addr=node7" in calls["scripts.base_train"][0]
-    assert "--master_port=31000" in calls["scripts.base_train"][0]
+    assert "--rdzv-endpoint=node7:31000" in calls["scripts.base_train"][0]
 
 
 def test_slurm_errors(tmp_path):
@@ -277,14 +291,7 @@ def test_slurm_prefers_scontrol(tmp_path):
         '[ "$1 $2" = "show hostnames" ] || exit 1\n[ "$3" = "weird-list" ] || exit 1\necho hostA\necho hostB\n',
     )
     calls = torchrun_calls(parse(run_pretrain(tmp_path, env=env).stdout)[1])
-    assert "--master_addr=hostA" in calls["scripts.base_train"][0]
-
-
-def expand(nodelist):
-    script = 'source "$1"; expand_nodelist "$2"'
-    return subprocess.run(
-        ["bash", "-c", script, "_", str(PRETRAIN), nodelist], capture_output=True, text=True, timeout=30
-    )
+    assert "--rdzv-endpoint=hostA:24242" in calls["scripts.base_train"][0]
 
 
 @pytest.mark.parametrize(
@@ -301,16 +308,13 @@ def expand(nodelist):
     ],
 )
 def test_expand_nodelist(nodelist, hosts):
-    p = expand(nodelist)
-    assert p.returncode == 0, p.stderr
-    assert p.stdout.split() == hosts
+    assert launch.expand_hostlist(nodelist) == hosts
 
 
 @pytest.mark.parametrize("bad", ["x[3-1]", "x[1-2", "x[a-b]", "x[]"])
 def test_expand_nodelist_rejects_bad_lists(bad):
-    p = expand(bad)
-    assert p.returncode != 0
-    assert bad in p.stderr
+    with pytest.raises(BadValue, match=re.escape(bad)):
+        launch.expand_hostlist(bad)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -322,13 +326,9 @@ def test_manual_multi_node_env(tmp_path):
     p = run_pretrain(tmp_path, "--nproc_per_node=2", env=env)
     settings, commands, _ = parse(p.stdout)
     assert settings["launcher"] == "torchrun"
-    assert torchrun_calls(commands)["scripts.base_train"][0] == [
-        "--nnodes=2",
-        "--node_rank=1",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        "--master_port=29611",
-    ]
+    assert settings["node_rank"] == "1"
+    # without a scheduler's job id the rendezvous id is the master's address and port, the same on every node
+    assert torchrun_calls(commands)["scripts.base_train"][0] == rdzv(2, 2, "127.0.0.1:29611", "127.0.0.1-29611") + RESTART
 
 
 def test_launcher_override(tmp_path):
@@ -336,7 +336,7 @@ def test_launcher_override(tmp_path):
     settings, commands, _ = parse(run_pretrain(tmp_path, env=env).stdout)
     assert settings["launcher"] == "single"
     # a single node counts its visible GPUs (none here), whatever SLURM_GPUS_ON_NODE says
-    assert torchrun_calls(commands)["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=1"]
+    assert torchrun_calls(commands)["scripts.base_train"][0] == ["--standalone", "--nproc_per_node=1", *RESTART]
     env["NANOCHAT_LAUNCHER"] = "kubernetes"
     p = run_pretrain(tmp_path, env=env, check=False)
     assert p.returncode != 0 and "NANOCHAT_LAUNCHER" in p.stderr
@@ -375,9 +375,9 @@ def test_activation_checkpointing_and_tp_overrides(tmp_path):
     assert settings["activation_checkpointing"] == "selective (ac_every=3)" and settings["tp_size"] == "2"
     calls = torchrun_calls(commands)
     model_args = ["--activation_checkpointing=selective", "--ac_every=3", "--tp_size=2"]
-    assert calls["scripts.base_train"][1] == ["--depth=20", f"--device_batch_size={D20}", *model_args, "--run=dummy"]
-    assert calls["scripts.mid_train"][1] == ["--run=dummy", f"--device_batch_size={D20}", *model_args]
-    assert calls["scripts.chat_sft"][1][-3:] == model_args
+    assert calls["scripts.base_train"][1] == ["--depth=20", f"--device_batch_size={D20}", *model_args, "--run=dummy", *RESUME]
+    assert calls["scripts.mid_train"][1] == ["--run=dummy", f"--device_batch_size={D20}", *model_args, *RESUME]
+    assert calls["scripts.chat_sft"][1][-5:] == model_args + RESUME
     # 4 processes in TP pairs = 2 data-parallel ranks: 32 x 2048 x 2 = 131072 tokens a micro-step, 4 accumulated
     assert settings["grad_accum"] == "4"
     # the override also changes the memory estimate printed with the settings
@@ -411,6 +411,7 @@ def test_overrides_and_pass_through(tmp_path):
         "--device_batch_size=2",
         "--model_tag=mytag",
         "--run=my run",
+        *RESUME,
         "--warmup_ratio=0.1",
         "--num_iterations=-1",
     ]
@@ -444,8 +445,8 @@ def test_posttrain_and_fullrun(tmp_path):
     evals = [torchrun_calls([c])["scripts.chat_eval"][1] for c in commands if "scripts.chat_eval" in c]
     assert evals == [["-i", "mid", "-g", "t"], ["-i", "sft", "-g", "t"]]
     calls = torchrun_calls(commands)
-    assert calls["scripts.mid_train"][1] == ["--run=dummy", "--device_batch_size=1", "--use_fsdp=1", "--model_tag=t"]
-    assert calls["scripts.chat_sft"][1] == ["--run=dummy", "--device_batch_size=1", "--use_fsdp=1", "--model_tag=t"]
+    assert calls["scripts.mid_train"][1] == ["--run=dummy", "--device_batch_size=1", "--use_fsdp=1", "--model_tag=t", *RESUME]
+    assert calls["scripts.chat_sft"][1] == ["--run=dummy", "--device_batch_size=1", "--use_fsdp=1", "--model_tag=t", *RESUME]
     # posttrain downloads nothing and keeps the existing report sections
     assert not any(c[:3] == ["python", "-m", "nanochat.dataset"] for c in commands)
     assert ["python", "-m", "nanochat.report", "reset"] not in commands
@@ -455,7 +456,7 @@ def test_posttrain_and_fullrun(tmp_path):
     assert mods == ["scripts.base_train", "scripts.base_loss", "scripts.base_eval",
                     "scripts.mid_train", "scripts.chat_eval", "scripts.chat_sft", "scripts.chat_eval"]
     # d20's 32 rows are not chat_sft's business: its own default stays
-    assert torchrun_calls(commands)["scripts.chat_sft"][1] == ["--run=dummy"]
+    assert torchrun_calls(commands)["scripts.chat_sft"][1] == ["--run=dummy", *RESUME]
 
 
 @pytest.mark.parametrize(
@@ -473,7 +474,7 @@ def test_chat_sft_batch_fits_the_world(tmp_path, nodes, gpus, depth, sft_args):
     if nodes == 1:
         env = base_env(tmp_path, NPROC_PER_NODE=gpus)
     calls = torchrun_calls(parse(run_pretrain(tmp_path, "--posttrain", f"--depth={depth}", env=env).stdout)[1])
-    assert calls["scripts.chat_sft"][1] == ["--run=dummy"] + sft_args
+    assert calls["scripts.chat_sft"][1] == ["--run=dummy"] + sft_args + RESUME
 
 
 def test_bad_depth_and_flags(tmp_path):
@@ -506,7 +507,7 @@ def install_fakes(tmp_path):
     make_exe(
         bin_dir / "python",
         # the launcher's own questions (presets, GPU check) go to the real interpreter, unlogged
-        f'case "$*" in "-m nanochat.presets "* | "-m nanochat.setup_check "*) exec {shlex.quote(sys.executable)} "$@" ;; esac\n'
+        f'case "$*" in "-m scripts.launch "* | "-m nanochat.presets "* | "-m nanochat.setup_check "*) exec {shlex.quote(sys.executable)} "$@" ;; esac\n'
         'echo "python $*" >> "$CALL_LOG"\n'
         # a node-level RANK from the platform would make the single-process steps think they are distributed
         '[ -z "${RANK:-}${WORLD_SIZE:-}${LOCAL_RANK:-}" ] || { echo "RANK leaked" >&2; exit 9; }\n'
@@ -553,12 +554,14 @@ def test_node0_prepares_and_other_node_waits(tmp_path):
     assert calls0[6] == "python -m nanochat.report generate"
     # node 1: no data, no tokenizer, no report; the same torchrun stages with its own rank
     assert all(c.startswith("torchrun ") for c in calls1) and len(calls1) == 3
-    assert "--node_rank=1" in calls1[0] and "--node_rank=0" in calls0[3]
+    assert calls1[0].split(" -m ")[0] == calls0[3].split(" -m ")[0]  # one rendezvous: the same torchrun arguments
+    assert "--rdzv-endpoint=10.0.0.7:23456" in calls1[0]
     assert "node 0 finished the preparation" in out1
     marker = tmp_path / "base" / ".nanochat_ready" / "prep-t-20250101-abc"
     assert marker.read_text().strip() == "num_shards=240"
     # the final torchrun command is printed before it runs
-    assert any(l.startswith("RUN: torchrun --nnodes=2 --node_rank=0") for l in node0.stdout.splitlines())
+    assert any(l.startswith("RUN: torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d")
+               for l in node0.stdout.splitlines())
 
 
 def test_waiting_node_times_out_with_a_clear_message(tmp_path):
@@ -582,6 +585,8 @@ def test_node_local_base_dir_prepares_on_every_node(tmp_path):
     calls = log1.read_text().splitlines()
     assert calls[0] == "python -m nanochat.dataset -n 240" and calls[1].startswith("python -m scripts.tok_train")
     assert not (tmp_path / "base" / ".nanochat_ready").exists()
+    # auto resume reads the checkpoint on every rank: node-local base dirs are said to defeat it
+    assert "NANOCHAT_SHARED_FS=0: a restarted or requeued training stage resumes only if every node" in p.stdout
 
 
 def test_failed_stage_stops_the_pipeline(tmp_path):
@@ -665,7 +670,8 @@ def test_volc_submit_defaults_and_placeholders(tmp_path):
     out = tmp_path / "job.yaml"
     p = run_submit(tmp_path, "--dry-run", "--out", str(out), "--no_upload", env_extra={"NNODES": "2"})
     job = yaml.safe_load(out.read_text())
-    assert job["Entrypoint"] == "cd /root/code/nanochat && bash pretrain.sh"
+    # exec: pretrain.sh replaces the entrypoint's shell and gets the platform's stop signal itself
+    assert job["Entrypoint"] == "cd /root/code/nanochat && exec bash pretrain.sh"
     assert job["TaskName"].startswith("nanochat-n2-")
     assert job["TaskRoleSpecs"][0]["RoleReplicas"] == 2
     assert job["ImageUrl"] == "<IMAGE_URL>" and job["ResourceQueueID"] == "<RESOURCE_QUEUE_ID>"
@@ -877,7 +883,158 @@ def test_speedrun_and_run1000_read_the_presets(tmp_path, script, depth, shards, 
     assert f"-m nanochat.dataset -n {shards}" in p.stdout
     base = next(c for c in commands if "scripts.base_train" in c)
     assert base[base.index("--") + 1:] == ["--device_type=cuda", f"--depth={depth}", f"--device_batch_size={rows}",
-                                           "--run=dummy"]
+                                           "--run=dummy", *RESUME]
+    assert base[1:base.index("-m")] == ["--standalone", "--nproc_per_node=8", *RESTART]
     # every torchrun stage runs on CUDA, after the GPU check
     assert all(c[c.index("--") + 1] == "--device_type=cuda" for c in commands if "torchrun" in c[0])
     assert f"CHECK: {venv}/bin/python -m nanochat.setup_check gpu" in p.stdout
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# scripts/launch.py in-process: where a node runs, and what a training stage's torchrun gets
+
+
+def test_discover_reads_each_platform():
+    gpus = {"CUDA_VISIBLE_DEVICES": ""}
+    volc = launch.discover({**gpus, "MLP_WORKER_NUM": "2", "MLP_ROLE_INDEX": "1", "MLP_WORKER_0_HOST": "10.1.2.3",
+                            "MLP_WORKER_0_PORT": "2222", "MLP_WORKER_GPU": "8", "MLP_TASK_ID": "t-1"})
+    assert (volc.launcher, volc.nnodes, volc.node_rank, volc.master_addr, volc.master_port, volc.nproc, volc.job_key) == \
+        ("volcengine", 2, 1, "10.1.2.3", 2222, 8, "t-1")
+    slurm = launch.discover({**gpus, "SLURM_JOB_NUM_NODES": "3", "SLURM_NODEID": "2", "SLURM_JOB_ID": "77",
+                             "SLURM_JOB_NODELIST": "n[08-10]", "SLURM_GPUS_ON_NODE": "4"})
+    assert (slurm.launcher, slurm.node_rank, slurm.hosts, slurm.master_addr, slurm.master_port, slurm.nproc) == \
+        ("slurm", 2, ["n08", "n09", "n10"], "n08", 20077, 4)
+    assert launch.torchrun_args(slurm, training=False) == rdzv(3, 4, "n08:20077", "77")
+    assert launch.torchrun_args(slurm, training=True, max_restarts=5)[-2:] == ["--max-restarts=5", *RESTART[1:]]
+    plain = launch.discover({**gpus, "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h0", "NANOCHAT_RUN_ID": "my job"},
+                            nproc=2)
+    assert (plain.launcher, plain.master_port, plain.job_key, plain.nproc_src) == ("torchrun", 29500, "my_job", "flag or NPROC_PER_NODE")
+    single = launch.discover({"CUDA_VISIBLE_DEVICES": "0,1", "NNODES": "1"})
+    assert (single.launcher, single.nproc, single.ngpu) == ("single", 2, 2)
+    assert launch.torchrun_args(single, training=False) == ["--standalone", "--nproc_per_node=2"]
+    with pytest.raises(BadValue, match="node rank 3 is out of range for 2 nodes"):
+        launch.discover({**gpus, "NNODES": "2", "NODE_RANK": "3", "MASTER_ADDR": "h0"})
+    with pytest.raises(BadValue, match="MLP_WORKER_NUM must be a whole number >= 1, got 'two'"):
+        launch.discover({**gpus, "MLP_WORKER_NUM": "two"})
+
+
+def test_save_every_and_max_restarts_reach_every_training_stage(tmp_path):
+    p = run_pretrain(tmp_path, "--fullrun", "--save_every=100", "--max-restarts", "1")
+    calls = torchrun_calls(parse(p.stdout)[1])
+    for module in ("scripts.base_train", "scripts.mid_train", "scripts.chat_sft"):
+        assert "--max-restarts=1" in calls[module][0], module
+        assert calls[module][1][-2:] == ["--save_every=100", "--resume_from_step=auto"], module
+    for module in ("scripts.base_loss", "scripts.base_eval", "scripts.chat_eval"):
+        assert not any(a.startswith("--max-restarts") for a in calls[module][0]), module
+        assert not any(a.startswith(("--save_every", "--resume_from_step")) for a in calls[module][1]), module
+    # the environment's defaults, and a resume step of the user's own goes after (base_train: the last value wins)
+    p = run_pretrain(tmp_path, "--resume_from_step=40", env=base_env(tmp_path, MAX_RESTARTS=7, SAVE_EVERY=-1))
+    launcher, args = torchrun_calls(parse(p.stdout)[1])["scripts.base_train"]
+    assert "--max-restarts=7" in launcher and args[-3:] == ["--save_every=-1", "--resume_from_step=auto",
+                                                             "--resume_from_step=40"]
+    assert parse(p.stdout)[0]["shutdown_timeout"] == "300"
+    p = run_pretrain(tmp_path, env=base_env(tmp_path, TORCH_ELASTIC_SHUTDOWN_TIMEOUT=900))
+    assert parse(p.stdout)[0]["shutdown_timeout"] == "900"
+    p = run_pretrain(tmp_path, "--max_restarts=-1", check=False)
+    assert p.returncode == 2 and "--max_restarts must be >= 0" in p.stderr and "RUN:" not in p.stdout
+
+
+def test_a_wrong_flag_runs_nothing_for_real(tmp_path):
+    """Not a dry run: a launcher flag with a bad value stops before the data, the report or any torchrun."""
+    install_fakes(tmp_path)
+    log = tmp_path / "calls.log"
+    env = base_env(tmp_path, CALL_LOG=log)
+    env["PATH"] = f"{tmp_path / 'bin'}:/usr/bin:/bin"
+    for bad in ("--save_every=often", "--depth=21", "--nproc_per_node=0"):
+        p = run_pretrain(tmp_path, bad, env=env, check=False, dry=False)
+        assert p.returncode == 2 and p.stderr.startswith("error: "), (bad, p.stderr)
+    assert not log.exists() and not (tmp_path / "base").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_stop_signal_to_pretrain_sh_saves_and_stops_the_pipeline(base_dir, sig):
+    """A real pretrain.sh at toy size, 2 CPU ranks: the signal to the launcher (the only process a Kubernetes-style
+    platform signals) reaches the ranks through torchrun (SIGUSR1 only with --signals-to-handle), they finish the
+    step and save it, and the launcher stops the pipeline with status 128 + the signal, so the job is requeued."""
+    from conftest import subprocess_env
+    from nanochat.checkpoint_manager import latest_resumable_step
+
+    env = subprocess_env(base_dir, PYTHON=sys.executable, TORCHRUN=f"{sys.executable} -m torch.distributed.run",
+                         CUDA_VISIBLE_DEVICES="")
+    steps = 2000
+    args = ["--depth=2", "--num_shards=2", "--device_batch_size=4", "--nproc_per_node=2", "--prepare=0",
+            "--model_tag=stopped", "--max_seq_len=64", "--total_batch_size=512", f"--num_iterations={steps}",
+            "--eval_every=-1", "--core_metric_every=-1", "--sample_every=-1", "--device_type=cpu", "--save_every=5000"]
+    proc = subprocess.Popen(["bash", str(PRETRAIN), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if f"step 00003/{steps:05d}" in line:
+                break
+        else:
+            pytest.fail("the run ended before step 3:\n" + "".join(seen[-40:]))
+        proc.send_signal(sig)
+        out = "".join(seen) + proc.stdout.read()
+        assert proc.wait(timeout=300) == 128 + sig, out[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert f"{sig.name} received: finishing this step" in out, out[-4000:]
+    stopped_at = latest_resumable_step(str(base_dir / "base_checkpoints" / "stopped"))
+    assert stopped_at is not None and 3 <= stopped_at < steps, out[-4000:]
+    assert f"Stopped at step {stopped_at} on a stop signal" in out
+    assert f"stopped by {sig.name}" in out
+    assert "scripts.base_loss" not in out and "report generate" not in out  # the pipeline stopped there
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_launchers_meet_in_the_rendezvous_and_stop_together(base_dir):
+    """Two pretrain.sh on this machine as two nodes (NNODES=2, one CPU rank each): their torchruns meet in the c10d
+    rendezvous the launcher sets up (no static master), train together, and a SIGTERM to both launchers (a job being
+    preempted) makes the two ranks save the same step and both launchers stop with 143."""
+    from conftest import free_port, subprocess_env
+    from nanochat.checkpoint_manager import latest_resumable_step
+
+    port = free_port()
+    steps = 2000
+    args = ["--depth=2", "--num_shards=2", "--device_batch_size=4", "--nproc_per_node=1", "--prepare=0",
+            "--model_tag=two", "--max_seq_len=64", "--total_batch_size=512", f"--num_iterations={steps}",
+            "--eval_every=-1", "--core_metric_every=-1", "--sample_every=-1", "--device_type=cpu"]
+    procs = []
+    for rank in (1, 0):
+        env = subprocess_env(base_dir, PYTHON=sys.executable, TORCHRUN=f"{sys.executable} -m torch.distributed.run",
+                             CUDA_VISIBLE_DEVICES="", NNODES=2, NODE_RANK=rank, MASTER_ADDR="127.0.0.1",
+                             MASTER_PORT=port, NANOCHAT_RUN_ID="two-launchers")
+        procs.append(subprocess.Popen(["bash", str(PRETRAIN), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    node1, node0 = procs
+    outputs = [[], []]  # read both all along: torch's rank 0 may be on either node (the rendezvous decides)
+    readers = [threading.Thread(target=lambda p=p, o=o: o.extend(p.stdout), daemon=True) for p, o in zip(procs, outputs)]
+    for t in readers:
+        t.start()
+    try:
+        deadline = time.time() + 240
+        while not any(f"step 00003/{steps:05d}" in "".join(o) for o in outputs):
+            if time.time() > deadline or any(p.poll() is not None for p in procs):
+                pytest.fail("no training step:\n" + "".join(outputs[0][-30:]) + "".join(outputs[1][-30:]))
+            time.sleep(0.5)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        codes = (node0.wait(timeout=300), node1.wait(timeout=300))
+        for t in readers:
+            t.join(timeout=30)
+        out1, out0 = ("".join(o) for o in outputs)
+        assert codes == (143, 143), out0[-3000:] + out1[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert "--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:" in out0 and "--rdzv-id=two-launchers" in out1
+    stopped_at = latest_resumable_step(str(base_dir / "base_checkpoints" / "two"))
+    assert stopped_at is not None and 3 <= stopped_at < steps, out0[-3000:]
+    assert "stopped by SIGTERM" in out0 and "stopped by SIGTERM" in out1

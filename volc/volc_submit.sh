@@ -4,8 +4,9 @@
 #   NNODES=4 IMAGE=... QUEUE_ID=... FLAVOR=... bash volc/volc_submit.sh bash pretrain.sh --depth=32
 #   bash volc/volc_submit.sh --dry-run --nnodes 2 bash pretrain.sh --depth=20     # write + print the YAML only
 #
-# Every worker of the task runs the same entrypoint, `cd CODE_DIR && [SETUP &&] COMMAND`; pretrain.sh then reads the
-# platform's MLP_* variables to find its node rank and the master. Options come first, then the command (default:
+# Every worker of the task runs the same entrypoint, `cd CODE_DIR && [SETUP &&] exec COMMAND`; pretrain.sh then reads
+# the platform's MLP_* variables to find its node rank and the master. `exec`: the command replaces the entrypoint's
+# shell, so the platform's SIGTERM (sent to the container's first process) reaches pretrain.sh, which passes it on. Options come first, then the command (default:
 # bash pretrain.sh); `--` may separate them. Each option also reads an environment variable (in brackets):
 #   --task_name NAME     [TASK_NAME]   default nanochat[-dN]-nNNODES-YYYYmmdd-HHMMSS
 #   --image URL          [IMAGE]       container image with nanochat's dependencies (required)
@@ -209,7 +210,7 @@ done
 
 ENTRY="cd $(printf '%q' "$CODE_DIR") && "
 [[ -n "$SETUP_CMD" ]] && ENTRY+="$SETUP_CMD && "
-ENTRY+="$(quote_cmd "${CMD[@]}")"
+ENTRY+="exec $(quote_cmd "${CMD[@]}")"
 
 if ((!NO_UPLOAD)); then
     [[ -d "$UPLOAD_DIR" ]] || die "--upload_dir '$UPLOAD_DIR' is not a directory"

@@ -90,18 +90,23 @@ SAMPLE_PROMPTS = ["The capital of France is", "The chemical symbol of gold is",
                   "The planets of the solar system are:"]
 
 
-def main(argv=None):
-    config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
-    user_config = dict(config)
-    # start-up checks, before any process group, model or compile: the data, the tokenizer, the step to resume from
+def startup_checks(config):
+    """Before any process group, model or compile: the data, the tokenizer, the step to resume from, a training
+    horizon. Returns (tokenizer, checkpoint_dir)."""
     split_parquet_files("train"), split_parquet_files("val")
     tokenizer = get_tokenizer()
-    model_tag = config["model_tag"] or f"d{config['depth']}"
-    checkpoint_dir = os.path.join(checkpoint_root("base"), model_tag)
+    checkpoint_dir = os.path.join(checkpoint_root("base"), config["model_tag"] or f"d{config['depth']}")
     if isinstance(config["resume_from_step"], int) and config["resume_from_step"] >= 0:
         require_step(checkpoint_dir, config["resume_from_step"])
     if config["num_iterations"] <= 0 and config["target_flops"] <= 0 and config["target_param_data_ratio"] <= 0:
         raise BadValue("set one of --num_iterations, --target_flops or --target_param_data_ratio to a positive value")
+    return tokenizer, checkpoint_dir
+
+
+def main(argv=None):
+    config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
+    user_config = dict(config)
+    tokenizer, checkpoint_dir = startup_checks(config)
     print_banner()
 
     stage = Stage(config)  # device, process group, the parallel plan (nanochat/stage.py)

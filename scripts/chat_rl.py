@@ -149,6 +149,26 @@ def evaluate_pass_at_k(task, engine, tokenizer, num_examples, num_samples, devic
 # -----------------------------------------------------------------------------
 
 
+def collect_rollouts(model, engine, tokenizer, task, questions, step, config, parallel, autocast, pad_id, device,
+                     sampling):
+    """One step's rollouts on this rank: num_samples completions of each question, rewarded, turned into advantages
+    and micro-batches. Returns (micro-batches, sum of rewards, sum of sequence lengths)."""
+    model.eval()
+    batches, reward_sum, length_sum = [], 0.0, 0
+    with parallel.full_weights(model):  # FSDP: gathered once; each rank's rollouts stop at their own lengths
+        for idx in questions:
+            with autocast():
+                seqs, masks, rewards = rollout(engine, tokenizer, task, task[idx], config["num_samples"],
+                                               config["device_batch_size"], sample_seed(config["seed"], step, idx, 0),
+                                               **sampling)
+            advantages = advantages_from_rewards(rewards)
+            batches.extend(micro_batches(seqs, masks, advantages, config["device_batch_size"], pad_id, device))
+            reward_sum += sum(rewards)
+            length_sum += sum(len(s) for s in seqs)
+    model.train()
+    return batches, reward_sum, length_sum
+
+
 def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
@@ -232,21 +252,9 @@ def main(argv=None):
 
         # rollouts: sample and reward with the current policy
         t0 = time.time()
-        model.eval()
-        batches, reward_sum, length_sum = [], 0.0, 0
-        with parallel.full_weights(model):  # FSDP: gathered once; each rank's rollouts stop at their own lengths
-            for _ in range(examples_per_rank):
-                idx = next(example_indices)
-                conversation = train_task[idx]
-                with autocast():
-                    seqs, masks, rewards = rollout(engine, tokenizer, train_task, conversation, config["num_samples"],
-                                                   config["device_batch_size"], sample_seed(config["seed"], step, idx, 0),
-                                                   **sampling)
-                advantages = advantages_from_rewards(rewards)
-                batches.extend(micro_batches(seqs, masks, advantages, config["device_batch_size"], pad_id, device))
-                reward_sum += sum(rewards)
-                length_sum += sum(len(s) for s in seqs)
-        model.train()
+        questions = [next(example_indices) for _ in range(examples_per_rank)]
+        batches, reward_sum, length_sum = collect_rollouts(model, engine, tokenizer, train_task, questions, step, config,
+                                                           parallel, autocast, pad_id, device, sampling)
 
         # policy-gradient update: every micro-batch's loss is averaged over all of this step's micro-batches
         lrm = lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=1.0)  # = 1 - step/num_iterations

@@ -94,6 +94,21 @@ def lr_multiplier(progress):
     return max(0.0, (1 - progress) / WARMDOWN_RATIO)
 
 
+def trained_batches(loader):
+    """The micro-batches of the packed loader, and where the batches trained so far reached in the data: the schedule
+    and the one-epoch stop read that position, not the loader's own, which is one prefetched batch ahead."""
+    position = {"progress": loader.progress, "epoch": loader.epoch}
+
+    def fetch():
+        x, y = next(loader)
+        return x, y, loader.progress, loader.epoch
+
+    def on_take(batch):
+        position["progress"], position["epoch"] = batch[2], batch[3]
+
+    return MicroBatches(fetch, on_take), position
+
+
 def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
@@ -145,18 +160,7 @@ def main(argv=None):
                               loop["meter"] if loop else None)
 
     # ---------------------------------------------------------------- the loop
-    # where the trained batches reached in the data (the schedule and the one-epoch stop read this, not the loader,
-    # which is one prefetched batch ahead)
-    position = {"progress": train_loader.progress, "epoch": train_loader.epoch}
-
-    def fetch():
-        x, y = next(train_loader)
-        return x, y, train_loader.progress, train_loader.epoch
-
-    def on_take(batch):
-        position["progress"], position["epoch"] = batch[2], batch[3]
-
-    train_batches = MicroBatches(fetch, on_take)
+    train_batches, position = trained_batches(train_loader)
     for _ in range(start_step * grad_accum):  # a resumed run: the batches the saved run already trained on
         train_batches.take()
     val_bpb, min_val_bpb = None, loop["min_val_bpb"] if loop else float("inf")

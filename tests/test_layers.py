@@ -305,3 +305,35 @@ def test_the_parallel_plan_is_asked_by_capability_not_by_name():
                         and isinstance(node.left.value, ast.Name) and node.left.value.id == "parallel":
                     bad.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not bad, "a branch on parallel.name (ask a capability instead): " + ", ".join(bad)
+
+
+# The shape issue 21 set as the yardstick: each script reads top to bottom, the library does the rest
+SIZE_LIMITS = {"main of any scripts/*.py": 120, "scripts/chat_web.py": 250, "pretrain.sh": 200, "speedrun.sh": 150}
+
+
+def script_main_lengths(root):
+    """{script: lines of its main()} for every scripts/*.py that has one."""
+    out = {}
+    for path in sorted((root / "scripts").glob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.FunctionDef) and node.name == "main":
+                out[path.name] = node.end_lineno - node.lineno + 1
+    return out
+
+
+def test_scripts_stay_short():
+    lengths = script_main_lengths(REPO)
+    assert {"base_train.py", "mid_train.py", "chat_sft.py", "chat_rl.py"} <= set(lengths)
+    limit = SIZE_LIMITS["main of any scripts/*.py"]
+    assert not {k: v for k, v in lengths.items() if v > limit}, f"a script main over {limit} lines: move its parts " \
+        f"into functions or the library (nanochat/stage.py): {lengths}"
+    for name in ("scripts/chat_web.py", "pretrain.sh", "speedrun.sh"):
+        n = len((REPO / name).read_text(encoding="utf-8").splitlines())
+        assert n <= SIZE_LIMITS[name], f"{name} has {n} lines (at most {SIZE_LIMITS[name]})"
+
+
+def test_script_main_lengths_are_measured(tmp_path):
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "a.py").write_text("def helper():\n    pass\n\n\ndef main():\n    x = 1\n    return x\n")
+    (tmp_path / "scripts" / "b.py").write_text("def other():\n    pass\n")
+    assert script_main_lengths(tmp_path) == {"a.py": 3}

@@ -103,7 +103,9 @@ fi
 
 # ---------------------------------------------------------------- tokenizer
 banner "tokenizer: train (vocab 4096) and evaluate"
-"$PY" -m scripts.tok_train --max_chars=20000000 --vocab_size=4096
+# --keep_existing: a second run of runcpu.sh keeps the tokenizer its checkpoints were trained with (tok_train refuses to
+# replace a tokenizer that checkpoints use)
+"$PY" -m scripts.tok_train --max_chars=20000000 --vocab_size=4096 --keep_existing
 "$PY" -m scripts.tok_eval
 
 # ---------------------------------------------------------------- base model

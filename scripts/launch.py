@@ -593,7 +593,7 @@ def run_speedrun(argv):
     download = [*py, "-m", "nanochat.dataset", "-n", str(launch.num_shards)]
     print(f"RUN (in the background): {shlex.join(download)}", flush=True)
     child = runner.start(download)
-    runner.run([*py, "-m", "scripts.tok_train", "--max_chars=2000000000", "--vocab_size=65536"])
+    runner.run([*py, "-m", "scripts.tok_train", "--max_chars=2000000000", "--vocab_size=65536", "--keep_existing"])
     runner.run([*py, "-m", "scripts.tok_eval"])
     if child is not None:
         print("Waiting for the shard download...", flush=True)

@@ -29,7 +29,16 @@ FLAGS = Flags(
     Flag("vocab_size", 65536, "tokens in the vocabulary, including the 9 special tokens", min=265),
     Flag("force", False, "replace the tokenizer even when checkpoints in the base dir were trained with it (they "
          "will no longer load with the new one)"),
+    Flag("keep_existing", False, "keep a tokenizer already in the base dir that has this --vocab_size and train none "
+         "(pipelines run a second time, or again after a crash: runcpu.sh, speedrun.sh)"),
 )
+
+
+def existing_vocab_size(tokenizer_dir):
+    """The vocabulary size of the tokenizer in tokenizer_dir, or None when there is none (or only part of one)."""
+    if not all(os.path.exists(os.path.join(tokenizer_dir, f)) for f in (TOKENIZER_FILENAME, "token_bytes.pt")):
+        return None
+    return RustBPETokenizer.from_directory(tokenizer_dir).get_vocab_size()
 
 
 def checkpoints_using(tokenizer_dir):
@@ -69,6 +78,10 @@ def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     max_chars, doc_cap, vocab_size = config["max_chars"], config["doc_cap"], config["vocab_size"]
     tokenizer_dir = os.path.join(get_base_dir(), "tokenizer")
+    if config["keep_existing"] and not config["force"] and existing_vocab_size(tokenizer_dir) == vocab_size:
+        print0(f"tokenizer with vocab {vocab_size:,} already in {tokenizer_dir}: kept (--keep_existing; --force "
+               f"retrains it)")
+        return
     users = [] if config["force"] else checkpoints_using(tokenizer_dir)
     if users:
         raise UsageError(f"the tokenizer in {tokenizer_dir} is the one {len(users)} checkpoint dir(s) were trained "

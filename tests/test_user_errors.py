@@ -432,6 +432,13 @@ def test_tok_train_keeps_the_tokenizer_checkpoints_use_unless_forced(base_dir, c
     assert "--force" in err and (tok_dir / "tokenizer.pkl").read_bytes() == before
     assert resolve_checkpoint("mid") == ("d1", 3)
 
+    # a pipeline run again (runcpu.sh, speedrun.sh after a crash) keeps the tokenizer of the same size, and only that
+    tok_train.main([f"--vocab_size={vocab}", "--max_chars=20000", "--keep_existing"])
+    assert (tok_dir / "tokenizer.pkl").read_bytes() == before and "kept (--keep_existing" in capfd.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        run_main(tok_train.main, ["--vocab_size=300", "--max_chars=20000", "--keep_existing"])
+    assert e.value.code == 2 and (tok_dir / "tokenizer.pkl").read_bytes() == before
+
     tok_train.main(["--vocab_size=300", "--max_chars=20000", "--force"])
     assert RustBPETokenizer.from_directory(str(tok_dir)).get_vocab_size() == 300
     with pytest.raises(ValueError, match=f"tokenizer vocab 300 != model vocab {vocab}"):

@@ -8,6 +8,7 @@ nanochat 92d63d4, batches equal to its own loader's token for token for 1 and 2 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -243,7 +244,7 @@ def test_nanochats_names_and_argument_order(data):
     pairs = tokenizing_distributed_data_loader_bos_bestfit(tok, 2, 24, "train", buffer_size=4, **kw)
     for _ in range(5):
         (x, y, s), (x2, y2, s2), (x3, y3) = next(ours), next(theirs), next(pairs)
-        assert torch.equal(x, x2) and torch.equal(x, x3) and torch.equal(y, y3) and s == s2
+        assert torch.equal(x, x2) and torch.equal(x, x3) and torch.equal(y, y2) and torch.equal(y, y3) and s == s2
 
 
 def test_cropped_fraction_of_several_ranks_and_of_concat_states(data):
@@ -262,6 +263,63 @@ def test_cuda_batches_match_cpu(data):
     for _ in range(5):
         (xc, yc, sc), (xg, yg, sg) = next(cpu), next(gpu)
         assert xg.is_cuda and torch.equal(xg.cpu(), xc) and torch.equal(yg.cpu(), yc) and sc == sg
+
+
+# -----------------------------------------------------------------------------
+# base_train with --packing=bestfit --data=climbmix
+
+
+def import_mixed_corpus(out):
+    """63 train documents (paragraphs, stories, web pages: 5 to ~2,000 tokens) in files of 5, 5 and 3 row groups,
+    and 20 validation documents in 4."""
+    from nanochat.data.corpus_import import import_corpus
+
+    import_corpus([PRETRAIN / "wikitext-2" / "train.txt", PRETRAIN / "tinystories" / "tinystories_sample.txt",
+                   PRETRAIN / "fineweb" / "fineweb_subset.json", PRETRAIN / "c4_demo" / "c4_demo.jsonl"],
+                  out_dir=out, val_docs=20, rows_per_group=5, docs_per_shard=25, txt_split="blank", log=lambda *a: None)
+
+
+def copy_step(base_dir, src, dst, step):
+    """A fresh checkpoint tag holding only the files of one step (the interruption)."""
+    src, dst = base_dir / "base_checkpoints" / src, base_dir / "base_checkpoints" / dst
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f"{step:06d}" in f.name:
+            shutil.copy(f, dst / f.name)
+
+
+@pytest.mark.slow  # three short training runs
+def test_base_train_packs_best_fit_resumes_exactly_and_logs_the_cropped_fraction(base_dir, capsys):
+    from test_base_train import TINY, run_base_train
+
+    from nanochat.metrics import read_metrics
+
+    # the shards only under base_data_climbmix/ (a run that read base_data/ would stop): 63 documents of 5 to ~2,000
+    # tokens, so that which ones wait in the buffer changes the batches
+    os.unlink(base_dir / "base_data")
+    import_mixed_corpus(base_dir / "base_data_climbmix")
+    flags = TINY + ["--packing=bestfit", "--data=climbmix", "--num_iterations=6", "--data_world_size=2"]
+    run_base_train(flags + ["--model_tag=full", "--save_every=3", "--eval_every=6"], capsys)  # val: bestfit too
+    copy_step(base_dir, "full", "resumed", 3)
+    copy_step(base_dir, "full", "one_rank", 3)
+    flags.append("--eval_every=-1")  # below: each loader's first batch fills a 1000-document buffer (~2 s here)
+    run_base_train(flags + ["--model_tag=resumed", "--resume_from_step=3"], capsys)
+
+    def logged(tag, key):
+        records = read_metrics(base_dir / "base_checkpoints" / tag / "metrics.jsonl")
+        return {r["step"]: r[key] for r in records if key in r}
+
+    full, resumed = logged("full", "train/loss"), logged("resumed", "train/loss")
+    assert sorted(full) == list(range(1, 7)) and all(resumed[s] == full[s] for s in range(4, 7)), (full, resumed)
+    crop = logged("full", "train/cropped_fraction")
+    assert sorted(crop) == list(range(1, 7)) and all(0 <= c < 1 for c in crop.values()) and crop[6] > 0, crop
+    assert all(logged("resumed", "train/cropped_fraction")[s] == crop[s] for s in range(4, 7))
+    report = (base_dir / "report" / "base-model-training.md").read_text()
+    assert f"- Cropped fraction (best-fit packing): {crop[6]:.4f}" in report and "climbmix, bestfit packing" in report
+    # the same step resumed by one process reading as 1 data rank: a fresh row group for it, a note that says so
+    _, text = run_base_train([f for f in flags if "data_world_size" not in f]
+                             + ["--data_world_size=1", "--model_tag=one_rank", "--resume_from_step=3"], capsys)
+    assert "saved by 2 rank(s) and is read by 1 now" in text and sorted(logged("one_rank", "train/loss")) == [4, 5, 6]
 
 
 # -----------------------------------------------------------------------------
@@ -289,7 +347,6 @@ def test_batches_equal_nanochat_92d63d4(tiny_base_dir, tmp_path):
     if not ANCHOR.exists():
         pytest.skip(f"compares with nanochat 92d63d4's loader, whose archive is not at {ANCHOR} (../shared/bench beside "
                     f"the repo, or $NANOCHAT_BENCH_DIR)")
-    from nanochat.data.corpus_import import import_corpus
     from nanochat.tokenizer import RustBPETokenizer
 
     with tarfile.open(ANCHOR) as tar:
@@ -299,13 +356,9 @@ def test_batches_equal_nanochat_92d63d4(tiny_base_dir, tmp_path):
     base = tmp_path / "base"
     base.mkdir()
     os.symlink(tiny_base_dir / "tokenizer", base / "tokenizer")
-    # 63 train documents (paragraphs, stories, web pages: 5 to ~2,000 tokens) in files of 5, 5 and 3 row groups,
-    # so that rank 1 of 2 reads differently from a stride over the concatenated files
+    # files of 5, 5 and 3 row groups: rank 1 of 2 reads differently from a stride over the concatenated files
     shards = base / "base_data_climbmix"
-    import_corpus([PRETRAIN / "wikitext-2" / "train.txt", PRETRAIN / "tinystories" / "tinystories_sample.txt",
-                   PRETRAIN / "fineweb" / "fineweb_subset.json", PRETRAIN / "c4_demo" / "c4_demo.jsonl"],
-                  out_dir=shards, val_docs=20, rows_per_group=5, docs_per_shard=25, txt_split="blank",
-                  log=lambda *a: None)
+    import_mixed_corpus(shards)
     assert [pq.ParquetFile(p).num_row_groups for p in sorted(shards.glob("*.parquet"))] == [5, 5, 3, 4]
     cases = [dict(world=w, rank=r, split=split, B=B, T=T, chunk=chunk, buffer_size=buf, n=n)
              for w in (1, 2) for r in range(w)

@@ -322,6 +322,31 @@ def test_base_train_packs_best_fit_resumes_exactly_and_logs_the_cropped_fraction
     assert "saved by 2 rank(s) and is read by 1 now" in text and sorted(logged("one_rank", "train/loss")) == [4, 5, 6]
 
 
+@pytest.mark.dist
+def test_two_ranks_pack_as_one_process_reading_as_two_and_resume_exactly(base_dir):
+    """torchrun, 2 ranks, best-fit packing: the same losses and weights as one process that reads the data as 2 ranks
+    (--data_world_size=2), and a 2-rank resume from each rank's saved buffer is exact."""
+    from test_dist_train import TINY as DIST_TINY
+    from test_dist_train import assert_same_run, final_params, losses, single_process
+
+    from conftest import run_torchrun, subprocess_env
+
+    import_mixed_corpus(base_dir / "base_data_climbmix")
+    # no clipping: on the DDP path each rank clips its own gradient, as nanochat does (README, docs/distributed.md)
+    extra = ["--packing=bestfit", "--data=climbmix", "--grad_clip=0"]
+    n = 3
+    args = ["-m", "scripts.base_train", *DIST_TINY, *extra, "--total_batch_size=512", f"--num_iterations={2 * n}"]
+    single_process(base_dir, "ref", 2 * n, 2, extra)
+    run_torchrun(args + ["--model_tag=full", f"--save_every={n}"], env=subprocess_env(base_dir))
+    assert_same_run(base_dir, "ref", "full", 2 * n)
+    copy_step(base_dir, "full", "resumed", n)
+    run_torchrun(args + ["--model_tag=resumed", f"--resume_from_step={n}"], env=subprocess_env(base_dir))
+    assert losses(base_dir, "resumed") == losses(base_dir, "full")[n:]
+    (a, _), (b, meta) = final_params(base_dir, "full", 2 * n), final_params(base_dir, "resumed", 2 * n)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [(s["packing"], s["rank"]) for s in meta["loader_state"]] == [("bestfit", 0), ("bestfit", 1)]
+
+
 # -----------------------------------------------------------------------------
 # nanochat 92d63d4's own loader, side by side
 

@@ -24,12 +24,14 @@ from collections import deque
 import numpy as np
 import torch
 
-from nanochat.data.bestfit import bestfit_batches, cropped_fraction, states_for_world  # noqa: F401 (base_train)
+from nanochat.data.bestfit import (bestfit_batches, check_loader_state, cropped_fraction,  # noqa: F401 (base_train)
+                                   states_for_world)
 from nanochat.distributed.dist import process_data_ranks
 from nanochat.dataset import shard_fix, open_shard, read_texts, split_parquet_files
 from nanochat.usage import BadValue
 
 PACKINGS = ("concat", "bestfit")  # the December recipe's, the record recipe's
+STATE_KEYS = ("split", "rank", "world_size", "num_row_groups", "epoch", "row_group", "doc", "token")  # concat's
 
 
 def resolve_packing(packing, recipe_packing="concat"):
@@ -90,24 +92,7 @@ def _start_position(resume_state_dict, split, rank, world_size, num_row_groups):
     if resume_state_dict is None:
         return rank, 0, 0
     state = resume_state_dict
-    if state.get("packing", "concat") != "concat":
-        raise BadValue(f"the data position was saved by the {state['packing']} loader (--packing={state['packing']}); "
-                       f"this run packs with concat: resume with --packing={state['packing']}, or start a fresh run")
-    missing = {"split", "rank", "world_size", "num_row_groups", "epoch", "row_group", "doc", "token"} - set(state)
-    if missing:
-        raise ValueError(f"not a loader state dict from nanochat.dataloader (missing {sorted(missing)}): {state}")
-    if state["split"] != split:
-        raise ValueError(f"the state dict belongs to the {state['split']!r} split, this loader reads {split!r}")
-    if (state["rank"], state["world_size"]) != (rank, world_size):
-        raise ValueError(
-            f"the state dict was saved by rank {state['rank']} of {state['world_size']}, this is rank {rank} of "
-            f"{world_size}: give every rank its own saved state, and resume with the same world size"
-        )
-    if state["num_row_groups"] != num_row_groups:
-        raise ValueError(
-            f"the {split} split now has {num_row_groups} row groups, the state was saved with "
-            f"{state['num_row_groups']}: exact resume needs the same shards (were shards added or removed?)"
-        )
+    check_loader_state(state, "concat", STATE_KEYS, split, rank, world_size, num_row_groups)
     pos = state["epoch"] * num_row_groups + state["row_group"]
     if pos % world_size != rank or state["doc"] < 0 or state["token"] < 0:
         raise ValueError(f"inconsistent loader state dict for rank {rank} of {world_size}: {state}")

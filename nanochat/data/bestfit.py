@@ -150,26 +150,32 @@ class _Buffer:
         return runs
 
 
-def check_state(state, split, rank, world_size, num_row_groups, buffer_size, tokenizer_batch_size):
-    """Refuse a state this loader cannot resume exactly from, naming why (the fix where the user has one)."""
-    packing = state.get("packing", "concat")
-    if packing != "bestfit":
-        raise BadValue(f"the data position was saved by the {packing} loader (--packing={packing}); this run packs "
-                       f"with bestfit: resume with --packing={packing}, or start a fresh run")
-    missing = set(STATE_KEYS) - set(state)
+def check_loader_state(state, packing, keys, split, rank, world_size, num_row_groups):
+    """The checks of a resume state both packings share: the packing that saved it, its keys, split, rank and shards."""
+    saved = state.get("packing", "concat")
+    if saved != packing:
+        raise BadValue(f"the data position was saved by the {saved} loader (--packing={saved}); this run packs with "
+                       f"{packing}: resume with --packing={saved}, or start a fresh run")
+    missing = set(keys) - set(state)
     if missing:
-        raise ValueError(f"not a best-fit loader state dict (missing {sorted(missing)}): {state}")
+        raise ValueError(f"not a {packing} loader state dict from nanochat.dataloader (missing {sorted(missing)}): "
+                         f"{state}")
     if state["split"] != split:
         raise ValueError(f"the state dict belongs to the {state['split']!r} split, this loader reads {split!r}")
     if (state["rank"], state["world_size"]) != (rank, world_size):
         raise ValueError(
             f"the state dict was saved by rank {state['rank']} of {state['world_size']}, this is rank {rank} of "
-            f"{world_size}: give every rank its own saved state (loader_states_for_world moves states to another "
-            f"world size)")
+            f"{world_size}: give every rank its own saved state, and resume with the same world size "
+            f"(loader_states_for_world moves the states of a run to another)")
     if state["num_row_groups"] != num_row_groups:
         raise ValueError(
             f"the {split} split now has {num_row_groups} row groups, the state was saved with "
             f"{state['num_row_groups']}: exact resume needs the same shards (were shards added or removed?)")
+
+
+def check_state(state, split, rank, world_size, num_row_groups, buffer_size, tokenizer_batch_size):
+    """Refuse a state this loader cannot resume exactly from, naming why (the fix where the user has one)."""
+    check_loader_state(state, "bestfit", STATE_KEYS, split, rank, world_size, num_row_groups)
     for key, value in (("buffer_size", buffer_size), ("tokenizer_batch_size", tokenizer_batch_size)):
         if state[key] != value:
             raise ValueError(f"the state was saved with {key}={state[key]}, this loader has {key}={value}: the "

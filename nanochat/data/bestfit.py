@@ -19,8 +19,9 @@ that rank's data instead of waiting forever as nanochat would; the concat loader
 
 Exact resume: the state names the next row-group chunk to read and every document waiting in the buffer (runs of
 consecutive documents of one row group). A loader started from it re-reads and re-tokenizes those documents and goes
-on with exactly the batches the saved one would have yielded next. It is the biggest loader state here (the buffer:
-up to `buffer_size` documents, usually a few hundred runs, a few KB of JSON per rank).
+on with exactly the batches the saved one would have yielded next. A document is never split between batches (the
+tail of a cropped one is dropped), so the state never points inside one. It is the biggest loader state here: up to
+`buffer_size` documents as runs, ~15 KB of JSON per rank with a full 1000-document buffer of short web documents.
 """
 
 import bisect

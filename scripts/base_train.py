@@ -20,8 +20,9 @@ from nanochat.checkpoint_manager import checkpoint_root, require_step
 from nanochat.compile import compile_flag
 from nanochat.common import print0, print_banner
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
-from nanochat.dataloader import loader_states_for_world, tokenizing_distributed_data_loader
-from nanochat.dataset import split_parquet_files
+from nanochat.dataloader import (PACKINGS, cropped_fraction, loader_states_for_world, resolve_packing,
+                                 tokenizing_distributed_data_loader)
+from nanochat.dataset import SOURCES, base_data_dir, resolve_source, split_parquet_files
 from nanochat.fp8 import FP8_FILTER_HELP, FP8_RECIPES
 from nanochat.gpt import config_for_depth
 from nanochat.loss_eval import evaluate_bpb
@@ -55,6 +56,10 @@ FLAGS = Flags(
     Flag("device_batch_size", 32, "rows per forward pass on each GPU; gradient accumulation makes up the rest of "
          "--total_batch_size", min=1),
     Flag("total_batch_size", 524288, "tokens per optimisation step, over all ranks and micro-steps", min=1),
+    Flag("packing", None, "how documents fill the rows: concat (one token stream cut into rows) or bestfit (every row "
+         "starts at a document, best-fit packed, nanochat 92d63d4's); auto = the recipe's", type=str, choices=PACKINGS),
+    Flag("data", None, "which shards: fineweb_edu (base_data/) or climbmix (base_data_climbmix/); auto = the "
+         "recipe's (python -m nanochat.dataset fills either)", type=str, choices=list(SOURCES)),
     "optimisation",
     optimizer_flags(),
     Flag("use_muon", True, "Muon for the matrices (0: AdamW for everything)"),
@@ -92,8 +97,10 @@ SAMPLE_PROMPTS = ["The capital of France is", "The chemical symbol of gold is",
 
 def startup_checks(config):
     """Before any process group, model or compile: the data, the tokenizer, the step to resume from, a training
-    horizon. Returns (tokenizer, checkpoint_dir)."""
-    split_parquet_files("train"), split_parquet_files("val")
+    horizon. Resolves --packing and --data. Returns (tokenizer, checkpoint_dir)."""
+    config["packing"], config["data"] = resolve_packing(config["packing"]), resolve_source(config["data"])
+    data_dir = base_data_dir(source=config["data"])
+    split_parquet_files("train", data_dir), split_parquet_files("val", data_dir)
     tokenizer = get_tokenizer()
     checkpoint_dir = os.path.join(checkpoint_root("base"), config["model_tag"] or f"d{config['depth']}")
     if isinstance(config["resume_from_step"], int) and config["resume_from_step"] >= 0:
@@ -137,11 +144,8 @@ def main(argv=None):
     start_step, min_val_bpb, val_bpb, loader_states = resume(stage, checkpoint_dir, resume_step, orig_model, optimizers)
 
     # data: one loader per data rank this process reads (exactly one under torchrun)
-    train_loaders = [
-        tokenizing_distributed_data_loader(B, Tlen, "train", device=device.type, resume_state_dict=st,
-                                           tokenizer=tokenizer, rank=r, world_size=data_world)
-        for r, st in zip(parallel.read_ranks, loader_states)
-    ]
+    train_loaders = [data_loader(config, "train", B, device, tokenizer, r, data_world, st)
+                     for r, st in zip(parallel.read_ranks, loader_states)]
     train_batches = round_robin_batches(train_loaders, grad_accum, loader_states)
     metrics = stage.open_log(checkpoint_dir, "nanochat", resume_step, user_config)
     metrics.log(start_step, {"system/attn": orig_model.attn_choice.describe()})  # the kernel that ran, not just --attn
@@ -167,8 +171,7 @@ def main(argv=None):
 
         if stage.due(step, "eval_every", last_step):
             with stage.evaluating(orig_model):
-                val_loader = tokenizing_distributed_data_loader(B, Tlen, "val", device=device.type, tokenizer=tokenizer,
-                                                                rank=parallel.data_rank, world_size=parallel.data_world)
+                val_loader = data_loader(config, "val", B, device, tokenizer, parallel.data_rank, parallel.data_world)
                 val_bpb = evaluate_bpb(orig_model, val_loader, eval_steps, token_bytes)
             min_val_bpb = min(min_val_bpb, val_bpb)
             metrics.log(step, {"val/bpb": val_bpb}, console=f"step {step:05d} | val bpb: {val_bpb:.4f}")
@@ -199,7 +202,7 @@ def main(argv=None):
         apply_schedule(optimizers, lrm, muon_momentum(step))
         loss, grad_norm, _, dt = stage.timed_step(step, model, optimizers, train_batches,
                                                   grad_accum * len(train_loaders), config["grad_clip"])
-        stage.log_step(step, loss, dt, lrm, {"train/grad_norm": grad_norm},
+        stage.log_step(step, loss, dt, lrm, {"train/grad_norm": grad_norm, **packing_metrics(config, loader_states)},
                        f" | gnorm: {grad_norm:.3f}" if grad_norm is not None else "")
 
     # ---------------------------------------------------------------- wrap up
@@ -211,11 +214,26 @@ def main(argv=None):
         {"Number of parameters": num_params, "FLOPs per token": f"{flops_per_token:e}",
          "Calculated number of iterations": num_iterations, "Tokens per step": total_batch,
          "Number of training tokens": num_iterations * total_batch, "DDP world size": world_size,
+         "Data": f"{config['data']}, {config['packing']} packing",
          "Attention kernel": orig_model.attn_choice.describe()},
         {"Minimum validation bpb": min_val_bpb, "Final validation bpb": val_bpb, "CORE metric": core_metric,
-         "Total training time": format_duration(meter.total_time)},
+         "Total training time": format_duration(meter.total_time),
+         **packing_metrics(config, loader_states, "Cropped fraction (best-fit packing)")},
     ], {"train/loss": ("Base training loss", "loss (EMA)"), "val/bpb": ("Base validation bpb", "bits per byte")})
     return {"val_bpb": val_bpb, "min_val_bpb": min_val_bpb, "num_iterations": num_iterations, "step": step}
+
+
+def data_loader(config, split, B, device, tokenizer, rank, world, state=None):
+    """The pretraining loader of one data rank: --data's shards, packed as --packing says (nanochat/dataloader.py)."""
+    return tokenizing_distributed_data_loader(B, config["max_seq_len"], split, device=device.type, resume_state_dict=state,
+                                              tokenizer=tokenizer, rank=rank, world_size=world,
+                                              data_dir=base_data_dir(source=config["data"]), packing=config["packing"])
+
+
+def packing_metrics(config, loader_states, key="train/cropped_fraction"):
+    """{key: tokens dropped by cropping / tokens packed} of best-fit packing, over this process's data ranks since the
+    run started; {} for concat packing, which drops nothing."""
+    return {key: cropped_fraction(loader_states)} if config["packing"] == "bestfit" else {}
 
 
 def resume(stage, checkpoint_dir, step, model, optimizers):

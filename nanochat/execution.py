@@ -250,7 +250,8 @@ def _start(spec, limits, required):
     report_r, report_w = os.pipe()
     config = {"tmp_root": tempfile.gettempdir(), "report_fd": report_w, "mem": limits["mem"], "cpu": limits["cpu"],
               "disk": limits["disk"], "fsize": limits["disk"], "nofile": MAX_OPEN_FILES, "required": required,
-              "mode": spec.mode, "rpc": list(spec.rpc), "entry_point": spec.entry_point, "caller": os.getpid()}
+              "mode": spec.mode, "rpc": list(spec.rpc), "entry_point": spec.entry_point, "caller": os.getpid(),
+              "hidden": _hidden_paths()}
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}  # + HOME and TMPDIR: the work dir
     # no native thread pools: they would count against the memory cap and outlive the program's last line
     env.update(dict.fromkeys(["OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"], "1"))
@@ -267,6 +268,17 @@ def _start(spec, limits, required):
     finally:
         os.close(report_w)
     return proc, report_r, bytearray()
+
+
+def _hidden_paths():
+    """What the program must not read even where it lies inside a tree it reads (a checkout in /usr/src, data in
+    /usr/share): this project's checkout and ../shared/data beside it, the task data and base dirs, the HF caches.
+    (Elsewhere nothing of the user's is readable in the first place: see sandbox._readable_rules.)"""
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [checkout, os.path.join(os.path.dirname(checkout), "shared", "data")] \
+        if os.path.isfile(os.path.join(checkout, "pyproject.toml")) else []  # not an installed package's dir
+    names = ["NANOCHAT_BASE_DIR", "NANOCHAT_DATA_DIR", "HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_CACHE"]
+    return paths + [os.path.abspath(os.path.expanduser(os.environ[name])) for name in names if os.environ.get(name)]
 
 
 def _collect(started, timeout, limit):

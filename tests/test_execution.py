@@ -279,7 +279,7 @@ def test_humaneval_evaluation_refuses_without_the_layers_unless_unsafe(monkeypat
 
 
 # -----------------------------------------------------------------------------
-# issue 23: the verdict cannot be forged, memory outside the cap, the caller's death, locks, ordinary programs
+# issue 23: the verdict cannot be forged, the caller's death, ordinary programs (what the layers stop: test_sandbox.py)
 
 
 THREAD_EXIT = "import ctypes\nctypes.CDLL(None).syscall(60, 0)  # SYS_exit: ends the calling thread only\n"

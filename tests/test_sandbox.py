@@ -262,8 +262,7 @@ def test_the_answers_in_installed_packages_are_hidden():
 # -----------------------------------------------------------------------------
 # the readable-path probe: the program tries every path it can find (a walk from /, and a list of candidates that a
 # walk cannot reach: the checkout, its .git, home directories, the host's keys, the task data) and reports each one it
-# could read; everything it reports must be the standard library, site-packages, the system's libraries or its own
-# work dir.
+# could read; everything it reports must be the standard library, site-packages or the system's libraries.
 
 # What the interpreter needs from the system (shared libraries, the loader's cache, time zones, user names, CA
 # certificates); written out here, not imported, so that widening the sandbox's list is a change this test sees.

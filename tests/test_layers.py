@@ -337,3 +337,19 @@ def test_script_main_lengths_are_measured(tmp_path):
     (tmp_path / "scripts" / "a.py").write_text("def helper():\n    pass\n\n\ndef main():\n    x = 1\n    return x\n")
     (tmp_path / "scripts" / "b.py").write_text("def other():\n    pass\n")
     assert script_main_lengths(tmp_path) == {"a.py": 3}
+
+
+# Issue 32's sandbox split: nanochat's API and the orchestration in execution.py; the sandboxed side in sandbox.py, run
+# by path with nothing of the project readable, so it may import the standard library only
+EXECUTION_MAX_LINES = 450
+
+
+def test_the_sandbox_split_holds():
+    import sys
+
+    n = len((REPO / "nanochat" / "execution.py").read_text(encoding="utf-8").splitlines())
+    assert n <= EXECUTION_MAX_LINES, f"nanochat/execution.py has {n} lines (at most {EXECUTION_MAX_LINES}): what runs " \
+        f"inside the sandbox belongs in nanochat/sandbox.py"
+    imported = imported_modules(REPO / "nanochat" / "sandbox.py", "nanochat")
+    outside = [f"{line}: {module}" for line, module in imported if module.split(".")[0] not in sys.stdlib_module_names]
+    assert imported and outside == [], f"nanochat/sandbox.py imports beyond the standard library: {outside}"

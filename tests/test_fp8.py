@@ -196,13 +196,13 @@ def test_emulated_fp8_under_fsdp_trains_like_the_unconverted_model():
     single, _ = train(cpu_model(), 3)
     for a, b in zip(out["none"], single):  # FSDP over 2 ranks = one process on the whole batch
         assert abs(a - b) < 1e-4, (out, single)
-    for recipe in ("tensorwise", "rowwise"):
+    for recipe in ("tensorwise", "rowwise", "native"):  # native: nanochat's own Float8Linear (--fp8_impl=native)
         assert len(out[recipe]) == 3
         for a, b in zip(out[recipe], out["none"]):
             assert abs(a - b) < LOSS_ATOL, (recipe, out)
     # the FP8 all-gather's scales, one all-reduce after each optimizer step (parallel.FSDP.after_optimizer_step)
     scales = out["scales"]
-    assert scales["detected"] == {"none": False, "tensorwise": True, "rowwise": False}
+    assert scales["detected"] == {"none": False, "tensorwise": True, "rowwise": False, "native": False}
     assert scales["linears"] == 2 * len(BLOCK_LINEARS) and scales["unset_before"]
     assert scales["max_rel_error"] < 1e-6, scales
 
@@ -264,11 +264,11 @@ def test_apply_fp8_logs_each_layer_kind_and_why(monkeypatch):
     from nanochat import fp8
     from nanochat.gpt import config_for_depth
 
-    monkeypatch.setattr(fp8, "check_fp8_supported", lambda device, recipe: None)  # the hardware check is tested above
+    monkeypatch.setattr(fp8, "check_fp8_supported", lambda device, recipe, impl: None)  # the hardware check is tested above
     model = meta_model(config_for_depth(12, 65536, 2048))
     lines = []
     fp8.apply_fp8(model, "tensorwise", "meta", log=lines.append)
-    assert lines[0].startswith("FP8 (tensorwise, --fp8_filter=auto): 12 of 72 block Linear layers converted")
+    assert lines[0].startswith("FP8 (tensorwise, --fp8_impl=torchao, --fp8_filter=auto): 12 of 72 block Linear layers converted")
     assert "  mlp.c_fc: FP8 x12 (K=768, N=3072: past tensorwise's break-even (K > 4096 or N > 1024))" in lines
     assert "  attn.c_q: bf16 x12 (K=768 <= 4096 and N=768 <= 1024: too small to gain (tensorwise))" in lines
     assert type(model.transformer.h[0].mlp.c_fc) is Float8Linear and type(model.transformer.h[0].attn.c_q) is nn.Linear

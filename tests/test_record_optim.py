@@ -3,7 +3,7 @@ The record recipe's optimizer (nanochat/muon.py's record options, AdamW param gr
 weight decay) in one process:
 
 - against nanochat 92d63d4's own MuonAdamW (its nanochat/optim.py, imported from the anchor tarball in
-  ../shared/bench, run eagerly in fp32 on CPU): the same parameters after several steps on random gradients, for the
+  ../shared/bench by tests/anchors.py, run eagerly in fp32 on CPU): the same parameters after several steps on random gradients, for the
   shapes the record model has (square, tall and wide block matrices, a tiny gate, embeddings, lm_head, scalars), with
   the training loop's lr / momentum / weight-decay schedules changing every step
 - each record option against its formula written out by hand (Polar Express, MuonEq, Muon+, NorMuon, cautious decay)
@@ -13,44 +13,17 @@ The distributed forms against this one-process optimizer: tests/test_dist_optim.
 
 import importlib.util
 import math
-import os
-import sys
-import tarfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO
+from anchors import load_92d63d4_module
 from nanochat.muon import RECORD_MUON, Muon, zeropower_via_polar_express
-
-ANCHOR = Path(os.environ.get("NANOCHAT_ANCHOR_92D63D4", REPO.parent / "shared" / "bench" / "nanochat-92d63d4.tar.gz"))
 
 
 def randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def anchor_optim(tmp_path, monkeypatch):
-    """92d63d4's nanochat/optim.py as a module, from a copy extracted to tmp_path. Its two kernels are decorated with
-    torch.compile, which is swapped for the identity while it imports (eager: what compile fuses, not what it
-    computes); it reads COMPUTE_DTYPE from its nanochat.common, fp32 on CPU there too."""
-    if not ANCHOR.is_file():
-        pytest.skip(f"nanochat 92d63d4's tarball is not at {ANCHOR} (../shared/bench beside the repo, or set "
-                    f"NANOCHAT_ANCHOR_92D63D4)")
-    member = "nanochat-92d63d4/nanochat/optim.py"
-    with tarfile.open(ANCHOR) as tar:
-        tar.extract(member, tmp_path, filter="data")
-    from nanochat import common
-
-    monkeypatch.setattr(common, "COMPUTE_DTYPE", torch.float32, raising=False)
-    monkeypatch.setattr(torch, "compile", lambda *a, **k: (lambda fn: fn))
-    spec = importlib.util.spec_from_file_location("anchor_92d63d4_optim", tmp_path / member)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.undo()
-    sys.modules.pop("anchor_92d63d4_optim", None)
-    return module
 
 
 # A record-recipe model's parameters at small sizes (n_embd 128, 2 layers, vocab 512, kv dim 128), by optimizer
@@ -139,7 +112,7 @@ def test_record_optimizer_matches_nanochat_92d63d4(tmp_path, monkeypatch):
     """Muon's matrices equal 92d63d4's bit for bit (its scalar arithmetic in float32 included: see muon.f32); the
     AdamW parameters (torch's AdamW: the same formula, other rounding: 92d63d4 lerps the second moment and takes
     sqrt(v / bc2), torch sqrt(v) / sqrt(bc2)) to 1e-6 of how far they moved (measured: 5e-7 on the embeddings)."""
-    module = anchor_optim(tmp_path, monkeypatch)
+    module = load_92d63d4_module("nanochat/optim.py", tmp_path, monkeypatch)
     ref, ours = record_params(), record_params()
     start = [p.detach().clone() for p in ref]
     train(ref, anchor_optimizer(module, ref), range(STEPS))

@@ -168,43 +168,54 @@ def test_base_train_refuses_native_rowwise_before_any_work(base_dir):
 TRAIN_CONFIG = GPTConfig(sequence_len=64, vocab_size=256, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
 
 
-def cpu_model(native):
+def cpu_model(recipe=None, impl="native"):
+    """The same weights every call; recipe: convert the block Linears with `impl` (torchao's emulated, since torchao
+    refuses CPU matmuls; native runs torch._scaled_mm as it is). None: plain. tests/test_fp8.py uses it too."""
     torch.manual_seed(0)
     model = GPT(TRAIN_CONFIG, attn="sdpa")
     model.init_weights("nanochat")
     with torch.no_grad():  # the nanochat init zeroes c_proj, which would make the blocks' FP8 matmuls moot
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    if native:
-        convert_to_fp8(model, "tensorwise", filter="all", impl="native")
+    if recipe is not None:
+        convert_to_fp8(model, recipe, emulate=impl == "torchao", filter="all", impl=impl)
     return model
 
 
-def train(model, steps, call=None):
+def train_batch():
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, TRAIN_CONFIG.vocab_size, (4, TRAIN_CONFIG.sequence_len + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def train(model, steps, call=None):
+    """Losses of `steps` full steps with the training's optimizers (Muon for the block matrices, AdamW the rest), and
+    the first step's gradients."""
+    x, y = train_batch()
     opts = model.setup_optimizers(use_muon=True)
-    losses = []
-    for _ in range(steps):
-        loss = (model if call is None else call)(data[:, :-1], data[:, 1:])
+    losses, grads = [], None
+    for step in range(steps):
+        loss = (model if call is None else call)(x, y)
         loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         for opt in opts:
             opt.step()
         model.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses
+    return losses, grads
 
 
 def test_native_fp8_trains_like_the_plain_model():
     """Within FP8's rounding of the plain model's losses (the bound and why: tests/test_fp8.py LOSS_ATOL), and it
     learns; its state dict loads into the plain model and gives the same outputs as the FP8 one's weights."""
-    ref = train(cpu_model(False), 4)
-    model = cpu_model(True)
-    losses = train(model, 4)
+    ref, _ = train(cpu_model(), 4)
+    model = cpu_model("tensorwise")
+    losses, _ = train(model, 4)
     assert losses[-1] < losses[0] - 1.0, losses
     for a, b in zip(losses, ref):
         assert abs(a - b) < 1e-2, (losses, ref)
-    plain = cpu_model(False)
+    plain = cpu_model()
     plain.load_state_dict(model.state_dict(), strict=True)
     assert all(type(v) is torch.Tensor for v in model.state_dict().values())
 
@@ -212,9 +223,9 @@ def test_native_fp8_trains_like_the_plain_model():
 @pytest.mark.slow  # one aot_eager compile of the converted model
 def test_native_fp8_under_compile_matches_eager():
     torch._dynamo.reset()
-    eager = train(cpu_model(True), 2)
-    model = cpu_model(True)
-    compiled = train(model, 2, call=torch.compile(model, backend="aot_eager", dynamic=False))
+    eager, _ = train(cpu_model("tensorwise"), 2)
+    model = cpu_model("tensorwise")
+    compiled, _ = train(model, 2, call=torch.compile(model, backend="aot_eager", dynamic=False))
     torch._dynamo.reset()
     for a, b in zip(compiled, eager):
         assert abs(a - b) < 1e-5, (compiled, eager)

@@ -100,6 +100,7 @@ def assert_same_training(ref, run):
 def test_gpt_two_ranks_match_one_process(runs, variant):
     ref, ddp = runs
     assert ddp[variant]["checks"]["optimizer_classes"] == ["DistAdamW", "DistMuon"]
+    assert ddp[variant]["checks"]["muon_ns"] == ["polar_express" if variant == "record" else "quintic"]
     assert_same_training(ref[variant], ddp[variant])
 
 

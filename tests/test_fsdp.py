@@ -50,6 +50,9 @@ def test_fsdp_matches_one_process(runs, variant):
     ref, fsdp = runs
     expected = ["FSDPAdamW"] if variant == "use_muon=0" else ["FSDPAdamW", "FSDPMuon"]
     assert fsdp[variant]["checks"]["optimizer_classes"] == expected
+    if variant == "record":  # set in GPT.setup_optimizers' groups: setup_fsdp_optimizers' rebuild keeps them
+        assert fsdp[variant]["checks"]["muon_ns"] == ["polar_express"]
+        assert fsdp[variant]["checks"]["adamw_betas"] == [(0.8, 0.96), (0.8, 0.995)]
     a, b = ref[variant], fsdp[variant]
     assert len(a["losses"]) == len(b["losses"]) >= 5
     for x, y in zip(a["losses"], b["losses"]):

@@ -324,3 +324,23 @@ def test_sharded_checkpoint_keeps_the_normuon_state(sharded_record_runs, world):
             off = ~torch.isclose(got["state"]["tensors"][k], v, atol=2e-5, rtol=1e-4)
             assert off.sum() <= 3 and (got["state"]["tensors"][k] - v).abs().max() < 2e-3, (k, off.sum())
     assert got["losses"] == (ref["losses"] if world == 2 else pytest.approx(ref["losses"], abs=1e-5))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_consolidated_record_step_is_the_single_file_one(sharded_record_runs, tmp_path):
+    """consolidate() turns the sharded step into the files the gather-to-rank-0 path wrote for it, byte for byte: each
+    rank's optimizer file holds its momentum rows and the whole NorMuon buffers."""
+    import filecmp
+    import os
+
+    from nanochat import sharded_checkpoint as sc
+
+    written = sc.consolidate(sc.sharded_step_dir(str(sharded_record_runs / "sharded"), 2), str(tmp_path), 2)
+    names = sorted(os.path.basename(p) for p in written)
+    assert names == sorted(os.listdir(sharded_record_runs / "single"))
+    for name in names:
+        assert filecmp.cmp(sharded_record_runs / "single" / name, tmp_path / name, shallow=False), name
+    rank1 = torch.load(tmp_path / "optim_000002_rank1.pt", weights_only=False)
+    assert any("second_momentum_buffer" in st for st in rank1[1]["state"].values())

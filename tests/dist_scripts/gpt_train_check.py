@@ -75,25 +75,32 @@ def record_options(opts):
                 group.update(RECORD_MUON, weight_decay=0.2)
             else:
                 group["betas"] = RECORD_BETAS[i]
+    return opts
 
 
 def build(mode, use_muon, state_dict=None, record=False):
-    """(model, optimizers); state_dict: a full single-file state dict to start from (else the seeded init)."""
+    """(model, optimizers); state_dict: a full single-file state dict to start from (else the seeded init). record:
+    the options are set in GPT.setup_optimizers' groups, where the record GPT sets them, so the FSDP path's rebuild of
+    those groups for DTensor parameters (optim/sharded.py) has to carry them over."""
     model = fresh_model()
-    if mode == "fsdp":
-        from nanochat.distributed.fsdp import apply_fsdp, load_full_model_state_dict
-        from nanochat.optim.sharded import setup_fsdp_optimizers
-
-        apply_fsdp(model)
-        if state_dict is not None:
-            load_full_model_state_dict(model, state_dict)
-        opts = setup_fsdp_optimizers(model, **lrs(use_muon))
-    else:
-        if state_dict is not None:
-            model.load_state_dict(state_dict)
-        opts = model.setup_optimizers(**lrs(use_muon))
+    setup = GPT.setup_optimizers
     if record:
-        record_options(opts)
+        GPT.setup_optimizers = lambda self, **kwargs: record_options(setup(self, **kwargs))
+    try:
+        if mode == "fsdp":
+            from nanochat.distributed.fsdp import apply_fsdp, load_full_model_state_dict
+            from nanochat.optim.sharded import setup_fsdp_optimizers
+
+            apply_fsdp(model)
+            if state_dict is not None:
+                load_full_model_state_dict(model, state_dict)
+            opts = setup_fsdp_optimizers(model, **lrs(use_muon))
+        else:
+            if state_dict is not None:
+                model.load_state_dict(state_dict)
+            opts = model.setup_optimizers(**lrs(use_muon))
+    finally:
+        GPT.setup_optimizers = setup
     return model, opts
 
 
@@ -169,6 +176,9 @@ def run(mode, use_muon, rank, world, ddp_ckpt=None, record=False):
         checks["resume_losses_equal"] = resumed_losses == losses[RESUME_AT:]
         checks["resume_params_equal"] = all(torch.equal(resumed[k], final[k]) for k in final)
         checks["optimizer_classes"] = [type(o).__name__ for o in opts]
+        # what the distributed optimizers were built with (the record options must reach them through every path)
+        checks["muon_ns"] = sorted({g["ns"] for o in opts for g in o.param_groups if "momentum" in g})
+        checks["adamw_betas"] = [tuple(g["betas"]) for o in opts for g in o.param_groups if "betas" in g][:2]
 
     with torch.no_grad():
         final_logits = model(PROBE)  # the live (sharded, under FSDP) model after training

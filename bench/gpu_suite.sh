@@ -4,6 +4,7 @@
 #   bash bench/gpu_suite.sh options  # d20 activation checkpointing rows
 #   bash bench/gpu_suite.sh fp8      # d20 FP8 tensorwise and rowwise (each: a ~2-minute cold compile, then the steps)
 #   bash bench/gpu_suite.sh fp8ac    # d20 FP8 tensorwise with full activation checkpointing
+#   bash bench/gpu_suite.sh fp8impl  # d20 FP8 tensorwise: torchao's Float8Linear vs nanochat's own (--fp8_impl=native)
 #   bash bench/gpu_suite.sh serve    # short real base_train (data, eval, checkpoint), Engine decode, chat_web + the
 #                                    # openai client, then the largest device batch for d26/d32/d40
 #   bash bench/gpu_suite.sh speed    # issue 20 in <= 9 minutes: d20 training per attention backend that loads,
@@ -17,7 +18,7 @@
 # them all; on an offline GPU box, put their wheels on PYTHONPATH). FA3 rows need `kernels` or flash_attn_interface.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART="${1:?usage: bash bench/gpu_suite.sh train|options|fp8|fp8ac|serve|speed [--dry-run] [--cpu]}"
+PART="${1:?usage: bash bench/gpu_suite.sh train|options|fp8|fp8impl|fp8ac|serve|speed [--dry-run] [--cpu]}"
 DRY_RUN=0; CPU=0
 for arg in "${@:2}"; do
     case "$arg" in
@@ -64,6 +65,13 @@ fp8)
     step d20_fp8_tensorwise 285 "$PY" -m bench.train_bench $D20 --device_batch_size=32 --attn=sdpa --fp8=1
     step d20_fp8_rowwise 285 "$PY" -m bench.train_bench $D20 --device_batch_size=32 --attn=sdpa --fp8=1 --fp8_recipe=rowwise
     ;;
+fp8impl)
+    # Which FP8 Linear base_train keeps (docs/gpu.md): the same run twice, only --fp8_impl differs; 2 x 270 s fits a
+    # 9-minute slot (each: a cold compile, then the steps). train_bench's table rows name the implementation.
+    for impl in torchao native; do
+        step "d20_fp8_$impl" 270 "$PY" -m bench.train_bench $D20 --device_batch_size=32 --attn=sdpa --fp8=1 --fp8_impl=$impl
+    done
+    ;;
 fp8ac)
     step d20_fp8_ac_full 330 "$PY" -m bench.train_bench $D20 --device_batch_size=32 --attn=sdpa --fp8=1 --activation_checkpointing=full
     ;;
@@ -101,7 +109,7 @@ speed)
     echo "=== table ($OUT/speed_table.md):"
     if ((DRY_RUN)); then echo "$PY -m bench.speed_table $OUT"; else "$PY" -m bench.speed_table "$OUT" | tee "$OUT/speed_table.md"; fi
     ;;
-*) echo "unknown part $PART (train|options|fp8|fp8ac|serve|speed)" >&2; exit 2 ;;
+*) echo "unknown part $PART (train|options|fp8|fp8impl|fp8ac|serve|speed)" >&2; exit 2 ;;
 esac
 if ((DRY_RUN)); then echo "dry run: nothing ran"; exit 0; fi
 if ((${#FAILED[@]})); then echo "FAILED: ${FAILED[*]}"; exit 1; fi

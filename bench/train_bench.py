@@ -34,7 +34,7 @@ from nanochat.distributed.dist import compute_cleanup, compute_init, dist_world_
 from nanochat.distributed.parallel import parallel_from_config  # noqa: E402
 from nanochat.compile import compile_flag, resolve_compile  # noqa: E402
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit  # noqa: E402
-from nanochat.fp8 import FP8_FILTER_HELP  # noqa: E402
+from nanochat.fp8 import FP8_FILTER_HELP, FP8_IMPL_HELP, FP8_IMPLS  # noqa: E402
 from nanochat.gpt import config_for_depth  # noqa: E402
 
 FLAGS = Flags(
@@ -59,8 +59,9 @@ FLAGS = Flags(
     Flag("activation_checkpointing", "none", "recompute block activations in the backward (as base_train)",
          choices=["none", "full", "selective"]),
     Flag("ac_every", 2, "selective activation checkpointing: every ac_every-th block"),
-    Flag("fp8", False, "FP8 block matmuls (torchao; CUDA with compute capability >= 8.9), as base_train"),
+    Flag("fp8", False, "FP8 block matmuls (CUDA with compute capability >= 8.9), as base_train"),
     Flag("fp8_recipe", "tensorwise", "FP8 scaling granularity", choices=["tensorwise", "rowwise"]),
+    Flag("fp8_impl", "torchao", FP8_IMPL_HELP, choices=list(FP8_IMPLS)),
     Flag("fp8_filter", "auto", FP8_FILTER_HELP),
     "systems",
     device_type_flag(),
@@ -141,7 +142,7 @@ def bench_one(cfg, attn, device, parallel):
         "optimizer": "AdamW+Muon" if cfg["use_muon"] else "AdamW",
         "parallel": f"{parallel.name} x{dist_world_size()}" if is_ddp_initialized() else "one process",
         "activation_checkpointing": cfg["activation_checkpointing"] + (f" (every {cfg['ac_every']})" if cfg["activation_checkpointing"] == "selective" else ""),
-        "fp8": f"{cfg['fp8_recipe']} ({cfg['fp8_filter']})" if cfg["fp8"] else "off",
+        "fp8": f"{cfg['fp8_recipe']} {cfg['fp8_impl']} ({cfg['fp8_filter']})" if cfg["fp8"] else "off",
         "step_ms_median": 1000 * dt_med,
         "step_ms_mean": 1000 * statistics.mean(times),
         "step_ms_min": 1000 * min(times),

@@ -139,7 +139,7 @@ def check_model_options(config, device):
     if config.get("fp8"):
         from nanochat.fp8 import check_fp8_supported
 
-        check_fp8_supported(device, config.get("fp8_recipe", "tensorwise"))
+        check_fp8_supported(device, config.get("fp8_recipe", "tensorwise"), config.get("fp8_impl", "torchao"))
 
 
 # -----------------------------------------------------------------------------

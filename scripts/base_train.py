@@ -23,7 +23,7 @@ from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.dataloader import (PACKINGS, cropped_fraction, loader_states_for_world, resolve_packing,
                                  tokenizing_distributed_data_loader)
 from nanochat.dataset import SOURCES, base_data_dir, resolve_source, split_parquet_files
-from nanochat.fp8 import FP8_FILTER_HELP, FP8_RECIPES
+from nanochat.fp8 import FP8_FILTER_HELP, FP8_IMPL_HELP, FP8_IMPLS, FP8_RECIPES
 from nanochat.gpt import config_for_depth
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.stage import Stage
@@ -81,8 +81,9 @@ FLAGS = Flags(
     memory_flags(),
     Flag("fsdp_defer_grad_sync", False, "FSDP: reduce-scatter gradients once per step, not per micro-step (more "
          "memory, less traffic)"),
-    Flag("fp8", False, "FP8 matmuls in the blocks via torchao (CUDA, compute capability >= 8.9; nanochat/fp8.py)"),
+    Flag("fp8", False, "FP8 matmuls in the blocks (CUDA, compute capability >= 8.9; nanochat/fp8.py; --fp8_impl: whose)"),
     Flag("fp8_recipe", "tensorwise", "FP8 scaling granularity", choices=list(FP8_RECIPES)),
+    Flag("fp8_impl", "torchao", FP8_IMPL_HELP, choices=list(FP8_IMPLS)),
     Flag("fp8_filter", "auto", FP8_FILTER_HELP),
     Flag("data_world_size", 1, "single process only: read the data as W ranks would, to reproduce a W-rank run "
          "exactly", min=1),

@@ -153,7 +153,8 @@ def test_sharded_muon_matches_muon_on_awkward_layouts():
     launch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launch)
     out = launch.json_lines(launch.torchrun("tp_muon_check.py", nproc=4, timeout=300))
-    assert out and all(r["ok"] for r in out), out
+    assert sorted({r["options"] for r in out}) == ["december", "record"]  # the record recipe's options too
+    assert all(r["ok"] for r in out), out
 
 
 def test_tp_size_errors_name_the_valid_values():

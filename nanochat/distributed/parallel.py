@@ -135,7 +135,7 @@ class DataParallel:
                 # torchao's float8 linears need their own TP styles (Float8ColwiseParallel...), not wired up here
                 raise BadValue(f"--fp8=1 does not work with {self.flag} yet: use --fp8=0, or --tp_size=1 (--use_fsdp=1)")
             apply_fp8(model, config.get("fp8_recipe", "tensorwise"), device, fsdp=self.shards_weights, log=print0,
-                      filter=config.get("fp8_filter", "auto"))
+                      filter=config.get("fp8_filter", "auto"), impl=config.get("fp8_impl", "torchao"))
         model = self.wrap(model, device)
         if "compile" not in config:
             return model, model

@@ -12,7 +12,8 @@ train MORE steps and write the final weights and losses (D/continued_w2.pt).
 load: fresh model and optimizers (another seed), load D/sharded's step through training.load_train_state, write the
 full state as loaded (D/loaded_wN.pt), train MORE steps on the same global batches, write D/continued_wN.pt.
 Every rank takes its rows of the same global batch, so the math of every world size is the same up to the order of
-floating-point sums.
+floating-point sums. --record=1 (both modes): the record recipe's optimizer options (gpt_train_check.record_options),
+so the state holds NorMuon's second moments too.
 """
 
 import argparse
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from gpt_train_check import CONFIG, GLOBAL_BATCH, global_batch  # the tiny GPT and the learnable batches of test_fsdp
+from gpt_train_check import CONFIG, GLOBAL_BATCH, global_batch, record_options  # the tiny GPT and batches of test_fsdp
 from nanochat.distributed.dist import compute_cleanup, compute_init
 from nanochat.gpt import GPT
 from nanochat.distributed.parallel import FSDP
@@ -31,7 +32,7 @@ from nanochat.distributed.parallel import FSDP
 STEPS, MORE = 2, 2
 
 
-def build(seed, parallel):
+def build(seed, parallel, record=False):
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = GPT(CONFIG, attn="sdpa")
@@ -40,6 +41,8 @@ def build(seed, parallel):
     model = parallel.wrap(model, "cpu")
     opts = parallel.setup_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.01,
                                      use_muon=True)
+    if record:
+        record_options(opts)
     return model, opts
 
 
@@ -82,13 +85,14 @@ def main():
     ap.add_argument("--mode", choices=["save", "load"], required=True)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--crash", type=int, default=0)
+    ap.add_argument("--record", type=int, default=0)
     args = ap.parse_args()
     _, rank, _, world, _ = compute_init("cpu", seed=0)
     from nanochat import training
 
     parallel = FSDP()
     if args.mode == "save":
-        model, opts = build(0, parallel)
+        model, opts = build(0, parallel, args.record)
         train(model, opts, range(STEPS), rank, world)
         state = full_state(model, opts)
         training.save_train_state(os.path.join(args.dir, "sharded"), STEPS, model, opts, meta(), None, parallel)
@@ -115,7 +119,7 @@ def main():
             training.save_train_state(os.path.join(args.dir, "sharded"), STEPS + MORE, model, opts, meta(), None,
                                       parallel)
     else:
-        model, opts = build(123, parallel)
+        model, opts = build(123, parallel, args.record)
         training.load_train_state(os.path.join(args.dir, "sharded"), STEPS, model, opts, "cpu", parallel)
         loaded = full_state(model, opts)
         losses = train(model, opts, range(STEPS, STEPS + MORE), rank, world)

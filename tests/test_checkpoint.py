@@ -183,10 +183,20 @@ def test_weights_dtype_rule(monkeypatch):
     assert cm.weights_dtype_for("mps", "eval") == torch.float32
     assert cm.weights_dtype_for("cuda", "eval", "float32") == torch.float32
     assert cm.weights_dtype_for("cpu", "eval", "bf16") == torch.bfloat16
-    monkeypatch.setenv("NANOCHAT_WEIGHTS_DTYPE", "float32")
-    assert cm.weights_dtype_for("cuda", "eval") == torch.float32
-    with pytest.raises(ValueError, match="NANOCHAT_WEIGHTS_DTYPE"):
+    with pytest.raises(ValueError, match="--weights_dtype must be one of"):
         cm.weights_dtype_for("cuda", "eval", "fp8")
+    # NANOCHAT_WEIGHTS_DTYPE is the default of the scripts' --weights_dtype: what they parse (and record) is what loads
+    from nanochat.configurator import FlagError, Flags
+
+    flags = Flags(cm.checkpoint_flags("sft"))
+    assert flags.parse([])["weights_dtype"] == "auto"
+    monkeypatch.setenv("NANOCHAT_WEIGHTS_DTYPE", "float32")
+    assert cm.weights_dtype_for("cuda", "eval") == torch.bfloat16  # the library reads no environment
+    assert cm.weights_dtype_for("cuda", "eval", flags.parse([])["weights_dtype"]) == torch.float32
+    assert flags.parse(["--weights_dtype=bf16"])["weights_dtype"] == "bf16"  # the flag wins
+    monkeypatch.setenv("NANOCHAT_WEIGHTS_DTYPE", "fp8")
+    with pytest.raises(FlagError, match="NANOCHAT_WEIGHTS_DTYPE=fp8 .*--weights_dtype must be one of"):
+        flags.parse([])
 
 
 def test_bf16_loaded_model_runs_forward(tmp_path):

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from conftest import REPO, subprocess_env
-from nanochat import training
-from nanochat.checkpoint_manager import latest_resumable_step, load_checkpoint, save_checkpoint, step_problem
+from nanochat.checkpoint import resume
+from nanochat.checkpoint.steps import latest_resumable_step, step_problem
+from nanochat.checkpoint_manager import load_checkpoint, save_checkpoint
 from nanochat.metrics import read_metrics
 from nanochat.preemption import StopSignal
 
@@ -109,11 +110,11 @@ def test_resume_flag_values():
     from scripts import base_train as script
     from nanochat.configurator import FlagError, parse_flags
 
-    assert training.parse_resume_step("auto") == "auto" and training.parse_resume_step("-1") == -1
-    assert training.parse_resume_step(" 40 ") == 40
+    assert resume.parse_resume_step("auto") == "auto" and resume.parse_resume_step("-1") == -1
+    assert resume.parse_resume_step(" 40 ") == 40
     for bad in ("latest", "-2", "1.5"):
         with pytest.raises(ValueError, match=r"--resume_from_step must be a saved step number, auto .* or -1"):
-            training.parse_resume_step(bad)
+            resume.parse_resume_step(bad)
     flags = script.FLAGS
     assert parse_flags(flags, ["--resume_from_step=auto"])["resume_from_step"] == "auto"
     with pytest.raises((FlagError, ValueError), match="auto"):
@@ -153,17 +154,17 @@ def test_latest_resumable_step_skips_incomplete_and_damaged_steps(tmp_path):
 
 def test_resolve_resume_step(tmp_path, capsys):
     d = tmp_path / "d4"
-    assert training.resolve_resume_step("-1", str(d)) is None
-    assert training.resolve_resume_step("auto", str(d)) is None
+    assert resume.resolve_resume_step("-1", str(d)) is None
+    assert resume.resolve_resume_step("auto", str(d)) is None
     assert "no complete checkpoint" in capsys.readouterr().out
     write_step(d, 3)
     write_step(d, 5)
     (d / "optim_000005_rank0.pt").write_bytes(b"")
-    assert training.resolve_resume_step("auto", str(d)) == 3
+    assert resume.resolve_resume_step("auto", str(d)) == 3
     out = capsys.readouterr().out
     assert "skipping checkpoint step 5" in out and "optim_000005_rank0.pt is empty" in out
     assert "resuming from step 3" in out
-    assert training.resolve_resume_step("5", str(d)) == 5  # a step asked for by number is loaded as asked
+    assert resume.resolve_resume_step("5", str(d)) == 5  # a step asked for by number is loaded as asked
 
 
 def test_stop_signal_is_recorded_not_fatal():

@@ -157,25 +157,28 @@ def test_sharded_muon_matches_muon_on_awkward_layouts():
 
 
 def test_tp_size_errors_name_the_valid_values():
-    from nanochat.gpt import GPTConfig
-    from nanochat.distributed.parallel import DataParallel, TensorParallel, parallel_from_config
-    from nanochat.distributed.tensor_parallel import check_tp_size
+    """One check (parallel.check_layout), one usage error type, before any process group or model exists."""
+    from nanochat.gpt import GPTConfig, config_for_depth
+    from nanochat.distributed.parallel import DataParallel, check_layout, parallel_from_config
+    from nanochat.usage import UsageError
 
     c = GPTConfig(sequence_len=8, vocab_size=64, n_layer=1, n_head=6, n_kv_head=3, n_embd=96)
-    check_tp_size(c, 3, 6)
-    with pytest.raises(ValueError, match=r"does not divide n_kv_head=3.*use one of: 1, 3"):
-        check_tp_size(c, 2, 4 * 3)
-    with pytest.raises(ValueError, match=r"does not divide the world size 4.*use one of: 1"):
-        check_tp_size(c, 3, 4)
-    with pytest.raises(ValueError, match="use one of: 1, 2, 4"):
-        TensorParallel(3).data_rank_and_world(0, 4)
-    assert TensorParallel(2).data_rank_and_world(3, 8) == (1, 4)
+    check_layout(c, 3, 6)
+    with pytest.raises(UsageError, match=r"does not divide n_kv_head=3.*use one of: 1, 3"):
+        check_layout(c, 2, 4 * 3)
+    with pytest.raises(UsageError, match=r"does not divide the world size 4.*use one of: 1"):
+        check_layout(c, 3, 4)
+    with pytest.raises(UsageError, match=r"--tp_size=4 does not divide n_head=10 .*use one of: 1, 2"):
+        check_layout(config_for_depth(20, 65536, 2048), 4, 8)  # d20 has 10 heads: what a start-up check asks
+    with pytest.raises(UsageError, match="use one of: 1, 2, 4"):
+        parallel_from_config({"tp_size": 3}).data_rank_and_world(0, 4)  # the plan asks the same function
+    assert parallel_from_config({"tp_size": 2}).data_rank_and_world(3, 8) == (1, 4)
     assert isinstance(parallel_from_config({"tp_size": 1}), DataParallel)
     tp = parallel_from_config({"tp_size": 2})
     assert tp.name == "tp" and tp.flag == "--tp_size=2" and tp.collective_forward
-    with pytest.raises(ValueError, match="--tp_size must be a whole number >= 1"):
+    with pytest.raises(UsageError, match="--tp_size must be a whole number >= 1"):
         parallel_from_config({"tp_size": 0})
-    # optimizer state of another layout: the message names the flag to resume with
+    # single-file optimizer state of another layout: the message names the flag to resume with
     with pytest.raises(ValueError, match="resume with --tp_size=4"):
         tp.check_resume({"parallel": "tp", "tp_size": 4}, 10)
     with pytest.raises(ValueError, match="resume with --use_fsdp=1"):
@@ -183,6 +186,11 @@ def test_tp_size_errors_name_the_valid_values():
     with pytest.raises(ValueError, match="resume with --tp_size=2"):
         DataParallel().check_resume({"parallel": "tp", "tp_size": 2}, 10)
     tp.check_resume({"parallel": "tp", "tp_size": 2}, 10)
+    # a sharded step resumes on either DTensor layout, whatever saved it; not on the DDP path
+    tp.check_resume({"parallel": "fsdp"}, 10, "sharded")
+    parallel_from_config({"use_fsdp": True}).check_resume({"parallel": "tp", "tp_size": 2}, 10, "sharded")
+    with pytest.raises(ValueError, match="step 10 is a sharded checkpoint .*resume with --tp_size=2"):
+        DataParallel().check_resume({"parallel": "tp", "tp_size": 2}, 10, "sharded")
 
 
 @pytest.mark.dist
@@ -196,7 +204,7 @@ def test_mid_and_sft_tp2_match_one_process(tmp_path, monkeypatch):
     from nanochat.gpt import config_for_depth
     from nanochat.metrics import read_metrics
     from nanochat.tokenizer import compute_token_bytes, save_token_bytes
-    from nanochat.training import build_model
+    from nanochat.training import init_model
     from scripts import chat_sft, mid_train
     from tests.chat_fixtures import tiny_tokenizer
 
@@ -210,7 +218,7 @@ def test_mid_and_sft_tp2_match_one_process(tmp_path, monkeypatch):
     save_token_bytes(compute_token_bytes(tok), str(base / "tokenizer"))
     torch.manual_seed(0)
     config = config_for_depth(3, tok.get_vocab_size(), 128)  # 2 heads
-    model = build_model(config, "cpu")
+    model = init_model(config, "cpu")
     for tag in ("one", "tp"):
         save_checkpoint(str(base / "base_checkpoints" / tag), 0, model.state_dict(), None, {"model_config": vars(config), "step": 0})
 

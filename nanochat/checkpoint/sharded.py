@@ -47,36 +47,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from nanochat.atomic import fsync_dir
+from nanochat.checkpoint.files import META_FILE, PARTIAL_SUFFIX, atomic_json_save, atomic_torch_save, sharded_step_dir, step_paths
+from nanochat.checkpoint.steps import read_meta
 
 logger = logging.getLogger(__name__)
-
-SHARDED_DIR = "sharded_{step:06d}"
-PARTIAL_SUFFIX = ".partial"
-META_FILE = "meta_{step:06d}.json"
-
-
-def sharded_step_dir(checkpoint_dir, step):
-    return os.path.join(checkpoint_dir, SHARDED_DIR.format(step=step))
-
-
-def is_sharded_step_complete(checkpoint_dir, step):
-    """True when step `step` of `checkpoint_dir` is a complete sharded checkpoint (renamed into place, with DCP's
-    .metadata and the meta json): what "the latest complete step" may pick. A save cut short never passes this."""
-    d = sharded_step_dir(checkpoint_dir, step)
-    return os.path.isfile(os.path.join(d, ".metadata")) and os.path.isfile(os.path.join(d, META_FILE.format(step=step)))
-
-
-def sharded_steps(checkpoint_dir):
-    """The complete sharded steps in a checkpoint directory, sorted (`.partial` directories are not steps)."""
-    if not os.path.isdir(checkpoint_dir):
-        return []
-    steps = []
-    for name in os.listdir(checkpoint_dir):
-        head, _, num = name.partition("_")
-        if head == "sharded" and num.isdigit() and is_sharded_step_complete(checkpoint_dir, int(num)):
-            steps.append(int(num))
-    return sorted(steps)
-
 
 # -----------------------------------------------------------------------------
 # the state dict DCP saves and loads
@@ -181,8 +155,6 @@ def wait_for_pending_save():
 def _finish(partial, final, meta, step):
     """Rank 0, after every rank's shard and DCP's .metadata are on disk: the meta json, then the rename that makes
     the step complete."""
-    from nanochat.checkpoint_manager import atomic_json_save
-
     atomic_json_save(meta, os.path.join(partial, META_FILE.format(step=step)))
     fsync_dir(partial)
     if os.path.isdir(final):  # saving a step again (a rerun): the new one replaces it
@@ -356,11 +328,9 @@ def consolidate(step_dir, out_dir, step, optimizer=True):
     state_dict() held (the single-file format resumes on that world size only); a step saved without optimizer state
     (save_stage_model) gets none. Files are written atomically, meta last. Returns the paths written.
     """
-    from nanochat.checkpoint_manager import _paths, atomic_json_save, atomic_torch_save, read_meta
-
     meta = read_meta(os.path.join(step_dir, META_FILE.format(step=step)), os.path.dirname(step_dir), step)
     world = meta.get("world_size", 1)
-    model_path, meta_path, _ = _paths(out_dir, step)
+    model_path, meta_path, _ = step_paths(out_dir, step)
     os.makedirs(out_dir, exist_ok=True)
     model = read_model_state_dict(step_dir)
     atomic_torch_save(model, model_path)
@@ -388,7 +358,7 @@ def consolidate(step_dir, out_dir, step, optimizer=True):
                           for g in saved["param_groups"]]
                 per_rank.append({"state": state, "param_groups": groups,
                                  "dist": {"world_size": world, "rank": r, "kind": saved["kind"]}})
-            path = _paths(out_dir, step, r)[2]
+            path = step_paths(out_dir, step, r)[2]
             atomic_torch_save(per_rank, path)
             written.append(path)
     atomic_json_save(meta, meta_path)  # last: the step is complete once meta is there

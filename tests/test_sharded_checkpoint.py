@@ -5,7 +5,9 @@ Sharded checkpoints of the FSDP and tensor-parallel paths (nanochat/checkpoint/s
   (torch.equal), and train on: on 2 ranks bit for bit like the run that never stopped, on 1 and 4 ranks within
   float32 reduction-order noise (the same global batch, summed in another order)
 - consolidation writes the same files, byte for byte, as the gather-to-rank-0 path for the same step
-- a rank killed mid-save (SIGKILL) leaves the previous step the latest complete one; a crash before the rename too
+- a rank killed mid-save (SIGKILL) leaves the previous step the latest complete one (and the next start removes its
+  .partial directory); a crash before the rename too
+- tensor parallelism writes the same format: a TP=2 step loads tensor for tensor on TP=2 and on FSDP over 1 and 2 ranks
 - base_train --use_fsdp=1 saves sharded steps, resumes one on another number of ranks, and the model loads through
   checkpoint_manager (evaluation, chat, export_hf) and through the consolidate command
 """
@@ -274,7 +276,7 @@ def test_async_save_holds_the_state_of_its_step(runs, tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_rank_killed_mid_save_leaves_the_previous_step(tmp_path):
+def test_a_rank_killed_mid_save_leaves_the_previous_step(tmp_path, capsys):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={launch.free_port()}", str(HERE / "dist_scripts" / "sharded_ckpt_check.py"), "--mode=save",
            f"--dir={tmp_path}", "--crash=1"]
@@ -284,6 +286,70 @@ def test_a_rank_killed_mid_save_leaves_the_previous_step(tmp_path):
     assert (tmp_path / "sharded" / "sharded_000004.partial").is_dir()
     assert steps.step_format(d, 4) is None
     assert steps.complete_steps(d) == [2] and cm.find_last_step(d) == 2
+    # the next start of the run removes what the killed save left, says so in one line, and resumes from step 2
+    from nanochat.checkpoint.resume import resolve_resume_step
+
+    assert resolve_resume_step("auto", d) == 2
+    out = capsys.readouterr().out
+    assert f"Removed 1 temp file(s) of an interrupted save from {d}" in out and "sharded_000004.partial" in out
+    assert not (tmp_path / "sharded" / "sharded_000004.partial").exists()
+
+
+# ----------------------------------------------------------------------------- tensor parallelism: the same format
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    """TP=2 on 2 ranks saves (sharded, its default format); TP=2 on 2 ranks and FSDP on 1 and 2 ranks load it."""
+    d = tmp_path_factory.mktemp("tp_sharded")
+    launch.torchrun("tp_ckpt_check.py", ["--mode=save", f"--dir={d}"], nproc=2, timeout=300)
+    for layout, n in (("tp", 2), ("fsdp", 1), ("fsdp", 2)):
+        launch.torchrun("tp_ckpt_check.py", ["--mode=load", f"--dir={d}", f"--layout={layout}"], nproc=n, timeout=300)
+    return d
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout, world", [("tp", 2), ("fsdp", 1), ("fsdp", 2)])
+def test_a_tp_step_is_sharded_and_resumes_on_one_and_two_ranks(tp_runs, layout, world):
+    """A TP=2 run writes a sharded step (no rank-0 gather); it loads tensor for tensor (torch.equal) into TP=2 on 2
+    ranks and FSDP on 1 and 2, and training goes on: bit for bit on the same layout, within float32 reduction-order
+    noise on another."""
+    assert steps.sharded_steps(str(tp_runs / "tp")) == [2] and not list((tp_runs / "tp").glob("*.pt"))
+    meta = json.loads((tp_runs / "tp" / "sharded_000002" / "meta_000002.json").read_text())
+    assert (meta["parallel"], meta["tp_size"], meta["world_size"]) == ("tp", 2, 2)
+    saved, loaded = _load(tp_runs / "saved.pt"), _load(tp_runs / f"loaded_{layout}_w{world}.pt")
+    assert list(loaded["tensors"]) == list(saved["tensors"])
+    assert any(k.endswith("momentum_buffer") for k in saved["tensors"]) and any(k.endswith("exp_avg") for k in saved["tensors"])
+    for k, v in saved["tensors"].items():
+        assert torch.equal(loaded["tensors"][k], v), k
+    assert loaded["groups"] == saved["groups"]
+    ref, got = _load(tp_runs / "continued_tp_w2.pt"), _load(tp_runs / f"continued_{layout}_w{world}.pt")
+    for k, v in ref["state"]["tensors"].items():
+        if layout == "tp":
+            assert torch.equal(got["state"]["tensors"][k], v), k
+        else:
+            assert torch.allclose(got["state"]["tensors"][k], v, atol=2e-5, rtol=1e-4), k
+    assert got["losses"] == (ref["losses"] if layout == "tp" else pytest.approx(ref["losses"], abs=1e-5))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_tp_step_consolidates_its_model(tp_runs, tmp_path):
+    """The model of a TP step consolidates into nanochat's single file as an FSDP step's does; its optimizer state (a
+    rectangle per rank of the (dp, tp) mesh) stays in the sharded step, which resumes on any layout: said, not written."""
+    step_dir = files.sharded_step_dir(str(tp_runs / "tp"), 2)
+    with pytest.raises(ValueError, match=r"saved by the --tp_size=2 path: its optimizer state stays in .*--optimizer=0"):
+        sc.consolidate(step_dir, str(tmp_path), 2)
+    assert os.listdir(tmp_path) == []  # refused before anything was written
+    written = sc.consolidate(step_dir, str(tmp_path), 2, optimizer=False)
+    assert sorted(os.path.basename(p) for p in written) == ["meta_000002.json", "model_000002.pt"]
+    model = torch.load(tmp_path / "model_000002.pt", weights_only=True)
+    saved = _load(tp_runs / "saved.pt")["tensors"]
+    assert list(model) == [k.removeprefix("model.") for k in saved if k.startswith("model.")]
+    assert all(torch.equal(v, saved[f"model.{k}"]) for k, v in model.items())
 
 
 # ----------------------------------------------------------------------------- base_train end to end

@@ -5,8 +5,9 @@ base training, against one process with the same global batch (tolerances as tes
 - TP=2 on 2 ranks == 1 process over 10 steps (losses and final weights), with Muon (ShardedMuon) and with AdamW only
 - DP=2 x TP=2 on 4 ranks == 1 process reading the data as 2 ranks would
 - activation checkpointing under TP gives the same run; evaluation (bpb) and sampling run mid-training (every forward
-  is collective); the TP checkpoint is one full model file that loads in one process with the same logits
-- resuming a TP run is exact; resuming it with another layout is refused with the flag to use
+  is collective); the TP checkpoint (a sharded step) loads in one process with the same logits
+- resuming a TP run is exact; resuming it on the DDP path is refused with the flag to use (tests/test_sharded_checkpoint.py
+  resumes a TP step on FSDP over 1 and 2 ranks)
 - mid_train and chat_sft under TP == 1 process; torch.compile x TP x activation checkpointing == eager 1 process
 - ShardedMuon on awkward layouts (uneven rectangles, Shard(1) x Shard(0), replicated dims) == Muon on full matrices
 - the head-divisibility and world-size errors name the valid sizes (no process group needed)
@@ -98,7 +99,8 @@ def test_dp2_x_tp2_on_four_ranks_matches_one_process(base_dir):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_tp_with_ac_eval_sampling_and_checkpoint(base_dir):
-    """AC=full under TP, bpb evaluation and sampling mid-run; the TP checkpoint loads in one process (same logits)."""
+    """AC=full under TP, bpb evaluation and sampling mid-run; the TP checkpoint (sharded) loads in one process (same
+    logits)."""
     from nanochat.checkpoint_manager import load_model
 
     steps = 4
@@ -110,7 +112,8 @@ def test_tp_with_ac_eval_sampling_and_checkpoint(base_dir):
     assert [r["step"] for r in records(base_dir, "tpac") if "val/bpb" in r] == [0, 2, 4]
     assert p.stdout.count("'The capital of France is' ->") == 2  # steps 2 and 4, printed by rank 0 only
     sd, _ = final_params(base_dir, "tpac", steps)
-    assert all(type(v) is torch.Tensor for v in sd.values())  # plain full tensors: the single-file format
+    assert all(type(v) is torch.Tensor for v in sd.values())  # plain full tensors, assembled from the sharded step
+    assert (base_dir / "base_checkpoints" / "tpac" / f"sharded_{steps:06d}").is_dir()
     m_tp, tok, _ = load_model("base", "cpu", "eval", model_tag="tpac")
     m_ref, _, _ = load_model("base", "cpu", "eval", model_tag="refac")
     idx = torch.tensor([tok.encode("The quick brown fox jumps over the lazy dog", prepend="<|bos|>")])
@@ -125,15 +128,15 @@ def test_tp_resume_is_exact_and_other_layouts_are_refused(base_dir):
     _torchrun(base_dir, "full", 2 * n, 2, [f"--save_every={n}"])
     src, dst = base_dir / "base_checkpoints" / "full", base_dir / "base_checkpoints" / "resumed"
     dst.mkdir()
-    for f in src.glob(f"*{n:06d}*"):
-        shutil.copy(f, dst / f.name)
+    for f in src.glob(f"*{n:06d}*"):  # TP writes a sharded step: one directory
+        (shutil.copytree if f.is_dir() else shutil.copy)(f, dst / f.name)
     _torchrun(base_dir, "resumed", 2 * n, 2, [f"--resume_from_step={n}"])
     assert losses(base_dir, "resumed") == losses(base_dir, "full")[n:]
     a, _ = final_params(base_dir, "full", 2 * n)
     b, _ = final_params(base_dir, "resumed", 2 * n)
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    # the same 2 ranks on the DDP path cannot take the TP optimizer state: the error names the flag to resume with
+    # the same 2 ranks on the DDP path cannot take the TP (sharded) optimizer state: the error names the flag to use
     import subprocess
     import sys
 

@@ -31,10 +31,10 @@ from nanochat.distributed.parallel import FSDP, parallel_from_config
 STEPS, MORE = 2, 2
 
 
-def build(seed, parallel):
+def build(seed, parallel, config=CONFIG):
     torch.manual_seed(seed)
     with torch.device("meta"):
-        model = GPT(CONFIG, attn="sdpa")
+        model = GPT(config, attn="sdpa")
     model.to_empty(device="cpu")
     model.init_weights("nanochat")
     model = parallel.wrap(model, "cpu")
@@ -73,8 +73,8 @@ def full_state(model, opts):
     return {"tensors": out, "groups": groups}
 
 
-def meta():
-    return {"model_config": vars(CONFIG), "user_config": {"use_muon": True}, "loop_state": {}}
+def meta(config=CONFIG):
+    return {"model_config": vars(config), "user_config": {"use_muon": True}, "loop_state": {}}
 
 
 def main():

@@ -44,6 +44,7 @@ def build(seed, parallel, config=CONFIG):
 
 
 def train(model, opts, steps, rank, world):
+    """`steps` steps on data rank `rank` of `world` (its rows of each global batch); the losses averaged over ranks."""
     losses = []
     n = GLOBAL_BATCH // world
     for step in steps:
@@ -55,7 +56,7 @@ def train(model, opts, steps, rank, world):
         model.zero_grad(set_to_none=True)
         t = loss.detach().clone()
         dist.all_reduce(t)
-        losses.append(t.item() / world)
+        losses.append(t.item() / dist.get_world_size())  # the tp ranks of a group (tp_ckpt_check.py) hold the same
     return losses
 
 

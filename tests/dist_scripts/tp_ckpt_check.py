@@ -18,33 +18,15 @@ import dataclasses
 import os
 
 import torch
-import torch.distributed as dist
 
-from gpt_train_check import CONFIG, GLOBAL_BATCH, global_batch
+from gpt_train_check import CONFIG
 from nanochat.checkpoint import train_state
 from nanochat.distributed.dist import compute_cleanup, compute_init
 from nanochat.distributed.parallel import parallel_from_config
-from sharded_ckpt_check import MORE, STEPS, build, full_state, meta
+from sharded_ckpt_check import MORE, STEPS, build, full_state, meta, train
 
 TP_CONFIG = dataclasses.replace(CONFIG, n_kv_head=2)  # 2 query and 2 key/value heads: one of each per tp rank
 LAYOUTS = {"tp": {"tp_size": 2}, "fsdp": {"use_fsdp": True}}
-
-
-def train(model, opts, steps, parallel):
-    losses = []
-    rank, world, _ = parallel.data_ranks
-    n = GLOBAL_BATCH // world
-    for step in steps:
-        x, y = global_batch(step)
-        loss = model(x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n])
-        loss.backward()
-        for opt in opts:
-            opt.step()
-        model.zero_grad(set_to_none=True)
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / dist.get_world_size())  # the tp ranks of a group hold the same loss
-    return losses
 
 
 def main():
@@ -55,13 +37,14 @@ def main():
     args = ap.parse_args()
     _, rank, _, world, _ = compute_init("cpu", seed=0)
     parallel = parallel_from_config(LAYOUTS[args.layout], rank, world)
+    data_rank, data_world, _ = parallel.data_ranks  # TP=2 on 2 ranks: one data rank, both take the whole batch
     checkpoint_dir = os.path.join(args.dir, "tp")
     if args.mode == "save":
         model, opts = build(0, parallel, TP_CONFIG)
-        train(model, opts, range(STEPS), parallel)
+        train(model, opts, range(STEPS), data_rank, data_world)
         state = full_state(model, opts)
         train_state.save_train_state(checkpoint_dir, STEPS, model, opts, meta(TP_CONFIG), None, parallel)
-        losses = train(model, opts, range(STEPS, STEPS + MORE), parallel)
+        losses = train(model, opts, range(STEPS, STEPS + MORE), data_rank, data_world)
         final = full_state(model, opts)
         if rank == 0:
             torch.save(state, os.path.join(args.dir, "saved.pt"))
@@ -70,7 +53,7 @@ def main():
         model, opts = build(123, parallel, TP_CONFIG)
         train_state.load_train_state(checkpoint_dir, STEPS, model, opts, "cpu", parallel)
         loaded = full_state(model, opts)
-        losses = train(model, opts, range(STEPS, STEPS + MORE), parallel)
+        losses = train(model, opts, range(STEPS, STEPS + MORE), data_rank, data_world)
         final = full_state(model, opts)
         if rank == 0:
             tag = f"{args.layout}_w{world}"

@@ -239,6 +239,9 @@ def test_a_save_killed_mid_write_leaves_temp_files_that_the_next_start_removes(b
     assert "resuming from step 2" in p.stdout
     assert not [f for f in d.iterdir() if f.name.endswith(".tmp")]
     assert sorted(f.name for f in d.glob("model_*.pt")) == ["model_000002.pt", "model_000004.pt", "model_000006.pt"]
+    # environment switches are flag defaults, so the run records what it ran with (conftest sets NANOCHAT_COMPILE=0)
+    user_config = load_checkpoint(str(d), 6, "cpu")[2]["user_config"]
+    assert user_config["compile"] == "0" and user_config["shared_fs"] is True
 
 
 def test_stale_temp_files_are_what_killed_saves_leave_and_nothing_else(tmp_path):

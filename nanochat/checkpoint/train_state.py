@@ -40,14 +40,14 @@ def save_train_state(checkpoint_dir, step, model, optimizers, meta, loader_state
     meta = dict(meta, step=step, loader_state=loader_states, world_size=len(loader_states), **parallel.resume_meta())
     if loader_states and loader_states[0] is not None:
         meta["dataloader_state_dict"] = loader_states[0]  # nanochat's key, for tools that read it
-    _check_room(checkpoint_dir, step, model, sum(g[1] for g in gathered), rank)
+    _check_room(checkpoint_dir, step, model, sum(g[1] for g in gathered), rank, parallel)
     _save(checkpoint_dir, step, model, optimizers, meta, parallel, rank)
 
 
 def save_stage_model(checkpoint_dir, step, model, meta, parallel):
     """The model and meta only (nanochat's SFT/RL checkpoints carry no optimizer state). Every rank must call it."""
     _, rank, _, _ = get_dist_info()
-    _check_room(checkpoint_dir, step, model, 0, rank)
+    _check_room(checkpoint_dir, step, model, 0, rank, parallel)
     _save(checkpoint_dir, step, model, None, dict(meta, step=step), parallel, rank)
 
 
@@ -63,9 +63,13 @@ def _save(checkpoint_dir, step, model, optimizers, meta, parallel, rank):
     save_checkpoint(checkpoint_dir, step, model_sd if rank == 0 else None, optim_sd, meta, rank=rank)
 
 
-def _check_room(checkpoint_dir, step, model, optim_bytes, rank):
+def _check_room(checkpoint_dir, step, model, optim_bytes, rank, parallel):
     """Rank 0 checks the disk has room for the whole step (the model, every rank's optimizer state); a shortfall
     stops every rank with rank 0's message, before any file of the step is written."""
+    if parallel.async_save:  # the previous step's background write is on disk first: it counts against the space
+        from nanochat.checkpoint.sharded import wait_for_pending_save
+
+        wait_for_pending_save()
     error = None
     if rank == 0:
         model_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values() if hasattr(v, "numel"))

@@ -202,8 +202,7 @@ def check_layout(model_config, tp_size, world):
         raise BadValue(f"--tp_size must be a whole number >= 1 (1 = no tensor parallelism), got {tp_size!r}")
     ok = ", ".join(map(str, valid_tp_sizes(model_config, world)))
     if world % tp_size != 0:
-        raise BadValue(f"--tp_size={tp_size} does not divide the world size {world} (ranks = data ranks x tp_size); "
-                       f"use one of: {ok}")
+        raise BadValue(f"--tp_size={tp_size} does not divide the world size {world}; use one of: {ok}")
     if model_config is None:
         return
     for what, n in (("n_head", model_config.n_head), ("n_kv_head", model_config.n_kv_head),

@@ -42,7 +42,7 @@ layout (NANOCHAT_SHARED_FS is the default of --shared_fs), so the parsed flags t
 The model shape against the layout (tp size vs heads, MLP width and world size) is checked in one function,
 `check_layout`, which scripts may call at start-up before anything is built.
 
-Checkpoints: the DDP path writes nanochat's single files (the model gathered to rank 0, one optimizer file per rank);
+Checkpoints: the DDP path writes nanochat's single files (the model from rank 0, one optimizer file per rank);
 the FSDP and tensor-parallel paths write sharded steps (one directory per step, every rank its shard,
 nanochat/checkpoint/sharded.py) unless --checkpoint_format=single, and every loader reads both. The model file is the
 same for all, so a later stage may use any strategy on an earlier stage's model. Resuming single-file optimizer state
@@ -53,7 +53,7 @@ a line in `parallel_from_config`.
 
 import contextlib
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -140,9 +140,6 @@ class ParallelConfig:
         if not self.sharded_layout or self.checkpoint_format == "single":
             return "single"
         return "single" if self.checkpoint_format == "auto" and self.node_local_dirs else "sharded"
-
-    def as_dict(self):
-        return asdict(self)
 
 
 def launched_on_several_nodes():

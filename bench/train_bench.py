@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from nanochat.training import autocast_ctx, build_model, check_model_options, dtype_flag, resolve_dtype, train_step  # noqa: E402
+from nanochat.training import autocast_ctx, check_model_options, dtype_flag, init_model, resolve_dtype, train_step  # noqa: E402
 from nanochat.common import autodetect_device_type, device_type_flag, peak_flops_for  # noqa: E402
 from nanochat.distributed.dist import compute_cleanup, compute_init, dist_world_size, is_ddp_initialized  # noqa: E402
 from nanochat.distributed.parallel import parallel_from_config  # noqa: E402
@@ -96,7 +96,7 @@ def bench_one(cfg, attn, device, parallel):
     torch.manual_seed(cfg["seed"])
     dtype = resolve_dtype(cfg["dtype"], device_type)
     model_config = config_for_depth(cfg["depth"], cfg["vocab_size"], cfg["max_seq_len"])
-    model = build_model(model_config, device, cfg["init"], attn)
+    model = init_model(model_config, device, cfg["init"], attn)
     autocast = lambda: autocast_ctx(device_type, dtype)  # noqa: E731
     # --activation_checkpointing, --fp8, the layout and compile: the plan's one call, as in base_train
     model, orig_model = parallel.prepare(model, cfg, device, autocast)

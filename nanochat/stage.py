@@ -16,7 +16,7 @@ script keeps only what is its own: its data, its model source, its loop body and
     stage.finish(section, data, curves)                    # report card, metrics closed, process group gone
 
 The pieces it calls live where they did: nanochat/training.py (setup_run, train_step, ProgressMeter, every),
-nanochat/distributed/parallel.py (the plan), nanochat/metrics.py, nanochat/preemption.py.
+nanochat/distributed/parallel.py (the plan), nanochat/checkpoint/resume.py, nanochat/metrics.py, nanochat/preemption.py.
 """
 
 import contextlib
@@ -25,13 +25,12 @@ import time
 
 import torch
 
+from nanochat.checkpoint.resume import resume_run
 from nanochat.common import compute_cleanup, get_wandb
 from nanochat.distributed.parallel import parallel_from_config
 from nanochat.metrics import MetricsLogger
 from nanochat.preemption import StopSignal, report_stop
-from nanochat.training import (
-    ProgressMeter, assert_finite, check_model_options, every, resume_run, setup_run, train_step
-)
+from nanochat.training import ProgressMeter, assert_finite, check_model_options, every, setup_run, train_step
 
 
 class Stage:
@@ -44,7 +43,7 @@ class Stage:
         self.ctx = setup_run(config)
         self.device, self.autocast, self.master = self.ctx.device, self.ctx.autocast, self.ctx.master
         self.rank, self.world_size = self.ctx.rank, self.ctx.world_size
-        self.parallel.bind(self.rank, self.world_size, config.get("data_world_size", 1))  # which data this rank reads
+        self.parallel.bind(self.rank, self.world_size, self.device.type)  # which data this rank reads, the mesh
         check_model_options(config, self.device)  # --fp8=1 on hardware without FP8 stops here, before any work
         self.metrics = self.meter = self.stop = None
 

@@ -16,6 +16,8 @@ import torch
 
 from nanochat.attention import attn_flag
 from nanochat.batching import batch_arithmetic
+from nanochat.checkpoint.resume import resolve_resume_step, resume_flag, resume_loop_state
+from nanochat.checkpoint.train_state import load_train_state, save_train_state, saved_loader_states
 from nanochat.checkpoint_manager import checkpoint_root, require_step
 from nanochat.compile import compile_flag
 from nanochat.common import print0, print_banner
@@ -23,16 +25,15 @@ from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.dataloader import (PACKINGS, cropped_fraction, loader_states_for_world, resolve_packing,
                                  tokenizing_distributed_data_loader)
 from nanochat.dataset import SOURCES, base_data_dir, resolve_source, split_parquet_files
+from nanochat.distributed.parallel import parallel_flags
 from nanochat.fp8 import FP8_FILTER_HELP, FP8_IMPL_HELP, FP8_IMPLS, FP8_RECIPES
 from nanochat.gpt import config_for_depth
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.stage import Stage
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.training import (
-    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, apply_schedule,
-    build_model, eval_steps_for, format_duration, load_train_state,
-    lr_multiplier, memory_flags, muon_momentum, optimizer_flags, resolve_resume_step, resume_flag, resume_loop_state,
-    round_robin_batches, run_flags, save_train_state, schedule_flags
+    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, apply_schedule, eval_steps_for, format_duration, init_model,
+    lr_multiplier, muon_momentum, optimizer_flags, round_robin_batches, run_flags, schedule_flags
 )
 from nanochat.usage import BadValue, run_main
 
@@ -78,9 +79,7 @@ FLAGS = Flags(
     Flag("model_tag", None, "checkpoint directory name under base_checkpoints/; auto = d<depth>", type=str),
     "systems",
     compile_flag(),
-    memory_flags(),
-    Flag("fsdp_defer_grad_sync", False, "FSDP: reduce-scatter gradients once per step, not per micro-step (more "
-         "memory, less traffic)"),
+    parallel_flags(),
     Flag("fp8", False, "FP8 matmuls in the blocks (CUDA, compute capability >= 8.9; nanochat/fp8.py; --fp8_impl: whose)"),
     Flag("fp8_recipe", "tensorwise", "FP8 scaling granularity", choices=list(FP8_RECIPES)),
     Flag("fp8_impl", "torchao", FP8_IMPL_HELP, choices=list(FP8_IMPLS)),
@@ -130,7 +129,7 @@ def main(argv=None):
     # tokenizer and model
     token_bytes = get_token_bytes(device=device)
     model_config = config_for_depth(config["depth"], tokenizer.get_vocab_size(), config["max_seq_len"])
-    model, orig_model = stage.prepare(build_model(model_config, device, config["init"], config["attn"]))
+    model, orig_model = stage.prepare(init_model(model_config, device, config["init"], config["attn"]))
     num_params, flops_per_token = orig_model.num_params(), orig_model.estimate_flops()
     print0(f"Model d{config['depth']}: {model_config} | {num_params:,} params | attn {orig_model.attn_choice.describe()} | "
            f"{flops_per_token:.3e} FLOPs/token")
@@ -247,8 +246,8 @@ def resume(stage, checkpoint_dir, step, model, optimizers):
     loop = resume_loop_state(meta, checkpoint_dir, step, ("meter", "min_val_bpb", "data_loader_states"))
     stage.meter.load_state_dict(loop["meter"])
     # one process reads as read_world ranks: their saved positions (resharded when another world saved them)
-    loader_states = (loader_states_for_world(loop["data_loader_states"] or meta["loader_state"], parallel.read_world,
-                                             print0) if stage.world_size == 1 else [my_state])
+    loader_states = (loader_states_for_world(saved_loader_states(meta), parallel.read_world, print0)
+                     if stage.world_size == 1 else [my_state])
     print0(f"Resumed from step {step} in {checkpoint_dir}")
     return step, loop["min_val_bpb"], meta.get("val_bpb"), loader_states
 

@@ -18,6 +18,7 @@ from nanochat.chat_eval import TASK_NAMES, chatcore, evaluate_task
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, device_type_flag, print0
 from nanochat.attention import attn_flag
 from nanochat.checkpoint_manager import checkpoint_flags, resolve_checkpoint
+from nanochat.distributed.dist import process_data_ranks
 from nanochat.configurator import Flag, Flags
 from nanochat.data.task_data import TaskDataNotFound
 from nanochat.usage import BadValue, CannotRun, run_main
@@ -78,7 +79,8 @@ def main(argv=None):
     ddp, rank, local_rank, world_size, device = compute_init(device_type)
     autocast = (torch.amp.autocast(device_type="cuda", dtype=torch.bfloat16)
                 if device_type == "cuda" and args.dtype == "bfloat16" else contextlib.nullcontext())
-    model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=model_tag, step=step)
+    model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=model_tag, step=step,
+                                        weights_dtype=args.weights_dtype)
     print0(f"attention: {model.set_attn(args.attn).describe()}")
     engine = Engine(model, tokenizer, args.decode_compile)
 
@@ -93,7 +95,8 @@ def main(argv=None):
         with autocast:
             acc = evaluate_task(task, model, tokenizer, engine, batch_size=args.batch_size,
                                 num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
-                                temperature=args.temperature, top_k=args.top_k, max_problems=args.max_problems)
+                                temperature=args.temperature, top_k=args.top_k, max_problems=args.max_problems,
+                                ranks=process_data_ranks())  # no tensor parallelism here: the process group's
         results[name] = acc
         print0(f"{name} accuracy: {100 * acc:.2f}%")
 

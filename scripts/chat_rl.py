@@ -22,18 +22,19 @@ import time
 
 import torch
 
+from nanochat.checkpoint.resume import already_finished, resume_flag
+from nanochat.checkpoint.train_state import save_stage_model, save_train_state
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, print0, print_banner
 from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
 from nanochat.data.conversations import check_stage_model, collate_sft, load_stage_model, scale_initial_lr
 from nanochat.distributed.dist import all_reduce_sum, dist_world_size, get_dist_info
+from nanochat.distributed.parallel import parallel_flags
 from nanochat.attention import attn_flag
 from nanochat.engine import Engine, decode_compile_flag
 from nanochat.stage import Stage
 from nanochat.training import (
-    already_finished, apply_schedule, assert_finite, lr_multiplier, memory_flags,
-    optimizer_flags, resume_flag, run_flags, save_stage_model, save_train_state, source_flags,
-    train_step
+    apply_schedule, assert_finite, lr_multiplier, optimizer_flags, run_flags, source_flags, train_step
 )
 from nanochat.usage import BadValue, run_main
 
@@ -60,7 +61,7 @@ FLAGS = Flags(
     Flag("init_lr_frac", 0.05, "train at this fraction of the learning rates above"),
     Rule(("init_lr_frac",), lambda frac: frac > 0, "--init_lr_frac must be > 0 (got {init_lr_frac})"),
     "memory (--tp_size is refused: sampling needs whole weights on each rank)",
-    memory_flags(),
+    parallel_flags(),
     "periodic actions (<= 0 turns one off)",
     Flag("eval_every", 60, "pass@k on GSM8K test every this many steps"),
     Flag("eval_examples", 400, "GSM8K test questions for pass@k", min=1),

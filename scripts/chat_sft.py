@@ -20,16 +20,16 @@ import torch
 
 from nanochat.attention import attn_flag
 from nanochat.batching import sft_batch_arithmetic
+from nanochat.checkpoint.resume import already_finished, resume_flag
+from nanochat.checkpoint.train_state import save_stage_model, save_train_state
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, print0, print_banner
 from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
 from nanochat.data.conversations import check_stage_model, load_stage_model, scale_initial_lr, sft_batches
 from nanochat.distributed.dist import all_reduce_mean
+from nanochat.distributed.parallel import parallel_flags
 from nanochat.stage import Stage
-from nanochat.training import (
-    MicroBatches, already_finished, apply_schedule, lr_multiplier, memory_flags, optimizer_flags, resume_flag, run_flags,
-    save_stage_model, save_train_state, source_flags
-)
+from nanochat.training import MicroBatches, apply_schedule, lr_multiplier, optimizer_flags, run_flags, source_flags
 from nanochat.usage import BadValue, run_main
 from tasks.suites import build_mixture, held_out_tasks
 
@@ -59,7 +59,7 @@ FLAGS = Flags(
     resume_flag(),
     "systems",
     attn_flag(),
-    memory_flags(),
+    parallel_flags(),
 )
 DEFAULTS = FLAGS.defaults()
 
@@ -85,7 +85,7 @@ def train_tasks():
     ]
 
 
-def chat_metrics(model, tokenizer, batch_size, max_problems, autocast, lockstep=False, ranks=None):
+def chat_metrics(model, tokenizer, batch_size, max_problems, autocast, lockstep, ranks):
     """{task: accuracy} for METRIC_TASKS (nanochat.chat_eval); a task whose data is missing is left out with a note.
     lockstep: the model's forward is a collective (FSDP, TP)."""
     from nanochat.chat_eval import evaluate_task

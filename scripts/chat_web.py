@@ -139,7 +139,8 @@ def load_workers(args, device_type):
     workers = []
     for gpu_id, device in enumerate(devices):
         logger.info(f"loading {args.source} model on {device}")
-        model, tokenizer, _ = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.step)
+        model, tokenizer, _ = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.step,
+                                      weights_dtype=args.weights_dtype)
         logger.info(f"attention: {model.set_attn(args.attn).describe()}")
         engine = Engine(model, tokenizer, args.decode_compile)
         logger.info(f"decode step: {'compiled' if engine.decode_compiled else 'eager'}")

@@ -328,7 +328,8 @@ def main(argv=None):
         root = checkpoint_root(args.source)
         tag = args.model_tag or find_largest_model(root)
         step = args.step if args.step is not None else find_last_step(os.path.join(root, tag))
-        model, tokenizer, meta = load_model(args.source, "cpu", phase="eval", model_tag=tag, step=step)
+        model, tokenizer, meta = load_model(args.source, "cpu", phase="eval", model_tag=tag, step=step,
+                                           weights_dtype=args.weights_dtype)
         padding_rows = model.padded_vocab_size - model.config.vocab_size  # in wte and lm_head, dropped on export
         n = sum(p.numel() for p in model.parameters()) - 2 * padding_rows * model.config.n_embd
         card = model_card(model.config, n, args.source, tag, step, meta, args.dtype, license=args.license,

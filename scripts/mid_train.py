@@ -17,18 +17,21 @@ import os
 
 from nanochat.attention import attn_flag
 from nanochat.batching import batch_arithmetic
+from nanochat.checkpoint.resume import resume_flag
+from nanochat.checkpoint.train_state import save_train_state
 from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.common import compute_cleanup, print0, print_banner
 from nanochat.compile import compile_flag
 from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
 from nanochat.data.conversations import ConversationPacker, check_stage_model, load_stage_model, scale_initial_lr
 from nanochat.distributed.dist import all_reduce_mean, any_rank
+from nanochat.distributed.parallel import parallel_flags
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.stage import Stage
 from nanochat.tokenizer import get_token_bytes
 from nanochat.training import (
     CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, apply_schedule, eval_steps_for,
-    format_duration, memory_flags, muon_momentum, optimizer_flags, resume_flag, run_flags, save_train_state, source_flags
+    format_duration, muon_momentum, optimizer_flags, run_flags, source_flags
 )
 from nanochat.usage import run_main
 from tasks.suites import build_mixture, held_out_tasks
@@ -60,7 +63,7 @@ FLAGS = Flags(
     "systems",
     compile_flag(),
     attn_flag(),
-    memory_flags(),
+    parallel_flags(),
 )
 DEFAULTS = FLAGS.defaults()
 

@@ -959,7 +959,7 @@ def test_stop_signal_to_pretrain_sh_saves_and_stops_the_pipeline(base_dir, sig):
     platform signals) reaches the ranks through torchrun (SIGUSR1 only with --signals-to-handle), they finish the
     step and save it, and the launcher stops the pipeline with status 128 + the signal, so the job is requeued."""
     from conftest import subprocess_env
-    from nanochat.checkpoint_manager import latest_resumable_step
+    from nanochat.checkpoint.steps import latest_resumable_step
 
     env = subprocess_env(base_dir, PYTHON=sys.executable, TORCHRUN=f"{sys.executable} -m torch.distributed.run",
                          CUDA_VISIBLE_DEVICES="")
@@ -998,7 +998,7 @@ def test_two_launchers_meet_in_the_rendezvous_and_stop_together(base_dir):
     rendezvous the launcher sets up (no static master), train together, and a SIGTERM to both launchers (a job being
     preempted) makes the two ranks save the same step and both launchers stop with 143."""
     from conftest import free_port, subprocess_env
-    from nanochat.checkpoint_manager import latest_resumable_step
+    from nanochat.checkpoint.steps import latest_resumable_step
 
     port = free_port()
     steps = 2000

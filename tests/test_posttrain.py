@@ -29,7 +29,7 @@ def chat_env(tmp_path, monkeypatch):
     at once instead of being downloaded.
     """
     require_chat_data()
-    from nanochat.training import build_model
+    from nanochat.training import init_model
     from nanochat.gpt import config_for_depth
     from nanochat.tokenizer import compute_token_bytes, save_token_bytes
 
@@ -46,7 +46,7 @@ def chat_env(tmp_path, monkeypatch):
     save_token_bytes(compute_token_bytes(tok), str(tok_dir))
     torch.manual_seed(0)
     config = config_for_depth(1, tok.get_vocab_size(), 128)
-    model = build_model(config, "cpu")
+    model = init_model(config, "cpu")
     save_checkpoint(str(base / "base_checkpoints" / "d1"), 0, model.state_dict(), None,
                     {"model_config": vars(config), "step": 0})
     return base
@@ -74,12 +74,12 @@ def test_advantages_are_reward_minus_mean():
 
 def test_policy_gradient_loss_on_a_uniform_model():
     """lm_head starts at zero, so every token has log p = -ln V: the loss is hand-computable."""
-    from nanochat.training import build_model
+    from nanochat.training import init_model
     from nanochat.gpt import config_for_depth
     from scripts.chat_rl import policy_gradient_loss
 
     V = 300
-    model = build_model(config_for_depth(1, V, 32), "cpu")
+    model = init_model(config_for_depth(1, V, 32), "cpu")
     inputs = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
     targets = torch.tensor([[6, 7, 8, -1, -1], [-1, -1, -1, 14, -1]])  # 3 trained tokens in row 0, 1 in row 1
     advantages = torch.tensor([0.5, -0.5])
@@ -89,12 +89,12 @@ def test_policy_gradient_loss_on_a_uniform_model():
 
 
 def test_policy_gradient_step_moves_probability_towards_rewarded_samples():
-    from nanochat.training import build_model, train_step
+    from nanochat.training import init_model, train_step
     from nanochat.gpt import config_for_depth
     from scripts.chat_rl import micro_batches, policy_gradient_loss
 
     torch.manual_seed(0)
-    model = build_model(config_for_depth(1, 64, 32), "cpu")
+    model = init_model(config_for_depth(1, 64, 32), "cpu")
     optimizers = model.setup_optimizers(unembedding_lr=0.02, embedding_lr=0.02, matrix_lr=0.002)
     prompt = [1, 2, 3]
     good, bad = prompt + [10, 11, 12], prompt + [20, 21, 22]

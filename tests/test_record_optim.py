@@ -335,9 +335,10 @@ def test_consolidated_record_step_is_the_single_file_one(sharded_record_runs, tm
     import filecmp
     import os
 
-    from nanochat import sharded_checkpoint as sc
+    from nanochat.checkpoint.files import sharded_step_dir
+    from nanochat.checkpoint.sharded import consolidate
 
-    written = sc.consolidate(sc.sharded_step_dir(str(sharded_record_runs / "sharded"), 2), str(tmp_path), 2)
+    written = consolidate(sharded_step_dir(str(sharded_record_runs / "sharded"), 2), str(tmp_path), 2)
     names = sorted(os.path.basename(p) for p in written)
     assert names == sorted(os.listdir(sharded_record_runs / "single"))
     for name in names:

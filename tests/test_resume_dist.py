@@ -17,7 +17,7 @@ import time
 import pytest
 
 from conftest import REPO, free_port, run_torchrun, subprocess_env
-from nanochat.checkpoint_manager import latest_resumable_step
+from nanochat.checkpoint.steps import latest_resumable_step
 from test_resume import assert_same_weights, ckpt_dir, copy_step, final_weights, losses
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]

@@ -172,7 +172,7 @@ def compute_init(device_type=None, seed=42):
 
 def compute_cleanup():
     global _release_registered
-    sharded = sys.modules.get("nanochat.sharded_checkpoint")  # loaded only by runs that write sharded checkpoints
+    sharded = sys.modules.get("nanochat.checkpoint.sharded")  # loaded only by runs that write sharded checkpoints
     if sharded is not None:
         sharded.wait_for_pending_save()  # an --async_save checkpoint still being written needs the group to finish
     if is_ddp_initialized():

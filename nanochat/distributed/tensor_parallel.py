@@ -24,8 +24,9 @@ Collective rules (why each exists):
     split work by DATA rank (the parallel plan's `data_rank`/`data_ranks`, passed to them), never by global rank.
   * every forward is a collective (two all-reduces per block), as under FSDP: sample on every rank, and an eval that
     splits problems over data ranks must give each rank the same number of forwards.
-  * n_head, n_kv_head and 4*n_embd must be divisible by tp_size (heads are not split), checked with a message naming
-    the valid sizes. Parameter names and shapes are unchanged, so checkpoints stay one full model file.
+  * n_head, n_kv_head and 4*n_embd must be divisible by tp_size (heads are not split): the plan's check_layout
+    (nanochat/distributed/parallel.py) says so with the valid sizes, before anything is built. Parameter names and
+    shapes are unchanged, so a checkpoint's model is the same full model on every layout.
 
 Why wte and lm_head are not tensor-parallel: sharding the vocabulary would need a vocab-parallel cross-entropy and
 softcap (the logits would be sharded); at nanochat's sizes they are a small part of the model and FSDP over dp
@@ -67,23 +68,6 @@ def _require_dist():
     return dist.get_rank(), dist.get_world_size()
 
 
-def valid_tp_sizes(config, world):
-    """tp sizes that divide the world size and the head counts (what the errors suggest)."""
-    return [t for t in range(1, world + 1) if world % t == 0 and config.n_head % t == 0 and config.n_kv_head % t == 0 and (4 * config.n_embd) % t == 0]
-
-
-def check_tp_size(config, tp_size, world):
-    """Raise ValueError naming the valid sizes when tp_size does not divide the world, the heads or the MLP."""
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"--tp_size must be a whole number >= 1, got {tp_size!r}")
-    ok = ", ".join(map(str, valid_tp_sizes(config, world)))
-    if world % tp_size != 0:
-        raise ValueError(f"--tp_size={tp_size} does not divide the world size {world} (ranks = data ranks x tp_size); use one of: {ok}")
-    for what, n in (("n_head", config.n_head), ("n_kv_head", config.n_kv_head), ("the MLP width 4*n_embd", 4 * config.n_embd)):
-        if n % tp_size != 0:
-            raise ValueError(f"--tp_size={tp_size} does not divide {what}={n} (each tp rank takes whole heads); use one of: {ok}")
-
-
 def tp_mesh(device_type, tp_size):
     """The 2-D ("dp", "tp") mesh over all ranks; tp is the inner (fastest-varying) dimension."""
     _, world = _require_dist()
@@ -109,9 +93,9 @@ def block_plan():
 
 def apply_tp(model, tp_size, param_dtype=None, reduce_dtype=torch.float32, mesh=None):
     """Tensor-parallel blocks over "tp", then FSDP2 over "dp" (see the module docstring); mesh: the run's
-    ("dp", "tp") mesh (the parallel plan's), default tp_mesh(). Returns the model."""
-    _, world = _require_dist()
-    check_tp_size(model.config, tp_size, world)
+    ("dp", "tp") mesh (the parallel plan's, built in its bind), default tp_mesh() for tools that use this module
+    alone. Returns the model."""
+    _require_dist()  # the sizes were checked by the plan (nanochat/distributed/parallel.py check_layout)
     device = model.get_device()
     if device.type == "meta":
         raise ValueError("apply_tp: the model is on the meta device; call model.to_empty(device=...) and model.init_weights() first")

@@ -134,11 +134,10 @@ def apply_tp(model, tp_size, param_dtype=None, reduce_dtype=torch.float32, mesh=
 # optimizers
 
 
-def setup_tp_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, use_muon=True):
+def setup_tp_optimizers(model, **kwargs):
     """FSDPAdamW for wte/lm_head (and the matrices when use_muon is false), ShardedMuon for the block matrices; the
-    groups and learning rates of GPT.setup_optimizers (via setup_fsdp_optimizers)."""
-    return setup_fsdp_optimizers(model, unembedding_lr=unembedding_lr, embedding_lr=embedding_lr, matrix_lr=matrix_lr,
-                                 weight_decay=weight_decay, use_muon=use_muon, muon_cls=ShardedMuon)
+    groups and learning rates of the model's setup_optimizers(**kwargs) (via setup_fsdp_optimizers)."""
+    return setup_fsdp_optimizers(model, muon_cls=ShardedMuon, **kwargs)
 
 
 # -----------------------------------------------------------------------------

@@ -179,20 +179,18 @@ class FSDPMuon(ShardedMuon):
                 _dim0_rows(p)  # raises unless Shard(0) on a 1-D mesh
 
 
-def setup_fsdp_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, use_muon=True,
-                          muon_cls=None):
+def setup_fsdp_optimizers(model, muon_cls=None, **kwargs):
     """
     The optimizers for an apply_fsdp()-sharded GPT: FSDPAdamW for lm_head and wte (and the matrices when use_muon is
     false), FSDPMuon (or `muon_cls`: the tensor-parallel path passes ShardedMuon) for the block
     matrices. The groups, learning rates (with GPT's width scaling), betas, eps and weight decay are taken from
-    GPT.setup_optimizers so the paths cannot drift apart; only the optimizer classes change. Every group carries
-    "initial_lr".
+    the model's own setup_optimizers(**kwargs) (GPT's or RecordGPT's: unembedding_lr, embedding_lr, matrix_lr,
+    weight_decay, use_muon, ...) so the paths cannot drift apart; only the optimizer classes change. Every group
+    carries "initial_lr".
     """
-    from nanochat.gpt import GPT
-
-    # GPT.setup_optimizers only groups the parameters here (its optimizers allocate state lazily); each one is
+    # setup_optimizers only groups the parameters here (its optimizers allocate state lazily); each one is
     # rebuilt below with the same groups for DTensor parameters.
-    reference = GPT.setup_optimizers(model, unembedding_lr=unembedding_lr, embedding_lr=embedding_lr, matrix_lr=matrix_lr, weight_decay=weight_decay, use_muon=use_muon)
+    reference = model.setup_optimizers(**kwargs)
     optimizers = []
     for ref in reference:
         groups = [dict(g) for g in ref.param_groups]

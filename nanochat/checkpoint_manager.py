@@ -452,6 +452,9 @@ def check_weights_match_config(state_dict, config, model_path, meta_path):
     missing, unexpected = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
     shapes = [k for k in expected if k in got and expected[k] != got[k]]
     detail = []
+    recipes = ["record" if "resid_lambdas" in keys else "december" for keys in (got, expected)]  # RecordGPT's own
+    if recipes[0] != recipes[1]:
+        detail.append(f"the weights are a {recipes[0]}-recipe model, the model_config a {recipes[1]}-recipe one")
     if missing:
         detail.append(f"{len(missing)} tensor(s) missing from the weights, e.g. {missing[0]}")
     if unexpected:

@@ -20,6 +20,7 @@ tests/test_attention.py.
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -339,3 +340,157 @@ def test_window_sizes_follow_92d63d4s_rule():
     assert window_sizes(RecordConfig(**dict(vars(cfg), sequence_len=1000, window_pattern="SL"))) == \
         [256, 1000, 256, 1000, 256, 1000]  # 250 rounded up to the tile of 128
     assert GPT.rope_base == 10000 and RecordGPT.rope_base == 100000
+
+
+# -----------------------------------------------------------------------------
+# a record-recipe checkpoint from base_train: what it records, who loads it; checkpoints both ways with 92d63d4
+
+TINY_RECORD = ["--recipe=record", "--depth=2", "--head_dim=64", "--max_seq_len=64", "--device_batch_size=4",
+               "--total_batch_size=256", "--num_iterations=3", "--warmup_steps=1", "--eval_every=-1",
+               "--core_metric_every=-1", "--sample_every=-1", "--device_type=cpu", "--model_tag=rec"]
+
+
+@pytest.fixture(scope="module")
+def record_run(tiny_base_dir, tmp_path_factory):
+    """A base dir holding base_checkpoints/rec/ step 3, trained by base_train --recipe=record."""
+    from scripts import base_train
+
+    d = tmp_path_factory.mktemp("record") / "base"
+    d.mkdir()
+    os.symlink(tiny_base_dir / "base_data", d / "base_data")
+    shutil.copytree(tiny_base_dir / "tokenizer", d / "tokenizer")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", str(d))
+        base_train.main(TINY_RECORD)
+    return d
+
+
+@pytest.mark.slow
+def test_the_recipe_is_in_the_meta_metrics_and_report(record_run):
+    from nanochat.metrics import read_metrics
+
+    ckpt = record_run / "base_checkpoints" / "rec"
+    meta = json.loads((ckpt / "meta_000003.json").read_text())
+    assert meta["recipe"] == "record" and meta["user_config"]["recipe"] == "record"
+    assert meta["model_config"] == {"sequence_len": 64, "vocab_size": 512, "n_layer": 2, "n_head": 2, "n_kv_head": 2,
+                                    "n_embd": 128, "window_pattern": "SSSL"}  # 92d63d4's keys, nothing else
+    assert meta["user_config"]["embedding_lr"] == 0.3 and meta["user_config"]["grad_clip"] == 0.0  # what ran
+    assert {"step": 0, "system/recipe": "record"} in read_metrics(ckpt / "metrics.jsonl")
+    assert any("Recipe: record" in p.read_text() for p in (record_run / "report").glob("*.md"))
+
+
+@pytest.mark.slow
+def test_checkpoint_manager_builds_the_model_the_meta_names(record_run, monkeypatch):
+    from nanochat.checkpoint_manager import load_model
+    from nanochat.usage import BadValue
+
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(record_run))
+    model, tok, meta = load_model("base", "cpu", "eval")
+    assert type(model) is RecordGPT and model.config == config_from_dict(meta["model_config"])
+    state = torch.load(record_run / "base_checkpoints" / "rec" / "model_000003.pt", weights_only=True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    # the same weights under a December model_config (a meta from another run): refused, naming what differs
+    ckpt = record_run / "base_checkpoints" / "wrong"
+    shutil.copytree(record_run / "base_checkpoints" / "rec", ckpt)
+    try:
+        meta["model_config"].pop("window_pattern")
+        (ckpt / "meta_000003.json").write_text(json.dumps(meta))
+        with pytest.raises(BadValue, match=r"the weights are a record-recipe model, the model_config a december-recipe "
+                                           r"one; 7 unexpected tensor\(s\) .* copy both from the same run"):
+            load_model("base", "cpu", "eval", model_tag="wrong")
+    finally:
+        shutil.rmtree(ckpt)  # the other tests load this base dir's one model tag
+
+
+@pytest.mark.slow
+def test_resuming_under_the_other_recipe_is_refused(record_run, monkeypatch):
+    from nanochat.usage import BadValue
+    from scripts import base_train
+
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(record_run))
+    december = [a for a in TINY_RECORD if not a.startswith(("--recipe", "--head_dim", "--warmup_steps"))]
+    with pytest.raises(BadValue, match=r"holds a model with .*window_pattern=SSSL but this run builds .*window_pattern="
+                                       r"None: resume with the model flags of the run that saved it \(--recipe=record "
+                                       r"--depth=2\)"):
+        base_train.main([*december, "--num_iterations=5", "--resume_from_step=3"])
+
+
+@pytest.mark.slow
+def test_chat_cli_runs_a_record_checkpoint_from_its_meta(record_run, monkeypatch):
+    from nanochat.checkpoint_manager import load_model
+
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(record_run))
+    model, tok, _ = load_model("base", "cpu", "eval", model_tag="rec")
+    special = tok.encode_special
+    prompt = [tok.get_bos_token_id(), special("<|user_start|>"), *tok.encode("Hello there"), special("<|user_end|>"),
+              special("<|assistant_start|>")]
+    reply = []
+    for t in model.generate(prompt, max_tokens=12, temperature=0):  # full forwards, no cache
+        if t in (special("<|assistant_end|>"), tok.get_bos_token_id()):
+            break
+        reply.append(t)
+    cmd = [sys.executable, "-m", "scripts.chat_cli", "-i", "base", "-g", "rec", "-t", "0", "-m", "12", "--device_type", "cpu",
+           "-p", "Hello there"]
+    p = subprocess.run(cmd, env=subprocess_env(record_run), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    assert reply and p.stdout == tok.decode(reply) + "\n"
+
+
+@pytest.mark.slow
+def test_export_hf_refuses_the_record_model_in_one_line(record_run, tmp_path):
+    cmd = [sys.executable, "-m", "scripts.export_hf", "-i", "base", "-g", "rec", "--out", str(tmp_path / "hf")]
+    p = subprocess.run(cmd, env=subprocess_env(record_run), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("error: transformers' NanoChat model has no sliding-window "
+                                                         "attention, value embeddings, smear, backout")
+    assert not (tmp_path / "hf").exists()
+
+
+def ours_on_prompts(base_dir, model_tag, max_tokens, monkeypatch):
+    """(logits per prompt, greedy tokens per prompt from the Engine) of a base checkpoint loaded here."""
+    from nanochat.checkpoint_manager import load_model
+
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base_dir))
+    model, tok, _ = load_model("base", "cpu", "eval", model_tag=model_tag)
+    assert type(model) is RecordGPT
+    engine = Engine(model, tok)
+    logits, tokens = [], []
+    for prompt in PROMPTS:
+        ids = tok(prompt, prepend="<|bos|>")
+        with torch.no_grad():
+            logits.append(model(torch.tensor([ids])))
+        out, _ = engine.generate_batch(ids, num_samples=1, max_tokens=max_tokens, temperature=0)
+        tokens.append(out[0][len(ids):])
+    return logits, tokens
+
+
+def assert_same_on_prompts(ours, theirs):
+    logits, tokens = ours
+    assert len(logits) == len(theirs["logits"]) == len(PROMPTS)
+    for a, b in zip(logits, theirs["logits"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert tokens == theirs["tokens"] and any(tokens)
+
+
+@pytest.mark.slow
+def test_a_92d63d4_checkpoint_loads_here(anchor, tiny_base_dir, tmp_path, monkeypatch):
+    base = tmp_path / "base"  # 92d63d4 reads base_data_climbmix/; the project's tokenizer loads there unchanged
+    base.mkdir()
+    os.symlink(tiny_base_dir / "base_data", base / "base_data_climbmix")
+    shutil.copytree(tiny_base_dir / "tokenizer", base / "tokenizer")
+    run_anchor(anchor, ["-m", "scripts.base_train", "--device-type=cpu", "--depth=2", "--head-dim=64",
+                        "--max-seq-len=64", "--device-batch-size=4", "--total-batch-size=256", "--num-iterations=2",
+                        "--warmup-steps=1", "--eval-every=-1", "--core-metric-every=-1", "--sample-every=-1",
+                        "--model-tag=theirs"], base_dir=base)
+    run_anchor(anchor, [SCRIPTS / "generate_92d63d4.py", anchor, "theirs", 16, tmp_path / "theirs.pt", *PROMPTS],
+               base_dir=base)
+    theirs = torch.load(tmp_path / "theirs.pt", weights_only=False)
+    assert_same_on_prompts(ours_on_prompts(base, "theirs", 16, monkeypatch), theirs)
+
+
+@pytest.mark.slow
+def test_our_record_checkpoint_loads_in_92d63d4(anchor, record_run, tmp_path, monkeypatch):
+    run_anchor(anchor, [SCRIPTS / "generate_92d63d4.py", anchor, "rec", 16, tmp_path / "theirs.pt", *PROMPTS],
+               base_dir=record_run)
+    theirs = torch.load(tmp_path / "theirs.pt", weights_only=False)
+    assert_same_on_prompts(ours_on_prompts(record_run, "rec", 16, monkeypatch), theirs)

@@ -3,6 +3,7 @@ Attention kernels (`--attn`), chosen per device and never silently.
 
     choice = resolve_attn("auto", torch.device("cuda"))   # -> Attn(name='sdpa', order=('cudnn', 'flash', ...), why=...)
     y = attention(q, k, v, choice)                         # q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D) -> (B, Hq, Tq, D)
+    y = attention(q, k, v, choice, window=w)               # sliding window: each query sees itself and w keys back
 
 Backends:
 - `sdpa`: PyTorch's scaled_dot_product_attention with an explicit kernel order for the device (SDPA_ORDERS below:
@@ -20,6 +21,10 @@ Backends:
 fa3/fa4 that cannot load are refused with the reason and the fix: there is no fallback. They run attention without
 a KV cache (training, evaluation); the engine's cached prefill/decode runs on the device's SDPA order (their
 KV-cache APIs are not wired), and the choice says so.
+
+Sliding windows (the record recipe's model) run on every backend: FlashAttention's window_size for fa3/fa4, a
+sliding-window block mask for flex, an explicit mask for SDPA (which has no window argument), and in cached decode
+only the window's keys.
 
 `auto` is the table AUTO below, keyed by compute capability: `sdpa` with the device's order everywhere. It never
 picks fa3/fa4 (downloads, extra packages) and not flex until a measurement (bench/gpu_suite.sh attn) shows it faster.

@@ -11,6 +11,8 @@ Notable features:
 - attention through nanochat.attention (--attn: SDPA with the GPU's kernel order, FlexAttention, FA3, FA4), KV-cache
   aware for inference
 - optional activation checkpointing of all or every k-th block (GPT.set_activation_checkpointing)
+The record recipe's model (nanochat 92d63d4's: sliding windows, value embeddings, smear, backout, per-layer scalars)
+is RecordGPT at the end of this file; config_from_dict tells from a checkpoint's model_config which of the two it is.
 
 Dtype policy (explicit, because autocast alone does not give it):
 - Parameters are fp32 for training (master weights for the optimizers; FSDP gathers them in bf16 on CUDA). A model

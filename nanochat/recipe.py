@@ -65,10 +65,11 @@ def recipe_flags():
              "record (92d63d4's, the record model's only one)" + auto("init"), type=str,
              choices=["normal", "nanochat", "record"]),
         Flag("head_dim", None, "record: attention head width; the model width depth x aspect_ratio is rounded up to "
-             "whole heads" + auto("head_dim"), type=int, min=2),
+             "whole heads" + auto("head_dim"), type=int, min=2, check=check_head_dim),
         Flag("aspect_ratio", None, "record: model width per layer of depth" + auto("aspect_ratio"), type=int, min=1),
         Flag("window_pattern", None, "record: sliding-window pattern tiled over the layers, S = a quarter of the "
-             "context, L = all of it; the last layer is always L (e.g. SSSL, L)" + auto("window_pattern"), type=str),
+             "context, L = all of it; the last layer is always L (e.g. SSSL, L)" + auto("window_pattern"), type=str,
+             check=check_window_pattern),
         Flag("target_param_data_ratio", None, "train on ratio x parameters tokens (record: x the block matrices and "
              "lm_head)" + auto("target_param_data_ratio"), type=float),
         Flag("total_batch_size", None, "tokens per optimisation step, over all ranks and micro-steps"
@@ -93,7 +94,33 @@ def recipe_flags():
         Flag("final_lr_frac", None, "learning rate at the end of the warmdown, as a fraction of the peak"
              + auto("final_lr_frac"), type=float, min=0.0, max=1.0),
         WARMUP_RULE,
+        Rule(("warmup_ratio", "warmup_steps"), lambda ratio, steps: not (ratio and steps),
+             "set one of --warmup_ratio and --warmup_steps (each is the whole warmup), not both (got {warmup_ratio} "
+             "and {warmup_steps})"),
+        Rule(("recipe", "init"), lambda recipe, init: (recipe == "record") == (init == "record"),
+             "--init={init} is not an init of the {recipe} model: the december model takes normal or nanochat, the "
+             "record model only record (got --recipe={recipe})"),
+        Rule(("recipe", "use_muon"), lambda recipe, use_muon: recipe != "record" or use_muon,
+             "the record recipe trains its block matrices with Muon: --use_muon=0 is december's option (got "
+             "--recipe={recipe})"),
+        *[Rule(("recipe", flag), lambda recipe, _: recipe == "record",
+               f"--{flag} is part of the record recipe, not {{recipe}}: drop it, or add --recipe=record (got "
+               f"--recipe={{recipe}})") for flag in RECORD_ONLY],
     ]
+
+
+RECORD_ONLY = sorted(RECIPES["record"].keys() - RECIPES["december"].keys())  # refused with --recipe=december
+
+
+def check_head_dim(head_dim):
+    if head_dim % 2:
+        raise ValueError(f"--head_dim must be an even number >= 2 (rotary embeddings rotate pairs), got {head_dim}")
+
+
+def check_window_pattern(pattern):
+    if not pattern or set(pattern.upper()) - set("SL"):
+        raise ValueError(f"--window_pattern must be a non-empty string of S (short window) and L (whole context), e.g. "
+                         f"SSSL or L, got {pattern!r}")
 
 
 WARMUP_RULE = Rule(("warmup_ratio", "warmdown_ratio"), lambda up, down: up + down <= 1,
@@ -104,18 +131,12 @@ WARMUP_RULE = Rule(("warmup_ratio", "warmdown_ratio"), lambda up, down: up + dow
 def resolve_recipe(config):
     """
     Fill config's recipe flags left on auto (None) from RECIPES[config["recipe"]], in place, and return the Recipe.
-    Refused (BadValue, before any work): a flag the recipe has no use for (e.g. --window_pattern with december), both
-    warmups, a warmup and warmdown that overlap.
+    What the parser could not check while a value was auto is checked here (BadValue): the warmup and warmdown the
+    recipe fills in must not overlap. (A flag the recipe has no use for, e.g. --window_pattern with december, two
+    warmups, an init of the other model: recipe_flags' rules, checked while parsing.)
     """
     name = config["recipe"]
     row = RECIPES[name]
-    for flag in RECIPES["record"].keys() | RECIPES["december"].keys():
-        if flag not in row and config.get(flag) is not None:
-            users = [r for r in RECIPE_NAMES if flag in RECIPES[r]]
-            raise BadValue(f"--{flag} is part of the {' and '.join(users)} recipe, not {name}: drop it, or add "
-                           f"--recipe={users[0]}")
-    if config.get("warmup_ratio") and config.get("warmup_steps"):
-        raise BadValue("set one of --warmup_ratio and --warmup_steps (each is the whole warmup), not both")
     if config.get("warmup_ratio") is not None and config.get("warmup_steps") is None:
         config["warmup_steps"] = 0  # the warmup the user gave replaces the recipe's
     if config.get("warmup_steps") is not None and config.get("warmup_ratio") is None:
@@ -123,11 +144,6 @@ def resolve_recipe(config):
     for flag, value in row.items():
         if config.get(flag) is None:
             config[flag] = value
-    if name == "december" and config["init"] == "record" or name == "record" and config["init"] != "record":
-        raise BadValue(f"--init={config['init']} is not an init of the {name} model: "
-                       f"{'use normal or nanochat' if name == 'december' else 'the record model has only --init=record'}")
-    if name == "record" and config.get("use_muon") is False:
-        raise BadValue("the record recipe trains its block matrices with Muon: --use_muon=0 is december's option")
     WARMUP_RULE.check(config)
     return Recipe(name, config)
 

@@ -80,7 +80,7 @@ FLAGS = Flags(
     Flag("data_world_size", 1, "single process only: read the data as W ranks would, to reproduce a W-rank run "
          "exactly", min=1),
 )
-DEFAULTS = FLAGS.defaults()
+DEFAULTS = resolve_recipe(FLAGS.defaults()).config  # what a run with no flags uses: the december recipe's values
 
 
 SAMPLE_PROMPTS = ["The capital of France is", "The chemical symbol of gold is",

@@ -217,21 +217,28 @@ def test_the_recipe_table_fills_only_what_was_left_on_auto():
 @pytest.mark.parametrize("argv, message", [
     (["--window_pattern=SSL"], r"--window_pattern is part of the record recipe, not december: .*--recipe=record"),
     (["--scalar_lr=0.1"], r"--scalar_lr is part of the record recipe"),
-    (["--recipe=record", "--window_pattern=SXL"], r"window_pattern must be a non-empty string of S .* and L"),
+    (["--recipe=record", "--window_pattern=SXL"], r"--window_pattern must be a non-empty string of S .* and L"),
     (["--recipe=record", "--head_dim=63"], r"--head_dim must be an even number"),
-    (["--recipe=record", "--init=normal"], r"the record model has only --init=record"),
+    (["--recipe=record", "--init=normal"], r"--init=normal is not an init of the record model: .*only record"),
     (["--init=record"], r"--init=record is not an init of the december model"),
     (["--recipe=record", "--use_muon=0"], r"--use_muon=0 is december's option"),
     (["--recipe=record", "--warmup_ratio=0.1", "--warmup_steps=5"], r"set one of --warmup_ratio and --warmup_steps"),
-    (["--recipe=record", "--warmup_ratio=0.5"], r"--warmup_ratio \+ --warmdown_ratio must be <= 1"),
 ])
-def test_recipe_mistakes_are_usage_errors_before_any_work(argv, message):
+def test_recipe_mistakes_are_flag_errors(argv, message):
+    # parse errors: the launchers' flag check (NANOCHAT_CHECK_FLAGS) stops them before any work too
+    from nanochat.configurator import FlagError
+    from scripts.base_train import FLAGS
+
+    with pytest.raises(FlagError, match=message):
+        FLAGS.parse(argv)
+
+
+def test_a_recipe_warmdown_overlapping_the_warmup_is_refused_once_filled_in():
     from nanochat.usage import BadValue
     from scripts.base_train import FLAGS
 
-    with pytest.raises(BadValue, match=message):
-        config = FLAGS.parse(argv)
-        resolve_recipe(config).model_config(config, 512)
+    with pytest.raises(BadValue, match=r"--warmup_ratio \+ --warmdown_ratio must be <= 1: .*\(got 0\.5 \+ 0\.65\)"):
+        resolve_recipe(FLAGS.parse(["--recipe=record", "--warmup_ratio=0.5"]))
 
 
 def test_the_meta_alone_says_which_model():
@@ -494,3 +501,44 @@ def test_our_record_checkpoint_loads_in_92d63d4(anchor, record_run, tmp_path, mo
                base_dir=record_run)
     theirs = torch.load(tmp_path / "theirs.pt", weights_only=False)
     assert_same_on_prompts(ours_on_prompts(record_run, "rec", 16, monkeypatch), theirs)
+
+
+@pytest.mark.slow
+def test_mid_sft_rl_chain_on_a_record_model(tmp_path, monkeypatch):
+    """Each post-training stage loads the previous stage's record model from its meta alone and trains it."""
+    from test_posttrain import SHARED_DATA, require_chat_data
+
+    from nanochat.checkpoint_manager import load_model, save_checkpoint
+    from nanochat.gpt import record_config_for_depth
+    from nanochat.tokenizer import compute_token_bytes, save_token_bytes
+    from nanochat.training import build_model
+    from scripts import chat_rl, chat_sft, mid_train
+    from tests.chat_fixtures import tiny_tokenizer
+
+    require_chat_data()
+    base = tmp_path / "base"
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(SHARED_DATA))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # SmolTalk and MMLU's auxiliary_train: left out at once
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    tok = tiny_tokenizer()
+    tok.save(str(base / "tokenizer"))
+    save_token_bytes(compute_token_bytes(tok), str(base / "tokenizer"))
+    config = record_config_for_depth(2, tok.get_vocab_size(), 128, head_dim=64, window_pattern="SL")
+    model = build_model(config, "cpu", init="record")
+    save_checkpoint(str(base / "base_checkpoints" / "d2"), 0, model.state_dict(), None,
+                    {"model_config": vars(config), "recipe": "record", "step": 0})
+
+    mid_train.main(["--device_type=cpu", "--max_seq_len=64", "--device_batch_size=2", "--total_batch_size=256",
+                    "--num_iterations=2", "--eval_every=-1"])
+    chat_sft.main(["--device_type=cpu", "--device_batch_size=2", "--target_examples_per_step=4", "--num_iterations=2",
+                   "--eval_every=-1", "--eval_metrics_every=-1"])
+    chat_rl.main(["--device_type=cpu", "--num_samples=2", "--device_batch_size=2", "--examples_per_step=2",
+                  "--max_new_tokens=8", "--num_iterations=1", "--eval_every=-1", "--save_every=-1"])
+    previous = model.state_dict()
+    for stage in ("mid", "sft", "rl"):
+        loaded, _, meta = load_model(stage, "cpu", "eval")
+        assert type(loaded) is RecordGPT and meta["model_config"] == vars(config), stage
+        state = loaded.state_dict()
+        assert any(not torch.equal(state[k], previous[k]) for k in state), f"{stage} did not train the record model"
+        previous = state

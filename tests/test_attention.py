@@ -172,11 +172,14 @@ def test_forward_and_gradients_match_math(backend, shape):
     ref = reference(q, k, v)
     torch.testing.assert_close(y.double(), ref, atol=2e-6, rtol=2e-6)
     if grads_ok:
-        dy = torch.randn_like(y)
-        got = torch.autograd.grad(y, (q, k, v), dy)
-        want = torch.autograd.grad(ref, (q, k, v), dy.double())
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert_same_gradients(y, ref, (q, k, v))
+
+
+def assert_same_gradients(y, ref, inputs):
+    """The gradients of y and of its float64 reference with respect to the inputs, for one random output gradient."""
+    dy = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, inputs, dy), torch.autograd.grad(ref, inputs, dy.double())):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -204,11 +207,7 @@ def test_sliding_window_matches_math(backend, shape):
     torch.testing.assert_close(y.double(), ref, atol=2e-6, rtol=2e-6)
     assert not torch.allclose(ref, reference(q, k, v), atol=1e-3) or dims[3] <= window + 1  # the window mattered
     if grads_ok:
-        dy = torch.randn_like(y)
-        got = torch.autograd.grad(y, (q, k, v), dy)
-        want = torch.autograd.grad(ref, (q, k, v), dy.double())
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert_same_gradients(y, ref, (q, k, v))
 
 
 def test_window_reaching_the_first_key_is_plain_causal_attention():
@@ -357,19 +356,15 @@ def test_fa4_custom_op_forward_backward_and_compile():
 
 def test_fa4_custom_op_with_a_sliding_window():
     fn = A.register_fa4_ops(ref_fwd, ref_bwd)
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(2, 16, 4, 8, generator=g, requires_grad=True)
-    k = torch.randn(2, 16, 2, 8, generator=g, requires_grad=True)
-    v = torch.randn(2, 16, 2, 8, generator=g, requires_grad=True)
-    y = fn(q, k, v, 3)
-    ref = reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=3).transpose(1, 2)
+    q, k, v = qkv(4, 2, 16, 16, requires_grad=True)  # (B, H, T, D); FA4 takes (B, T, H, D)
+    fa = [t.transpose(1, 2) for t in (q, k, v)]
+    y = fn(*fa, 3).transpose(1, 2)
+    ref = reference(q, k, v, window=3)
     torch.testing.assert_close(y.double(), ref, atol=2e-6, rtol=2e-6)
-    dy = torch.randn_like(y)
-    for a, b in zip(torch.autograd.grad(y, (q, k, v), dy), torch.autograd.grad(ref, (q, k, v), dy.double())):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # the backward got the window too
+    assert_same_gradients(y, ref, (q, k, v))  # the backward got the window too
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(q, k, v, 3), y)
-    torch.library.opcheck(torch.ops.nanochat.fa4_fwd.default, (q.detach(), k.detach(), v.detach(), 3))
+    torch.testing.assert_close(compiled(*fa, 3).transpose(1, 2), y)
+    torch.library.opcheck(torch.ops.nanochat.fa4_fwd.default, tuple(t.detach().contiguous() for t in fa) + (3,))
 
 
 # -----------------------------------------------------------------------------

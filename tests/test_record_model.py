@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from conftest import REPO, subprocess_env
+from test_posttrain import chat_env  # noqa: F401  (a fixture: tokenizer and task data for the post-training chain)
 from nanochat.engine import Engine, KVCache
 from nanochat.gpt import GPT, GPTConfig, RecordConfig, RecordGPT, config_from_dict, window_sizes
 from nanochat.recipe import RECIPES, resolve_recipe
@@ -504,29 +505,18 @@ def test_our_record_checkpoint_loads_in_92d63d4(anchor, record_run, tmp_path, mo
 
 
 @pytest.mark.slow
-def test_mid_sft_rl_chain_on_a_record_model(tmp_path, monkeypatch):
+def test_mid_sft_rl_chain_on_a_record_model(chat_env):  # noqa: F811 (the fixture imported above)
     """Each post-training stage loads the previous stage's record model from its meta alone and trains it."""
-    from test_posttrain import SHARED_DATA, require_chat_data
-
     from nanochat.checkpoint_manager import load_model, save_checkpoint
     from nanochat.gpt import record_config_for_depth
-    from nanochat.tokenizer import compute_token_bytes, save_token_bytes
+    from nanochat.tokenizer import get_tokenizer
     from nanochat.training import build_model
     from scripts import chat_rl, chat_sft, mid_train
-    from tests.chat_fixtures import tiny_tokenizer
 
-    require_chat_data()
-    base = tmp_path / "base"
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
-    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(SHARED_DATA))
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # SmolTalk and MMLU's auxiliary_train: left out at once
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    tok = tiny_tokenizer()
-    tok.save(str(base / "tokenizer"))
-    save_token_bytes(compute_token_bytes(tok), str(base / "tokenizer"))
-    config = record_config_for_depth(2, tok.get_vocab_size(), 128, head_dim=64, window_pattern="SL")
+    # beside chat_env's December d1: the stages take the largest tag, this d2
+    config = record_config_for_depth(2, get_tokenizer().get_vocab_size(), 128, head_dim=64, window_pattern="SL")
     model = build_model(config, "cpu", init="record")
-    save_checkpoint(str(base / "base_checkpoints" / "d2"), 0, model.state_dict(), None,
+    save_checkpoint(str(chat_env / "base_checkpoints" / "d2"), 0, model.state_dict(), None,
                     {"model_config": vars(config), "recipe": "record", "step": 0})
 
     mid_train.main(["--device_type=cpu", "--max_seq_len=64", "--device_batch_size=2", "--total_batch_size=256",
@@ -542,3 +532,17 @@ def test_mid_sft_rl_chain_on_a_record_model(tmp_path, monkeypatch):
         state = loaded.state_dict()
         assert any(not torch.equal(state[k], previous[k]) for k in state), f"{stage} did not train the record model"
         previous = state
+
+
+@pytest.mark.slow
+def test_record_recipe_resume_is_bit_exact_with_deterministic(base_dir):
+    """N steps + resume + N steps == 2N steps with the record recipe (its schedules, groups and scalars restored)."""
+    from test_resume import assert_same_weights, base_train, copy_step, final_weights, losses
+
+    n, record = 3, ["--recipe=record", "--head_dim=64", "--warmup_steps=2", "--deterministic=1"]
+    base_train(base_dir, *record, f"--num_iterations={2 * n}", f"--save_every={n}", "--model_tag=full")
+    copy_step(base_dir, "full", "resumed", n)
+    base_train(base_dir, *record, f"--num_iterations={2 * n}", "--model_tag=resumed", "--resume_from_step=auto")
+    full, resumed = losses(base_dir, "full"), losses(base_dir, "resumed")
+    assert [resumed[s] for s in range(n + 1, 2 * n + 1)] == [full[s] for s in range(n + 1, 2 * n + 1)]
+    assert_same_weights(final_weights(base_dir, "full", 2 * n), final_weights(base_dir, "resumed", 2 * n))

@@ -159,7 +159,8 @@ def attention(q, k, v, choice, mask=None, window=None):
         dtype = q.dtype
         half = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16  # FA runs in half precision only
         q, k, v = (t.transpose(1, 2).to(half) for t in (q, k, v))  # FA takes (B, T, H, D); GQA is native
-        return fn(q, k, v, window).to(dtype).transpose(1, 2)
+        y = fn(q, k, v) if window is None else fn(q, k, v, window)
+        return y.to(dtype).transpose(1, 2)
     if choice.name == "flex" and (mask is None and (Tq == Tk or Tq == 1)):
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -210,7 +211,7 @@ def _causal_block_mask(T, device, window=None):
 # FlashAttention-3 / -4: loaded once per process, only when asked for
 
 
-_FLASH = {}  # name -> fn(q, k, v, window) causal attention on (B, T, H, D) (window None: full), once loaded
+_FLASH = {}  # name -> fn(q, k, v[, window]) causal attention on (B, T, H, D) (no window: full), once loaded
 _FLASH_ERROR = {}  # name -> why it could not be loaded (cached: a failed Hub lookup is not retried)
 
 

@@ -3,6 +3,7 @@ Attention kernels (`--attn`), chosen per device and never silently.
 
     choice = resolve_attn("auto", torch.device("cuda"))   # -> Attn(name='sdpa', order=('cudnn', 'flash', ...), why=...)
     y = attention(q, k, v, choice)                         # q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D) -> (B, Hq, Tq, D)
+    y = attention(q, k, v, choice, window=w)               # sliding window: each query sees itself and w keys back
 
 Backends:
 - `sdpa`: PyTorch's scaled_dot_product_attention with an explicit kernel order for the device (SDPA_ORDERS below:
@@ -20,6 +21,10 @@ Backends:
 fa3/fa4 that cannot load are refused with the reason and the fix: there is no fallback. They run attention without
 a KV cache (training, evaluation); the engine's cached prefill/decode runs on the device's SDPA order (their
 KV-cache APIs are not wired), and the choice says so.
+
+Sliding windows (the record recipe's model) run on every backend: FlashAttention's window_size for fa3/fa4, a
+sliding-window block mask for flex, an explicit mask for SDPA (which has no window argument), and in cached decode
+only the window's keys.
 
 `auto` is the table AUTO below, keyed by compute capability: `sdpa` with the device's order everywhere. It never
 picks fa3/fa4 (downloads, extra packages) and not flex until a measurement (bench/gpu_suite.sh attn) shows it faster.
@@ -133,13 +138,20 @@ def attn_flag():
 # The call
 
 
-def attention(q, k, v, choice, mask=None):
+def attention(q, k, v, choice, mask=None, window=None):
     """
     Causal attention of q (B, Hq, Tq, D) over k, v (B, Hkv, Tk, D), Hkv dividing Hq (grouped-query): query i sits at
-    position Tk - Tq + i (a cached prefix comes first). `mask` (bool, broadcastable to (B, Hq, Tq, Tk), True = attend)
-    replaces that rule: the engine's fixed-shape decode step attends a static cache up to its current length.
+    position Tk - Tq + i (a cached prefix comes first). `window` (sliding-window attention, FlashAttention's left
+    window): query at position p attends keys p - window .. p only (window + 1 keys); None = all earlier keys.
+    `mask` (bool, broadcastable to (B, Hq, Tq, Tk), True = attend) replaces both rules: the engine's fixed-shape decode
+    step attends a static cache up to its current length (and within the window: KVCache.attn_mask_for).
     Returns (B, Hq, Tq, D) in q's dtype.
     """
+    if window is not None and mask is None:
+        if q.size(2) == 1 and k.size(2) > window + 1:  # one new token: its window is the last window + 1 cached keys
+            k, v = k[:, :, -(window + 1) :], v[:, :, -(window + 1) :]
+        if window >= k.size(2) - 1:  # the window reaches back past the first key: plain causal attention
+            window = None
     Tq, Tk = q.size(2), k.size(2)
     gqa = q.size(1) != k.size(1)
     if choice.name in ("fa3", "fa4") and mask is None and Tq == Tk:
@@ -147,35 +159,51 @@ def attention(q, k, v, choice, mask=None):
         dtype = q.dtype
         half = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16  # FA runs in half precision only
         q, k, v = (t.transpose(1, 2).to(half) for t in (q, k, v))  # FA takes (B, T, H, D); GQA is native
-        return fn(q, k, v).to(dtype).transpose(1, 2)
+        y = fn(q, k, v) if window is None else fn(q, k, v, window)
+        return y.to(dtype).transpose(1, 2)
     if choice.name == "flex" and (mask is None and (Tq == Tk or Tq == 1)):
         from torch.nn.attention.flex_attention import flex_attention
 
-        block_mask = None if Tq == 1 else _causal_block_mask(Tq, q.device)  # one new token sees everything cached
+        block_mask = None if Tq == 1 else _causal_block_mask(Tq, q.device, window)  # one new token sees everything cached
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
     with sdpa_kernel([_SDPB[n] for n in choice.order], set_priority=True):
         if mask is not None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        if window is not None:  # SDPA has no sliding window: an explicit mask (the kernels that take masks run it)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(Tq, Tk, q.device, window), enable_gqa=gqa)
         if Tq == Tk:  # training, or a prefill into an empty cache
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         if Tq == 1:  # one new token attends to everything cached so far
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         # a chunk after a cached prefix: all of the prefix, causal within the chunk
-        chunk = torch.ones((Tq, Tk), dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=chunk, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(Tq, Tk, q.device), enable_gqa=gqa)
+
+
+def causal_mask(Tq, Tk, device, window=None):
+    """(Tq, Tk) bool, True = attend: query i at position Tk - Tq + i sees keys up to its position, and with a window
+    only the last window + 1 of them."""
+    mask = torch.ones((Tq, Tk), dtype=torch.bool, device=device).tril(diagonal=Tk - Tq)
+    if window is not None:
+        mask &= ~torch.ones((Tq, Tk), dtype=torch.bool, device=device).tril(diagonal=Tk - Tq - window - 1)
+    return mask
 
 
 _BLOCK_MASKS = {}
 
 
-def _causal_block_mask(T, device):
-    """FlexAttention's causal block mask for T x T, built once per (T, device): building it costs a kernel launch
-    per block row, and every layer and step of a run asks for the same one."""
-    key = (T, str(device))
+def _causal_block_mask(T, device, window=None):
+    """FlexAttention's causal (and with `window`, sliding-window) block mask for T x T, built once per (T, window,
+    device): building it costs a kernel launch per block row, and every layer and step of a run asks for the same
+    one. Blocks wholly outside the window are skipped, which is where flex gains on a windowed layer."""
+    key = (T, window, str(device))
     if key not in _BLOCK_MASKS:
         from torch.nn.attention.flex_attention import create_block_mask
 
-        _BLOCK_MASKS[key] = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T, device=device)
+        if window is None:
+            mask_mod = lambda b, h, q, kv: q >= kv  # noqa: E731
+        else:
+            mask_mod = lambda b, h, q, kv: (q >= kv) & (q - kv <= window)  # noqa: E731
+        _BLOCK_MASKS[key] = create_block_mask(mask_mod, None, None, T, T, device=device)
     return _BLOCK_MASKS[key]
 
 
@@ -183,7 +211,7 @@ def _causal_block_mask(T, device):
 # FlashAttention-3 / -4: loaded once per process, only when asked for
 
 
-_FLASH = {}  # name -> fn(q, k, v) causal attention on (B, T, H, D), once loaded
+_FLASH = {}  # name -> fn(q, k, v[, window]) causal attention on (B, T, H, D) (no window: full), once loaded
 _FLASH_ERROR = {}  # name -> why it could not be loaded (cached: a failed Hub lookup is not retried)
 
 
@@ -228,8 +256,9 @@ def _load_fa3():
 
 
 def _first_output(fn):
-    def call(q, k, v):
-        y = fn(q, k, v, causal=True)
+    def call(q, k, v, window=None):
+        # FlashAttention's sliding window: window_size=(left, right), right 0 under causal
+        y = fn(q, k, v, causal=True) if window is None else fn(q, k, v, causal=True, window_size=(window, 0))
         return y[0] if isinstance(y, tuple) else y  # some builds return (out, softmax_lse)
     return call
 
@@ -248,42 +277,49 @@ def register_fa4_ops(fwd, bwd):
     FA4 is an autograd.Function that dynamo would break the graph at; its forward and backward are registered here
     as two torch custom ops (`nanochat::fa4_fwd` returns (out, lse), `nanochat::fa4_bwd` (dq, dk, dv)) with fake
     (shape) implementations and the autograd link between them, so torch.compile keeps the model in one graph.
-    fwd(q, k, v, causal=True) -> (out, lse); bwd(q, k, v, out, dout, lse, causal=True) -> (dq, dk, dv). Taking
-    them as arguments lets the CPU tests register a reference pair. Returns fn(q, k, v) on (B, T, H, D).
+    fwd(q, k, v, causal=True) -> (out, lse); bwd(q, k, v, out, dout, lse, causal=True) -> (dq, dk, dv); a sliding
+    window adds window_size_left=w, window_size_right=0 to both calls (FA4's names). Taking them as arguments lets the
+    CPU tests register a reference pair. Returns fn(q, k, v, window=None) on (B, T, H, D).
     """
     lib = "nanochat"
     fwd_name, bwd_name = f"{lib}::fa4_fwd", f"{lib}::fa4_bwd"
     if not hasattr(torch.ops.nanochat, "fa4_fwd"):
         @torch.library.custom_op(fwd_name, mutates_args=())
-        def fa4_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            out, lse = _FA4_IMPL["fwd"](q, k, v, causal=True)
+        def fa4_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+            out, lse = _FA4_IMPL["fwd"](q, k, v, causal=True, **_fa4_window(window))
             return out.contiguous(), lse.contiguous()
 
         @fa4_fwd.register_fake
-        def _(q, k, v):
+        def _(q, k, v, window=-1):
             B, T, H, _ = q.shape
             return torch.empty_like(q), q.new_empty((B, H, T), dtype=torch.float32)
 
         @torch.library.custom_op(bwd_name, mutates_args=())
         def fa4_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
-                    lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            dq, dk, dv = _FA4_IMPL["bwd"](q, k, v, out, dout, lse, causal=True)
+                    lse: torch.Tensor, window: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            dq, dk, dv = _FA4_IMPL["bwd"](q, k, v, out, dout, lse, causal=True, **_fa4_window(window))
             return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
         @fa4_bwd.register_fake
-        def _(q, k, v, out, dout, lse):
+        def _(q, k, v, out, dout, lse, window=-1):
             return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
         def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(*inputs, *output)
+            ctx.save_for_backward(*inputs[:3], *output)
+            ctx.window = inputs[3] if len(inputs) > 3 else -1
 
         def backward(ctx, dout, _dlse):
             q, k, v, out, lse = ctx.saved_tensors
-            return torch.ops.nanochat.fa4_bwd(q, k, v, out, dout.contiguous(), lse)
+            return *torch.ops.nanochat.fa4_bwd(q, k, v, out, dout.contiguous(), lse, ctx.window), None
 
         fa4_fwd.register_autograd(backward, setup_context=setup_context)
     _FA4_IMPL.update(fwd=fwd, bwd=bwd)
-    return lambda q, k, v: torch.ops.nanochat.fa4_fwd(q, k, v)[0]
+    return lambda q, k, v, window=None: torch.ops.nanochat.fa4_fwd(q, k, v, -1 if window is None else window)[0]
+
+
+def _fa4_window(window):
+    """FA4's keyword arguments for a left window (-1: none, and no arguments, as before windows existed)."""
+    return {} if window < 0 else {"window_size_left": window, "window_size_right": 0}
 
 
 _FA4_IMPL = {}

@@ -238,17 +238,18 @@ def weights_dtype_for(device_type, phase, requested=None):
 
 def model_from_state_dict(model_data, config, device, dtype=torch.float32):
     """
-    A GPT holding `model_data` on `device`, built without a second copy of the weights: the modules are made on the
-    meta device (no memory), each checkpoint tensor is moved/cast once and assigned into place, and only the derived
-    buffers (rotary tables) are computed on the device. (to_empty() + init_weights() before loading would hold two
-    full copies on the device at once.) Floating tensors are cast to `dtype`.
+    The model `config` describes (GPT, or RecordGPT for a record-recipe config: nanochat/gpt.py make_model) holding
+    `model_data` on `device`, built without a second copy of the weights: the modules are made on the meta device (no
+    memory), each checkpoint tensor is moved/cast once and assigned into place, and only the derived buffers (rotary
+    tables) are computed on the device. (to_empty() + init_weights() before loading would hold two full copies on the
+    device at once.) Floating tensors are cast to `dtype`.
     """
-    from nanochat.gpt import GPT
+    from nanochat.gpt import make_model
 
     device = torch.device(device)
     state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in model_data.items()}
     with torch.device("meta"):
-        model = GPT(config)
+        model = make_model(config)
     model.load_state_dict(state, strict=True, assign=True)
     model.init_buffers()  # rotary tables on the device, attention backend for it
     return model
@@ -258,8 +259,9 @@ SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")  # the
 
 
 def model_config_from_meta(meta, meta_path):
-    """The GPTConfig a meta's model_config describes; a missing or foreign one names the file."""
-    from nanochat.gpt import GPTConfig
+    """The model config a meta's model_config describes (GPTConfig, or RecordConfig when it has the record model's
+    window_pattern: nanochat/gpt.py config_from_dict); a missing or foreign one names the file."""
+    from nanochat.gpt import config_from_dict
 
     cfg = meta.get("model_config")
     if not isinstance(cfg, dict):
@@ -268,7 +270,7 @@ def model_config_from_meta(meta, meta_path):
             f"be rebuilt: it was not written by nanochat's save_checkpoint; copy the meta of that step again"
         )
     try:
-        return GPTConfig(**cfg)
+        return config_from_dict(cfg)
     except TypeError as e:
         raise BadValue(f"the model_config in {meta_path} is not a GPTConfig ({e}): {cfg}") from e
 
@@ -285,16 +287,19 @@ def _describe_weights(state_dict):
 
 def check_weights_match_config(state_dict, config, model_path, meta_path):
     """Refuse weights that are not the model the meta's model_config describes, naming both files and both shapes."""
-    from nanochat.gpt import GPT
+    from nanochat.gpt import make_model
 
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in GPT(config).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in make_model(config).state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state_dict.items()}
     if expected == got:
         return
     missing, unexpected = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
     shapes = [k for k in expected if k in got and expected[k] != got[k]]
     detail = []
+    recipes = ["record" if "resid_lambdas" in keys else "december" for keys in (got, expected)]  # RecordGPT's own
+    if recipes[0] != recipes[1]:
+        detail.append(f"the weights are a {recipes[0]}-recipe model, the model_config a {recipes[1]}-recipe one")
     if missing:
         detail.append(f"{len(missing)} tensor(s) missing from the weights, e.g. {missing[0]}")
     if unexpected:

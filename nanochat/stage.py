@@ -54,10 +54,12 @@ class Stage:
         return self.parallel.prepare(model, self.config, self.device, self.autocast)
 
     def optimizers(self, model, **kwargs):
-        """The plan's optimizers with the stage's --embedding_lr, --unembedding_lr, --matrix_lr, --weight_decay."""
+        """The plan's optimizers with the stage's --embedding_lr, --unembedding_lr, --matrix_lr, --weight_decay; kwargs
+        add to or replace them (the record recipe's batch-scaled values, nanochat/recipe.py)."""
         c = self.config
-        return self.parallel.setup_optimizers(model, unembedding_lr=c["unembedding_lr"], embedding_lr=c["embedding_lr"],
-                                              matrix_lr=c["matrix_lr"], weight_decay=c["weight_decay"], **kwargs)
+        lrs = dict(unembedding_lr=c["unembedding_lr"], embedding_lr=c["embedding_lr"], matrix_lr=c["matrix_lr"],
+                   weight_decay=c["weight_decay"])
+        return self.parallel.setup_optimizers(model, **{**lrs, **kwargs})
 
     def resume(self, checkpoint_dir, model, optimizers, keys):
         """--resume_from_step: (start step, the saved loop state) after restoring model and optimizers, or (0, None)."""

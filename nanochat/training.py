@@ -120,12 +120,13 @@ def setup_run(config):
 
 
 def init_model(config, device, init="normal", attn="auto"):
-    """A freshly initialised GPT on `device` (meta device -> to_empty -> init_weights). Returns the model; the
-    parallel plan prepares it afterwards (`parallel.prepare(model, config, device, autocast)`)."""
-    from nanochat.gpt import GPT
+    """A freshly initialised GPT (RecordGPT for a record config: nanochat/gpt.py make_model) on `device` (meta device
+    -> to_empty -> init_weights). Returns the model; the parallel plan prepares it afterwards
+    (`parallel.prepare(model, config, device, autocast)`)."""
+    from nanochat.gpt import make_model
 
     with torch.device("meta"):
-        model = GPT(config, attn=attn)
+        model = make_model(config, attn=attn)
     model.to_empty(device=device)
     model.init_weights(init)
     return model
@@ -144,9 +145,10 @@ def check_model_options(config, device):
 # schedules
 
 
-def lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=0.2, final_lr_frac=0.0):
-    """Linear warmup, constant, then linear warmdown to final_lr_frac over the last warmdown_ratio of the run."""
-    warmup_iters = round(warmup_ratio * num_iterations)
+def lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=0.2, final_lr_frac=0.0, warmup_steps=0):
+    """Linear warmup (over warmup_steps, else warmup_ratio of the run), constant, then linear warmdown to final_lr_frac
+    over the last warmdown_ratio of the run."""
+    warmup_iters = warmup_steps or round(warmup_ratio * num_iterations)
     warmdown_iters = round(warmdown_ratio * num_iterations)
     if warmup_iters > 0 and step < warmup_iters:
         return (step + 1) / warmup_iters
@@ -162,12 +164,16 @@ def muon_momentum(step, start=0.85, end=0.95, ramp_steps=300):
     return (1 - frac) * start + frac * end
 
 
-def apply_schedule(optimizers, lrm, momentum=None):
+def apply_schedule(optimizers, lrm, momentum=None, weight_decay=None):
+    """Every group's lr = initial_lr * lrm; the Muon groups' momentum and (the record recipe's) weight decay."""
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * lrm
-            if momentum is not None and "momentum" in group and not isinstance(opt, torch.optim.AdamW):
+            muon = "momentum" in group and not isinstance(opt, torch.optim.AdamW)
+            if momentum is not None and muon:
                 group["momentum"] = momentum
+            if weight_decay is not None and muon:
+                group["weight_decay"] = weight_decay
 
 
 def every(step, period, last_step=False, at_last=True):

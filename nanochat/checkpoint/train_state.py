@@ -157,12 +157,14 @@ def check_resume_model_config(meta, model, checkpoint_dir, step):
     if not isinstance(saved, dict) or run_config is None:
         return  # metas without a model_config (tests, old runs): the state dict load still checks the shapes
     diff = [f for f in SHAPE_FIELDS if f in saved and saved[f] != getattr(run_config, f, None)]
+    if saved.get("window_pattern") != getattr(run_config, "window_pattern", None):  # a December vs a record model
+        diff.append("window_pattern")
     if diff:
-        depth = (meta.get("user_config") or {}).get("depth")
+        flags = " ".join(f"--{k}={v}" for k, v in (meta.get("user_config") or {}).items() if k in ("depth", "recipe"))
         raise BadValue(
             f"step {step} in {checkpoint_dir} holds a model with "
-            f"{', '.join(f'{f}={saved[f]}' for f in diff)} but this run builds "
+            f"{', '.join(f'{f}={saved.get(f)}' for f in diff)} but this run builds "
             f"{', '.join(f'{f}={getattr(run_config, f, None)}' for f in diff)}: resume with the model flags of the run "
-            f"that saved it{f' (--depth={depth})' if depth is not None else ''}; they are in the user_config of "
+            f"that saved it{f' ({flags})' if flags else ''}; they are in the user_config of "
             f"meta_{step:06d}.json"
         )

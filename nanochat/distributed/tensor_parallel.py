@@ -12,6 +12,9 @@ API (every function is collective: call it on every rank, in the same order):
         # n_head/tp query heads, n_kv_head/tp key/value heads, 4*n_embd/tp hidden units), both c_proj row-wise
         # (Shard(1)), so attention runs on this rank's heads only. Then FSDP2 over "dp" (always, also when dp=1:
         # one code path, every parameter a DTensor). wte and lm_head are replicated over tp and FSDP-sharded over dp.
+        # The record model (RecordGPT): its value embeddings column-wise and its value gates' outputs split by kv
+        # head as c_v is (each rank mixes its own heads' values); the smear gate and the per-layer scalars are
+        # replicated over tp like wte.
     optimizers = setup_tp_optimizers(model, unembedding_lr, embedding_lr, matrix_lr, weight_decay, use_muon)
         # [FSDPAdamW, ShardedMuon] (or [FSDPAdamW]; nanochat/optim/sharded.py): GPT.setup_optimizers' groups and
         # learning rates, DTensor-aware
@@ -74,12 +77,17 @@ def tp_mesh(device_type, tp_size):
     return init_device_mesh(device_type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
 
 
-def block_plan():
-    """The parallelize_module plan of one Block (module paths relative to the block)."""
-    return {
+def block_plan(block=None):
+    """The parallelize_module plan of one Block (module paths relative to the block). A record-model block
+    (nanochat/gpt.py RecordBlock) hands its attention six inputs (x, ve, cos_sin, window, kv_cache, backend; ve is
+    already this rank's kv heads: apply_tp splits the value embeddings too) and may have a value-embedding gate, whose
+    outputs (one per kv head) are split like c_v's."""
+    record = block is not None and hasattr(block.attn, "ve_gate")
+    others = (None,) * (5 if record else 3)  # the inputs after x: not tensors to lay out
+    plan = {
         # attention's input becomes one replicated DTensor shared by c_q, c_k and c_v: their three partial input
         # gradients add up as DTensors and are all-reduced once (not three times) in the backward
-        "attn": PrepareModuleInput(input_layouts=(Replicate(), None, None, None), desired_input_layouts=(Replicate(), None, None, None)),
+        "attn": PrepareModuleInput(input_layouts=(Replicate(), *others), desired_input_layouts=(Replicate(), *others)),
         # column-wise: output feature dim sharded, returned as a local tensor (this rank's heads / hidden units)
         "attn.c_q": ColwiseParallel(),
         "attn.c_k": ColwiseParallel(),
@@ -89,6 +97,9 @@ def block_plan():
         "mlp.c_fc": ColwiseParallel(),
         "mlp.c_proj": RowwiseParallel(),
     }
+    if record and block.attn.ve_gate is not None:
+        plan["attn.ve_gate"] = ColwiseParallel()  # the gate of this rank's kv heads
+    return plan
 
 
 def apply_tp(model, tp_size, param_dtype=None, reduce_dtype=torch.float32, mesh=None):
@@ -101,7 +112,10 @@ def apply_tp(model, tp_size, param_dtype=None, reduce_dtype=torch.float32, mesh=
         raise ValueError("apply_tp: the model is on the meta device; call model.to_empty(device=...) and model.init_weights() first")
     mesh = mesh if mesh is not None else tp_mesh(device.type, tp_size)
     for block in model.transformer.h:
-        parallelize_module(block, mesh["tp"], block_plan())
+        parallelize_module(block, mesh["tp"], block_plan(block))
+    value_embeds = getattr(model, "value_embeds", None)  # the record model's: column-wise, this rank's kv heads
+    if value_embeds is not None and len(value_embeds):
+        parallelize_module(model, mesh["tp"], {f"value_embeds.{k}": ColwiseParallel() for k in value_embeds})
     if param_dtype is None:
         param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -120,7 +134,7 @@ def apply_tp(model, tp_size, param_dtype=None, reduce_dtype=torch.float32, mesh=
 
 def setup_tp_optimizers(model, **kwargs):
     """FSDPAdamW for wte/lm_head (and the matrices when use_muon is false), ShardedMuon for the block matrices; the
-    groups, learning rates and options of GPT.setup_optimizers(model, **kwargs) (via setup_fsdp_optimizers)."""
+    groups, learning rates and options of the model's setup_optimizers(**kwargs) (via setup_fsdp_optimizers)."""
     return setup_fsdp_optimizers(model, muon_cls=ShardedMuon, **kwargs)
 
 

@@ -222,15 +222,13 @@ def setup_fsdp_optimizers(model, muon_cls=None, **kwargs):
     The optimizers for an apply_fsdp()-sharded GPT: FSDPAdamW for lm_head and wte (and the matrices when use_muon is
     false), FSDPMuon (or `muon_cls`: the tensor-parallel path passes ShardedMuon) for the block
     matrices. The groups, learning rates (with GPT's width scaling), betas, eps and weight decay, and the Muon groups'
-    options, are taken from GPT.setup_optimizers(model, **kwargs) (unembedding_lr, embedding_lr, matrix_lr,
-    weight_decay, use_muon, ...) so the paths cannot drift apart; only the optimizer classes change. Every group
+    options, are taken from the model's own setup_optimizers(**kwargs) (GPT's or RecordGPT's: unembedding_lr,
+    embedding_lr, matrix_lr, weight_decay, use_muon, ...) so the paths cannot drift apart; only the optimizer classes change. Every group
     carries "initial_lr".
     """
-    from nanochat.gpt import GPT
-
-    # GPT.setup_optimizers only groups the parameters here (its optimizers allocate state lazily); each one is
+    # setup_optimizers only groups the parameters here (its optimizers allocate state lazily); each one is
     # rebuilt below with the same groups for DTensor parameters.
-    reference = GPT.setup_optimizers(model, **kwargs)
+    reference = model.setup_optimizers(**kwargs)
     optimizers = []
     for ref in reference:
         groups = [dict(g) for g in ref.param_groups]

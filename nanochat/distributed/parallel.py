@@ -116,6 +116,15 @@ class DataParallel:
 
     # ---------------------------------------------------------------- the model
 
+    needs_process_group = False  # FSDP and TP shard over a process group: torchrun, even with one process
+
+    def check_launch(self, model_config, world, distributed):
+        """Before any process group or model: a usage error when this layout cannot run here (FSDP/TP outside torchrun)
+        or cannot split a model of this shape (model_config; None: not known yet) over `world` ranks (TP: the heads
+        and the MLP over --tp_size)."""
+        if self.needs_process_group and not distributed:
+            raise CannotRun(f"{self.flag} needs torch.distributed: launch with torchrun (even --nproc_per_node=1)")
+
     def prepare(self, model, config, device, autocast=None):
         """
         Make a built or loaded model ready to train, in the one order that works: activation checkpointing
@@ -190,6 +199,7 @@ class FSDP(DataParallel):
 
     name = "fsdp"
     flag = "--use_fsdp=1"
+    needs_process_group = True
     collective_forward = True  # each forward all-gathers weights: every rank must run the same forwards
     compile_per_block = True  # FSDP's hooks break a whole-model graph: compile each block and the head
     shards_weights = True
@@ -281,6 +291,13 @@ class TensorParallel(FSDP):
 
     def resume_meta(self):
         return {"parallel": self.name, "tp_size": self.tp_size}
+
+    def check_launch(self, model_config, world, distributed):
+        super().check_launch(model_config, world, distributed)
+        if model_config is not None:
+            from nanochat.distributed.tensor_parallel import check_tp_size
+
+            check_tp_size(model_config, self.tp_size, world)
 
     def wrap(self, model, device):
         from nanochat.distributed.tensor_parallel import apply_tp, check_tp_size, tp_mesh

@@ -59,6 +59,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from nanochat.distributed.fsdp import keep_unsharded_params_out_of_inference_mode
 from nanochat.optim.sharded import ShardedMuon, setup_fsdp_optimizers
+from nanochat.usage import BadValue
 
 
 def _require_dist():
@@ -73,15 +74,15 @@ def valid_tp_sizes(config, world):
 
 
 def check_tp_size(config, tp_size, world):
-    """Raise ValueError naming the valid sizes when tp_size does not divide the world, the heads or the MLP."""
+    """A usage error (BadValue) naming the valid sizes when tp_size does not divide the world, the heads or the MLP."""
     if not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"--tp_size must be a whole number >= 1, got {tp_size!r}")
+        raise BadValue(f"--tp_size must be a whole number >= 1, got {tp_size!r}")
     ok = ", ".join(map(str, valid_tp_sizes(config, world)))
     if world % tp_size != 0:
-        raise ValueError(f"--tp_size={tp_size} does not divide the world size {world} (ranks = data ranks x tp_size); use one of: {ok}")
+        raise BadValue(f"--tp_size={tp_size} does not divide the world size {world} (ranks = data ranks x tp_size); use one of: {ok}")
     for what, n in (("n_head", config.n_head), ("n_kv_head", config.n_kv_head), ("the MLP width 4*n_embd", 4 * config.n_embd)):
         if n % tp_size != 0:
-            raise ValueError(f"--tp_size={tp_size} does not divide {what}={n} (each tp rank takes whole heads); use one of: {ok}")
+            raise BadValue(f"--tp_size={tp_size} does not divide {what}={n} (each tp rank takes whole heads); use one of: {ok}")
 
 
 def tp_mesh(device_type, tp_size):

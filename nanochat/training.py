@@ -19,7 +19,8 @@ nanochat/stage.py puts them together into the skeleton each stage's script runs 
   run continues exactly like an uninterrupted one; `save_stage_model`: the model and meta only (SFT, RL). On the
   FSDP path both write sharded checkpoints (nanochat/sharded_checkpoint.py: every rank its shard, resumable on another
   number of ranks) unless --checkpoint_format=single.
-- `resume_flag` / `resolve_resume_step`: --resume_from_step=N|auto|-1, the same answer on every rank.
+- `resume_flag` / `resolve_resume_step`: --resume_from_step=N|auto|-1, the same answer on every rank;
+  `require_resume_step` and `check_sequence_length`: start-up checks, before anything is built.
 """
 
 import contextlib
@@ -29,7 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.checkpoint_manager import SHAPE_FIELDS, latest_resumable_step, load_checkpoint, save_checkpoint, step_problem
+from nanochat.checkpoint_manager import (
+    SHAPE_FIELDS, latest_resumable_step, load_checkpoint, require_step, save_checkpoint, step_problem
+)
 from nanochat.common import device_type_flag, peak_flops_for, print0
 from nanochat.distributed.dist import all_reduce_mean, compute_init, gather_objects, get_dist_info
 from nanochat.distributed.parallel import DataParallel
@@ -134,8 +137,17 @@ def build_model(config, device, init="normal", attn="auto"):
 
 
 def check_model_options(config, device):
-    """Early (before the tokenizer and the model): refuse --fp8=1 where it cannot run. (Values with a fixed set, such as
-    --activation_checkpointing, were checked by the flag parser: memory_flags' choices.)"""
+    """Early (before the tokenizer and the model): refuse --fp8=1, --compile=1 and an --attn kernel where they cannot
+    run, and a NANOCHAT_COMPILE that is not auto/1/0. (Values with a fixed set, such as --activation_checkpointing,
+    were checked by the flag parser: memory_flags' choices.)"""
+    if "attn" in config:
+        from nanochat.attention import resolve_attn
+
+        resolve_attn(config["attn"], device)
+    if "compile" in config:
+        from nanochat.compile import resolve_compile
+
+        resolve_compile(config["compile"], device.type, log=lambda *a: None)  # the notes come when it compiles
     if config.get("fp8"):
         from nanochat.fp8 import check_fp8_supported
 
@@ -486,7 +498,7 @@ def parse_resume_step(value):
     except ValueError:
         step = None
     if step is None or step < -1:
-        raise ValueError(f"--resume_from_step must be a saved step number, auto (the latest complete step) or -1 "
+        raise BadValue(f"--resume_from_step must be a saved step number, auto (the latest complete step) or -1 "
                          f"(start fresh), got {value!r}")
     return step
 
@@ -495,9 +507,28 @@ def resume_flag():
     """--resume_from_step, as every training script declares it."""
     from nanochat.configurator import Flag
 
-    return Flag("resume_from_step", "-1", "resume from this saved step of the run's checkpoint directory; auto = the "
+    return Flag("resume_from_step", -1, "resume from this saved step of the run's checkpoint directory; auto = the "
                 "latest complete step (fresh when there is none; a damaged latest step is skipped, with a message, "
-                "for the one before), -1 = start fresh", type=str, check=parse_resume_step)
+                "for the one before), -1 = start fresh", words=["auto"], check=parse_resume_step)
+
+
+def require_resume_step(config, checkpoint_dir):
+    """The start-up check of --resume_from_step=N (N >= 0), before anything is built: step N is complete in
+    checkpoint_dir, else a usage error naming the steps there. auto and -1 need nothing yet."""
+    step = config["resume_from_step"]
+    if isinstance(step, int) and step >= 0:
+        require_step(checkpoint_dir, step)
+
+
+def check_sequence_length(flag, length, model_config, what):
+    """The start-up check of a sequence length a script runs `what` (a saved model) at, read from its checkpoint's
+    meta before loading it: rows longer than its rotary table (nanochat.gpt.rotary_positions) cannot be run."""
+    from nanochat.gpt import rotary_positions
+
+    limit = rotary_positions(model_config)
+    if length is not None and length > limit:
+        raise BadValue(f"{flag}={length} is longer than {what} can take: its rotary table covers {limit} positions "
+                       f"(10 x its sequence_len {model_config.sequence_len}); use {flag} <= {limit}")
 
 
 def resolve_resume_step(value, checkpoint_dir, with_optimizer=True):
@@ -601,7 +632,9 @@ def run_flags():
     from nanochat.configurator import Flag
 
     return [
-        Flag("run", "dummy", "wandb run name; dummy = no wandb logging"),
+        Flag("run", "dummy", "wandb run name; dummy = no wandb logging. A name needs a wandb login (`wandb login` or "
+             "WANDB_API_KEY), or WANDB_MODE=offline to log into ./wandb and `wandb sync` later: without either the run "
+             "stops at start-up with one line, before anything is built"),
         device_type_flag(),
         dtype_flag(),
         Flag("seed", 42, "random seed (model init, data order, sampling)"),

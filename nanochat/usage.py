@@ -7,6 +7,7 @@ below with a message that names the flag or file and the fix:
     raise BadValue("--device_batch_size must be >= 1, got 0")         # a value or combination of flags, status 2
     raise Missing(f"no tokenizer in {tok_dir}: run python -m scripts.tok_train first")   # a file, status 2
     raise CannotRun("--device_type=cuda but torch sees no CUDA device; use --device_type=cpu")  # this machine, 2
+    raise BrokenSetup("nvidia-smi lists 8 GPU(s) but torch 2.9.0+cpu cannot use them ...")  # the install, status 1
     raise RunFailure("3 shard(s) failed to download: ...")            # the work itself failed, status 1
     raise Interrupted("Stopped at step 40 on Ctrl-C: ...", signal.SIGINT)  # a stop signal (preemption.py), 128 + sig
 
@@ -49,6 +50,13 @@ class Missing(UsageError, FileNotFoundError):
 
 class CannotRun(UsageError, RuntimeError):
     """This machine cannot do what was asked (no CUDA device for --device_type=cuda, FP8 without Hopper...)."""
+
+
+class BrokenSetup(KnownError, RuntimeError):
+    """This machine's install cannot do its job (nvidia-smi lists GPUs but torch is a CPU-only build): status 1, as
+    `python -m nanochat.setup_check gpu` that the launchers run."""
+
+    status = 1
 
 
 class RunFailure(KnownError, RuntimeError):

@@ -16,21 +16,22 @@ import torch
 
 from nanochat.attention import attn_flag
 from nanochat.batching import batch_arithmetic
-from nanochat.checkpoint_manager import checkpoint_root, require_step
+from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.compile import compile_flag
-from nanochat.common import print0, print_banner
+from nanochat.common import check_wandb, print0, print_banner
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.dataloader import loader_states_for_world, tokenizing_distributed_data_loader
 from nanochat.dataset import split_parquet_files
 from nanochat.fp8 import FP8_FILTER_HELP, FP8_RECIPES
-from nanochat.gpt import config_for_depth
+from nanochat.gpt import check_config, config_for_depth
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.stage import Stage
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.training import (
     CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, apply_schedule,
     build_model, eval_steps_for, format_duration, load_train_state,
-    lr_multiplier, memory_flags, muon_momentum, optimizer_flags, resolve_resume_step, resume_flag, resume_loop_state,
+    lr_multiplier, memory_flags, muon_momentum, optimizer_flags, require_resume_step, resolve_resume_step, resume_flag,
+    resume_loop_state,
     round_robin_batches, run_flags, save_train_state, schedule_flags
 )
 from nanochat.usage import BadValue, run_main
@@ -91,25 +92,28 @@ SAMPLE_PROMPTS = ["The capital of France is", "The chemical symbol of gold is",
 
 
 def startup_checks(config):
-    """Before any process group, model or compile: the data, the tokenizer, the step to resume from, a training
-    horizon. Returns (tokenizer, checkpoint_dir)."""
-    split_parquet_files("train"), split_parquet_files("val")
-    tokenizer = get_tokenizer()
-    checkpoint_dir = os.path.join(checkpoint_root("base"), config["model_tag"] or f"d{config['depth']}")
-    if isinstance(config["resume_from_step"], int) and config["resume_from_step"] >= 0:
-        require_step(checkpoint_dir, config["resume_from_step"])
+    """Before any process group, model, compile or download: the model's shape (--depth), the data, the tokenizer,
+    the step to resume from, a training horizon, wandb for --run. Returns (tokenizer, model config, checkpoint_dir)."""
     if config["num_iterations"] <= 0 and config["target_flops"] <= 0 and config["target_param_data_ratio"] <= 0:
         raise BadValue("set one of --num_iterations, --target_flops or --target_param_data_ratio to a positive value")
-    return tokenizer, checkpoint_dir
+    split_parquet_files("train"), split_parquet_files("val")
+    tokenizer = get_tokenizer()
+    model_config = config_for_depth(config["depth"], tokenizer.get_vocab_size(), config["max_seq_len"])
+    check_config(model_config)
+    checkpoint_dir = os.path.join(checkpoint_root("base"), config["model_tag"] or f"d{config['depth']}")
+    require_resume_step(config, checkpoint_dir)
+    check_wandb(config["run"])
+    return tokenizer, model_config, checkpoint_dir
 
 
 def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
-    tokenizer, checkpoint_dir = startup_checks(config)
+    tokenizer, model_config, checkpoint_dir = startup_checks(config)
     print_banner()
 
-    stage = Stage(config)  # device, process group, the parallel plan (nanochat/stage.py)
+    # device, process group, the parallel plan (its layout checked against the model's shape first): nanochat/stage.py
+    stage = Stage(config, model_config=model_config)
     parallel, device, world_size = stage.parallel, stage.device, stage.world_size
     data_world = parallel.read_world  # tp ranks of a group read the same data; --data_world_size replays W ranks
 
@@ -121,7 +125,6 @@ def main(argv=None):
 
     # tokenizer and model
     token_bytes = get_token_bytes(device=device)
-    model_config = config_for_depth(config["depth"], tokenizer.get_vocab_size(), config["max_seq_len"])
     model, orig_model = stage.prepare(build_model(model_config, device, config["init"], config["attn"]))
     num_params, flops_per_token = orig_model.num_params(), orig_model.estimate_flops()
     print0(f"Model d{config['depth']}: {model_config} | {num_params:,} params | attn {orig_model.attn_choice.describe()} | "

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from nanochat.usage import BadValue, CannotRun
+from nanochat.usage import BadValue, BrokenSetup, CannotRun
 
 # Before any process group exists: torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when
 # it is imported, and torch._dynamo imports it (a script's first torch.compile or optimizer). Imported after
@@ -86,11 +86,21 @@ def collective_device():
 
 
 def autodetect_device_type():
-    """cuda > mps > cpu."""
+    """
+    cuda > mps > cpu. A machine whose nvidia-smi lists GPUs that this torch cannot use (a CPU-only wheel, one built for
+    a newer CUDA than the driver) is refused with nanochat.setup_check's message, what the launchers check: a script
+    started directly never trains on the CPU of a GPU node by accident. Hiding the GPUs on purpose
+    (CUDA_VISIBLE_DEVICES="" or -1) or passing --device_type=cpu runs on the CPU.
+    """
     if torch.cuda.is_available():
         return "cuda"
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         return "mps"
+    from nanochat.setup_check import gpu_problem, nvidia_smi_gpus
+
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1")
+    if not hidden and nvidia_smi_gpus():
+        raise BrokenSetup(f"{gpu_problem()} Or pass --device_type=cpu to run on the CPU on purpose.")
     return "cpu"
 
 

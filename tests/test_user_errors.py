@@ -34,6 +34,7 @@ NO_TASK_DATA = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": "{
 NO_WANDB_LOGIN = {"HOME": "{tmp}/home", "NETRC": None, "WANDB_API_KEY": None, "WANDB_MODE": None,
                   "WANDB_DISABLED": None, "WANDB_IDENTITY_TOKEN_FILE": None, "WANDB_CONFIG_DIR": "{tmp}/wandb_config",
                   "WANDB_DIR": "{tmp}"}
+NO_WANDB_LOGIN_SHELL = {k: "" for k in NO_WANDB_LOGIN if k != "HOME"}  # the launchers' rows: empty is unset
 # a GPU node whose torch is a CPU-only build: nvidia-smi (a fake one, {tmp}/fake_gpu/nvidia-smi) lists a GPU
 FAKE_GPU = {"PATH": "{tmp}/fake_gpu:{PATH}", "CUDA_VISIBLE_DEVICES": None}
 FAKE_NVIDIA_SMI = """#!/bin/sh
@@ -489,6 +490,20 @@ LAUNCHER_CASES = [
                  "--warmup_ratio + --warmdown_ratio must be <= 1", marks=pytest.mark.slow),
     pytest.param("pretrain.sh", ["--dry_run", "--matrix_lr=abc"], 2, "--matrix_lr expects a number",
                  marks=pytest.mark.slow),
+    # settings from the environment and modes that exclude each other: checked before anything is set up
+    ("runcpu.sh", ["--dry-run"], 2, "RUNCPU_BASE_STEPS must be a whole number >= 1, got 'abc'", {"RUNCPU_BASE_STEPS": "abc"}),
+    ("runcpu.sh", [], 2, "NANOCHAT_DRY_RUN expects 0 or 1, got 'maybe'", {"NANOCHAT_DRY_RUN": "maybe"}),
+    ("speedrun.sh", ["--dry-run"], 2, "NPROC must be a whole number >= 1, got 'eight'", {"NPROC": "eight"}),
+    ("speedrun.sh", ["--dry-run"], 2, "DEVICE_BATCH must be a whole number >= 0, got '-4'", {"DEVICE_BATCH": "-4"}),
+    ("speedrun.sh", ["--dry-run"], 2, "--depth=21", {"DEPTH": "21"}),
+    ("pretrain.sh", ["--posttrain", "--fullrun"], 2, "--posttrain and --fullrun are two different modes: pass one"),
+    ("pretrain.sh", ["--run=myrun", "--dry_run"], 2, "--run=myrun logs to wandb, but no wandb login found",
+     NO_WANDB_LOGIN_SHELL),
+    ("speedrun.sh", ["--dry-run"], 2, "WANDB_RUN=myrun logs to wandb, but no wandb login found",
+     {**NO_WANDB_LOGIN_SHELL, "WANDB_RUN": "myrun"}),
+    # a fresh GPU box: the python pretrain.sh finds has no torch (-S: this interpreter without its site-packages)
+    ("pretrain.sh", ["--dry_run"], 2, "cannot run nanochat: torch is not installed. Install it into that interpreter",
+     {"PYTHON": f"{sys.executable} -S"}),
     ("volc/volc_submit.sh", ["--dryrun"], 2, "Did you mean: --dry_run"),
     ("volc/volc_submit.sh", ["--help"], 0, "volc_submit.sh: write a Volcengine"),
 ]

@@ -35,7 +35,7 @@ NO_WANDB_LOGIN = {"HOME": "{tmp}/home", "NETRC": None, "WANDB_API_KEY": None, "W
                   "WANDB_DISABLED": None, "WANDB_IDENTITY_TOKEN_FILE": None, "WANDB_CONFIG_DIR": "{tmp}/wandb_config",
                   "WANDB_DIR": "{tmp}"}
 NO_WANDB_LOGIN_SHELL = {k: "" for k in NO_WANDB_LOGIN if k != "HOME"}  # the launchers' rows: empty is unset
-# a GPU node whose torch is a CPU-only build: nvidia-smi (a fake one, {tmp}/fake_gpu/nvidia-smi) lists a GPU
+# a GPU node whose torch cannot use the GPU (a CPU-only build; here any build, no driver): a fake nvidia-smi lists one
 FAKE_GPU = {"PATH": "{tmp}/fake_gpu:{PATH}", "CUDA_VISIBLE_DEVICES": None}
 FAKE_NVIDIA_SMI = """#!/bin/sh
 case "$1" in

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from nanochat.usage import BadValue, CannotRun
+
 ATTN_CHOICES = ("auto", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flex", "fa3", "fa4")
 
 _SDPB = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -89,10 +91,10 @@ def choose(attn, capability, load=None):
     """
     The selection rule, a pure function so it is tested for every capability: `attn` (an ATTN_CHOICES value),
     `capability` (CUDA (major, minor), or None off CUDA), `load(name)` -> None when fa3/fa4 loaded, else the reason.
-    Returns an Attn; raises ValueError/RuntimeError naming what to use instead when the choice cannot run.
+    Returns an Attn; raises a usage error (BadValue, CannotRun) naming what to use instead when the choice cannot run.
     """
     if attn not in ATTN_CHOICES:
-        raise ValueError(f"--attn must be one of {'|'.join(ATTN_CHOICES)}, got {attn!r}")
+        raise BadValue(f"--attn must be one of {'|'.join(ATTN_CHOICES)}, got {attn!r}")
     order, why = sdpa_order(capability)
     where = "CPU/MPS" if capability is None else f"a GPU of compute capability {capability[0]}.{capability[1]}"
     if attn in ("auto", "sdpa"):
@@ -103,17 +105,17 @@ def choose(attn, capability, load=None):
             capability is not None and (kernel != "flash" or tuple(capability) >= (8, 0))
             and (kernel != "cudnn" or tuple(capability) >= (8, 0)))
         if not runs:
-            raise RuntimeError(f"--attn={attn}: torch has no {kernel} attention kernel for {where}; use --attn=sdpa")
+            raise CannotRun(f"--attn={attn}: torch has no {kernel} attention kernel for {where}; use --attn=sdpa")
         return Attn(attn, (kernel,), "asked for")
     if attn == "flex":
         return Attn("flex", order, "asked for; cached decode runs SDPA's order")
     # fa3 / fa4: only when asked, never a fallback
     need = {"fa3": ((9, 0), (10, 0), "Hopper (9.x)"), "fa4": ((9, 0), (11, 0), "Hopper or Blackwell (9.x, 10.x)")}[attn]
     if capability is None or not need[0] <= tuple(capability) < need[1]:
-        raise RuntimeError(f"--attn={attn} needs a {need[2]} GPU, but the model is on {where}; use --attn=sdpa")
+        raise CannotRun(f"--attn={attn} needs a {need[2]} GPU, but the model is on {where}; use --attn=sdpa")
     reason = (load or load_flash)(attn)
     if reason is not None:
-        raise RuntimeError(f"--attn={attn}: {reason}; or use --attn=sdpa")
+        raise CannotRun(f"--attn={attn}: {reason}; or use --attn=sdpa")
     return Attn(attn, order, "asked for; cached decode runs SDPA's order")
 
 

@@ -275,6 +275,18 @@ def model_config_from_meta(meta, meta_path):
         raise BadValue(f"the model_config in {meta_path} is not a GPTConfig ({e}): {cfg}") from e
 
 
+def checkpoint_model_config(source, model_tag, step):
+    """The GPTConfig a saved step was built with, from its meta alone (no tensor is read), checked: what the start-up
+    checks of a model's shape (sequence length, tensor parallelism) read before the model loads."""
+    from nanochat.gpt import check_config
+
+    checkpoint_dir = os.path.join(checkpoint_root(source), model_tag)
+    meta_path = step_meta_path(checkpoint_dir, step)
+    config = model_config_from_meta(read_meta(meta_path, checkpoint_dir, step), meta_path)
+    check_config(config)
+    return config
+
+
 def _describe_weights(state_dict):
     """The config fields that can be read off the weights' names and shapes."""
     layers = {int(m.group(1)) for k in state_dict if (m := re.match(r"transformer\.h\.(\d+)\.", k))}

@@ -23,7 +23,7 @@ from collections import Counter
 import torch
 
 from nanochat.common import print0
-from nanochat.usage import BadValue
+from nanochat.usage import BadValue, CannotRun
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -73,7 +73,7 @@ def resolve_compile(flag, device_type, log=print0):
     if reason is None:
         return True
     if choice is True:
-        raise RuntimeError(f"--compile=1 but torch.compile cannot run here: {reason}. Use --compile=0 (eager)")
+        raise CannotRun(f"--compile=1 but torch.compile cannot run here: {reason}. Use --compile=0 (eager)")
     log(f"Note: --compile=auto runs eager: {reason}")
     return False
 

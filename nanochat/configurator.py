@@ -15,8 +15,9 @@ Accepted forms: `--depth=20`, `--depth 20`, `--device-batch-size=32`, `--device_
 is declared (`-i sft`), and positional arguments where declared (import_hf's DIR). A flag's type is its default's, or
 `type=` when the default is None. None means "auto": the script works the value out (from the device, the model...),
 `--help` prints it as `auto`, and `--flag=auto` asks for it explicitly; a value the user passes always wins, even one
-equal to what auto would pick. Booleans take 1/0/true/false/yes/no/on/off, or nothing (`--fp8` = `--fp8=1`).
-An environment switch that changes what a run does is the default of a flag (`Flag(..., env="NANOCHAT_COMPILE")`):
+equal to what auto would pick. Booleans take 1/0/true/false/yes/no/on/off, or nothing (`--fp8` = `--fp8=1`). A
+number flag may also take a few words, kept as the word (`words=["auto"]`: --resume_from_step is a step number or
+auto). An environment switch that changes what a run does is the default of a flag (`Flag(..., env="NANOCHAT_COMPILE")`):
 when the variable is set, its value is the flag's default, checked as a command-line value would be (an error names
 the variable), so the parsed flags a run records are what it ran with.
 `choices`, `min`/`max` (inclusive bounds of a number) and a `check` function are checked here, once, with an error
@@ -48,7 +49,7 @@ class Flag:
     """One flag: its name (a_b spelling), default, help text and optional choices / type / short alias."""
 
     def __init__(self, name, default, help, choices=None, type=None, short=None, positional=False, required=False,
-                 hidden=False, check=None, many=False, min=None, max=None, env=None):
+                 hidden=False, check=None, many=False, min=None, max=None, env=None, words=()):
         if not help or not help.strip():
             raise ValueError(f"flag --{name} needs a help text (what it does, what its values mean)")
         if type is None:
@@ -69,6 +70,8 @@ class Flag:
         self.env = env  # an environment variable that, when set, replaces the default
         if env:
             self.help += f" Default: ${env} when set."
+        # words a number flag takes besides numbers, kept as the word: --resume_from_step is an int or `auto`
+        self.words = tuple(words)
         if many and default is not None:
             raise ValueError(f"flag --{name}: a flag of many values defaults to None (auto or none given)")
         if self.choices is not None and default is not None and default not in self.choices:
@@ -84,7 +87,9 @@ class Flag:
             if self.required:
                 raise FlagError(f"{name} is required: pass a value")
             return None
-        if self.type is bool:
+        if low in self.words:
+            value = low
+        elif self.type is bool:
             if low in _TRUE:
                 value = True
             elif low in _FALSE:
@@ -98,15 +103,15 @@ class Flag:
                 try:
                     f = float(raw)  # allow 1e6 style for integer flags when it is a whole number
                 except ValueError:
-                    raise FlagError(f"{name} expects an integer, got {raw!r}") from None
+                    raise FlagError(f"{name} expects an integer{self._or_words()}, got {raw!r}") from None
                 if f != int(f):
-                    raise FlagError(f"{name} expects an integer, got {raw!r}")
+                    raise FlagError(f"{name} expects an integer{self._or_words()}, got {raw!r}")
                 value = int(f)
         elif self.type is float:
             try:
                 value = float(raw)
             except ValueError:
-                raise FlagError(f"{name} expects a number, got {raw!r}") from None
+                raise FlagError(f"{name} expects a number{self._or_words()}, got {raw!r}") from None
         else:
             value = raw
         if self.choices is not None and value not in self.choices:
@@ -129,6 +134,9 @@ class Flag:
             return self.convert(raw)
         except FlagError as e:
             raise FlagError(f"{self.env}={raw} (the default of --{self.name}): {e}") from None
+
+    def _or_words(self):
+        return "".join(f" or {w}" for w in self.words)
 
     def check_range(self, value, raw):
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -159,7 +167,7 @@ class Flag:
             auto = ["auto"] if self.default is None and not self.required else []
             kind = " | ".join(auto + [format_value(c) for c in self.choices])
         else:
-            kind = _TYPE_NAMES[self.type] + self.range_text()
+            kind = _TYPE_NAMES[self.type] + self.range_text() + "".join(f" | {w}" for w in self.words)
         lines = [f"{head}  [{kind}{' ...' if self.many else ''}]"]
         lines += textwrap.wrap(self.help, width=width, initial_indent=" " * 6, subsequent_indent=" " * 6)
         return lines

@@ -345,7 +345,7 @@ def evaluate_model(model, tokenizer, device, max_per_task=-1, bundle_dir=None, l
     for task in tasks:
         label = task["label"]
         if label not in baselines:
-            raise ValueError(f"CORE task {label!r} has no random baseline in {resolved}/eval_meta_data.csv")
+            raise BadValue(f"CORE task {label!r} has no random baseline in {resolved}/eval_meta_data.csv")
         path = Path(resolved) / "eval_data" / task["dataset_uri"]
         if not path.is_file():
             missing.append(label)

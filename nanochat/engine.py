@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from nanochat.calculator import use_calculator
+from nanochat.usage import BadValue
 
 # -----------------------------------------------------------------------------
 # KV cache
@@ -301,7 +302,7 @@ def resolve_decode_compile(value, model):
     """
     value = str(value).strip().lower()
     if value not in DECODE_COMPILE_CHOICES:
-        raise ValueError(f"--decode_compile must be auto, 1 or 0, got {value!r}")
+        raise BadValue(f"--decode_compile must be auto, 1 or 0, got {value!r}")
     from nanochat.gpt import GPT
 
     if value == "0" or not isinstance(model, GPT):
@@ -310,7 +311,7 @@ def resolve_decode_compile(value, model):
 
     if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP/TP: the forward runs collectives in hooks
         if value == "1":
-            raise ValueError("--decode_compile=1 needs an unsharded model, but this one is sharded (FSDP/TP); use --decode_compile=0")
+            raise BadValue("--decode_compile=1 needs an unsharded model, but this one is sharded (FSDP/TP); use --decode_compile=0")
         return False
     return value == "1" or model.get_device().type == "cuda"
 

@@ -129,12 +129,12 @@ def fp8_plan(model, recipe="tensorwise", filter="auto"):
     fp8_gains, 'all' = every one, else a comma list of name parts (a Linear whose name contains one is converted).
     """
     if recipe not in FP8_RECIPES:
-        raise ValueError(f"--fp8_recipe must be one of {'|'.join(FP8_RECIPES)}, got {recipe!r}")
+        raise BadValue(f"--fp8_recipe must be one of {'|'.join(FP8_RECIPES)}, got {recipe!r}")
     parts = None
     if filter not in ("auto", "all"):
         parts = [p.strip() for p in str(filter).split(",") if p.strip()]
         if not parts:
-            raise ValueError(f"--fp8_filter must be auto, all or a comma list of layer name parts, got {filter!r}")
+            raise BadValue(f"--fp8_filter must be auto, all or a comma list of layer name parts, got {filter!r}")
     plan = []
     for name, m in model.named_modules():
         if not isinstance(m, nn.Linear) or not name.startswith("transformer.h."):
@@ -149,7 +149,7 @@ def fp8_plan(model, recipe="tensorwise", filter="auto"):
             hit = next((p for p in parts if p in name), None)
             plan.append((name, hit is not None, f"--fp8_filter names {hit!r}" if hit else "not named by --fp8_filter"))
     if parts is not None and not any(convert for _, convert, _ in plan):
-        raise ValueError(f"--fp8_filter={filter} matches no block Linear (names look like transformer.h.0.mlp.c_fc)")
+        raise BadValue(f"--fp8_filter={filter} matches no block Linear (names look like transformer.h.0.mlp.c_fc)")
     return plan
 
 

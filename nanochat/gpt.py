@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from nanochat.attention import attention, resolve_attn
+from nanochat.usage import BadValue
 
 
 AC_MODES = ("none", "full", "selective")  # --activation_checkpointing (GPT.set_activation_checkpointing)
@@ -57,27 +58,34 @@ class GPTConfig:
 def config_for_depth(depth, vocab_size, sequence_len):
     """nanochat's depth -> shape rule: width 64*depth, head dim 128 (fewer heads at small widths)."""
     if depth < 1:
-        raise ValueError(f"depth must be >= 1, got {depth}")
+        raise BadValue(f"--depth must be >= 1, got {depth}")
     n_embd = 64 * depth
     n_head = max(1, math.ceil(n_embd / 128))
     if n_embd % n_head != 0:
         ok = [d for d in range(max(1, depth - 3), depth + 4) if (64 * d) % max(1, math.ceil(64 * d / 128)) == 0]
-        raise ValueError(
+        raise BadValue(
             f"--depth={depth} gives n_embd={n_embd} which does not split into {n_head} heads; "
             f"pick a depth such as {', '.join(map(str, ok))}"
         )
     return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head, n_kv_head=n_head, n_embd=n_embd)
 
 
-def _validate_config(c):
+def check_config(c):
+    """A usage error (BadValue) for a shape GPT cannot build: checked before anything is built (a config from --depth,
+    a checkpoint's meta, an imported config.json) and again by GPT itself."""
     if c.vocab_size < 1 or c.sequence_len < 1 or c.n_layer < 1 or c.n_head < 1 or c.n_kv_head < 1 or c.n_embd < 1:
-        raise ValueError(f"every GPTConfig field must be >= 1, got {c}")
+        raise BadValue(f"every GPTConfig field must be >= 1, got {c}")
     if c.n_embd % c.n_head != 0:
-        raise ValueError(f"n_embd={c.n_embd} must be divisible by n_head={c.n_head}")
+        raise BadValue(f"n_embd={c.n_embd} must be divisible by n_head={c.n_head}")
     if (c.n_embd // c.n_head) % 2 != 0:
-        raise ValueError(f"head dim n_embd/n_head={c.n_embd // c.n_head} must be even for rotary embeddings")
+        raise BadValue(f"head dim n_embd/n_head={c.n_embd // c.n_head} must be even for rotary embeddings")
     if c.n_kv_head > c.n_head or c.n_head % c.n_kv_head != 0:
-        raise ValueError(f"n_kv_head={c.n_kv_head} must divide n_head={c.n_head} (and be <= it) for grouped-query attention")
+        raise BadValue(f"n_kv_head={c.n_kv_head} must divide n_head={c.n_head} (and be <= it) for grouped-query attention")
+
+
+def rotary_positions(config):
+    """Positions the rotary table covers: 10x the training length, so generation can run past sequence_len."""
+    return config.sequence_len * 10
 
 
 def norm(x):
@@ -226,7 +234,7 @@ class GPT(nn.Module):
         Call init_weights() afterwards (after to_empty() when built on meta), or load a state dict with assign=True
         and call init_buffers()."""
         super().__init__()
-        _validate_config(config)
+        check_config(config)
         self.config = config
         self.attn = attn  # as asked (--attn); attn_choice is what runs on this device
         # Resolved again in init_buffers() once the real device is known (the model is often built on meta).
@@ -242,8 +250,7 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, self.padded_vocab_size, bias=False)
         self.head = head  # nanochat.compile replaces it by a compiled copy on the FSDP path
-        # Rotary table for 10x the training length so generation can run past sequence_len.
-        self.rotary_seq_len = config.sequence_len * 10
+        self.rotary_seq_len = rotary_positions(config)
         cos, sin = self._precompute_rotary_embeddings(self.rotary_seq_len, config.n_embd // config.n_head)
         # Non-persistent: derived data, not part of the checkpoint (nanochat's state dict has no rotary keys).
         self.register_buffer("cos", cos, persistent=False)

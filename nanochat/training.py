@@ -18,7 +18,8 @@ nanochat/stage.py puts them together into the skeleton each stage's script runs 
 - `every`: periodic actions, where a value <= 0 turns the action off entirely.
 
 Checkpoints of a run (save_train_state, load_train_state, save_stage_model, --resume_from_step) are the checkpoint
-package's: nanochat/checkpoint/train_state.py and resume.py.
+package's: nanochat/checkpoint/train_state.py and resume.py. `check_sequence_length`: a start-up check of a saved
+model's rotary table, before anything is built.
 """
 
 import contextlib
@@ -133,8 +134,17 @@ def init_model(config, device, init="normal", attn="auto"):
 
 
 def check_model_options(config, device):
-    """Early (before the tokenizer and the model): refuse --fp8=1 where it cannot run. (Values with a fixed set, such as
-    --activation_checkpointing, were checked by the flag parser: memory_flags' choices.)"""
+    """Early (before the tokenizer and the model): refuse --fp8=1, --compile=1 and an --attn kernel where they cannot
+    run, and a NANOCHAT_COMPILE that is not auto/1/0. (Values with a fixed set, such as --activation_checkpointing,
+    were checked by the flag parser: memory_flags' choices.)"""
+    if "attn" in config:
+        from nanochat.attention import resolve_attn
+
+        resolve_attn(config["attn"], device)
+    if "compile" in config:
+        from nanochat.compile import resolve_compile
+
+        resolve_compile(config["compile"], device.type, log=lambda *a: None)  # the notes come when it compiles
     if config.get("fp8"):
         from nanochat.fp8 import check_fp8_supported
 
@@ -342,6 +352,17 @@ def format_duration(seconds):
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+def check_sequence_length(flag, length, model_config, what):
+    """The start-up check of a sequence length a script runs `what` (a saved model) at, read from its checkpoint's
+    meta before loading it: rows longer than its rotary table (nanochat.gpt.rotary_positions) cannot be run."""
+    from nanochat.gpt import rotary_positions
+
+    limit = rotary_positions(model_config)
+    if length is not None and length > limit:
+        raise BadValue(f"{flag}={length} is longer than {what} can take: its rotary table covers {limit} positions "
+                       f"(10 x its sequence_len {model_config.sequence_len}); use {flag} <= {limit}")
+
+
 # On CPU the default eval sizes mean hours of evaluation before the first training step.
 CPU_EVAL_STEPS = 4
 DEFAULT_EVAL_TOKENS = 20 * 524288  # nanochat's --eval_tokens: 20 batches of 524288 tokens
@@ -387,7 +408,9 @@ def run_flags():
     from nanochat.configurator import Flag
 
     return [
-        Flag("run", "dummy", "wandb run name; dummy = no wandb logging"),
+        Flag("run", "dummy", "wandb run name; dummy = no wandb logging. A name needs a wandb login (`wandb login` or "
+             "WANDB_API_KEY), or WANDB_MODE=offline to log into ./wandb and `wandb sync` later: without either the run "
+             "stops at start-up with one line, before anything is built"),
         device_type_flag(),
         dtype_flag(),
         Flag("seed", 42, "random seed (model init, data order, sampling)"),

@@ -20,17 +20,18 @@ import torch
 
 from nanochat.attention import attn_flag
 from nanochat.batching import batch_arithmetic
-from nanochat.checkpoint.resume import resolve_resume_step, resume_flag, resume_loop_state
+from nanochat.checkpoint.resume import require_resume_step, resolve_resume_step, resume_flag, resume_loop_state
 from nanochat.checkpoint.train_state import load_train_state, save_train_state, saved_loader_states
-from nanochat.checkpoint_manager import checkpoint_root, require_step
+from nanochat.checkpoint_manager import checkpoint_root
 from nanochat.compile import compile_flag
-from nanochat.common import print0, print_banner
+from nanochat.common import check_wandb, print0, print_banner
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.dataloader import (PACKINGS, cropped_fraction, loader_states_for_world, resolve_packing,
                                  tokenizing_distributed_data_loader)
 from nanochat.dataset import SOURCES, base_data_dir, resolve_source, split_parquet_files
 from nanochat.distributed.parallel import parallel_flags
 from nanochat.fp8 import FP8_FILTER_HELP, FP8_IMPL_HELP, FP8_IMPLS, FP8_RECIPES
+from nanochat.gpt import check_config
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.recipe import RECORD_EVAL_TOKENS, recipe_flags, resolve_recipe
 from nanochat.stage import Stage
@@ -98,21 +99,22 @@ SAMPLE_PROMPTS = ["The capital of France is", "The chemical symbol of gold is",
 
 
 def startup_checks(config):
-    """Before any process group, model or compile: the recipe's flags, the data, the tokenizer, the model's shape, the
-    step to resume from, a training horizon. Resolves --packing and --data. Returns (recipe, tokenizer, checkpoint_dir,
-    model config)."""
+    """Before any process group, model, compile or download: the recipe's flags, the model's shape (--depth), the data,
+    the tokenizer, the step to resume from, a training horizon, wandb for --run. Resolves --packing and --data.
+    Returns (recipe, tokenizer, checkpoint_dir, model config)."""
     recipe = resolve_recipe(config)  # the flags left on auto take the recipe's values (nanochat/recipe.py)
+    if config["num_iterations"] <= 0 and config["target_flops"] <= 0 and config["target_param_data_ratio"] <= 0:
+        raise BadValue("set one of --num_iterations, --target_flops or --target_param_data_ratio to a positive value")
     config["packing"] = resolve_packing(config["packing"], recipe.packing)
     config["data"] = resolve_source(config["data"], recipe.data_source)
     data_dir = base_data_dir(source=config["data"])
     split_parquet_files("train", data_dir), split_parquet_files("val", data_dir)
     tokenizer = get_tokenizer()
     model_config = recipe.model_config(config, tokenizer.get_vocab_size())
+    check_config(model_config)
     checkpoint_dir = os.path.join(checkpoint_root("base"), config["model_tag"] or f"d{config['depth']}")
-    if isinstance(config["resume_from_step"], int) and config["resume_from_step"] >= 0:
-        require_step(checkpoint_dir, config["resume_from_step"])
-    if config["num_iterations"] <= 0 and config["target_flops"] <= 0 and config["target_param_data_ratio"] <= 0:
-        raise BadValue("set one of --num_iterations, --target_flops or --target_param_data_ratio to a positive value")
+    require_resume_step(config, checkpoint_dir)
+    check_wandb(config["run"])
     return recipe, tokenizer, checkpoint_dir, model_config
 
 
@@ -123,7 +125,8 @@ def main(argv=None):
     batch = recipe.batch(config, model_config)  # record: the batch size and lr/wd scaling from the horizon
     print_banner()
 
-    stage = Stage(config)  # device, process group, the parallel plan (nanochat/stage.py)
+    # device, process group, the parallel plan (its layout checked against the model's shape first): nanochat/stage.py
+    stage = Stage(config, model_config=model_config)
     parallel, device, world_size = stage.parallel, stage.device, stage.world_size
     data_world = parallel.read_world  # tp ranks of a group read the same data; --data_world_size replays W ranks
 

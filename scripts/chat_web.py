@@ -24,9 +24,11 @@ nanochat/serving/: app.py (the routes), workers.py (the pool), generation.py (th
 (what requests may hold) and ui.html (the page).
 """
 
+import errno
 import ipaddress
 import logging
 import os
+import socket
 from pathlib import Path
 
 import torch
@@ -95,6 +97,18 @@ def check_args(args):
     if not 0 < args.port < 65536:
         errors.append("--port must be in 1..65535")
     return errors
+
+
+def port_problems(host, port):
+    """The start-up check of --host/--port, before any model loads: the address can be bound now (uvicorn binds it the
+    same way, SO_REUSEADDR, once the replicas are loaded). [] or the sentence saying why not."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]  # IPv4 or IPv6, as --host is
+        with socket.create_server((host, port), family=family):
+            return []
+    except OSError as e:
+        why = "another process listens there" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+        return [f"cannot listen on {host}:{port} ({why}): stop what uses it or pass another --port (or --host)"]
 
 
 def resolve_api_key(flag_value, key_file=None):
@@ -168,6 +182,8 @@ def main(argv=None):
         api_key = resolve_api_key(args.api_key, args.api_key_file)
     except ValueError as e:
         errors.append(str(e))
+    if not errors:
+        errors += port_problems(args.host, args.port)
     if errors:
         parser.error("; ".join(errors))
     origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]

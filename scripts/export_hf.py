@@ -54,10 +54,20 @@ def _require_hf():
 
 
 def _check_out_dir(out_dir):
+    """--out, before a model loads: a new or empty directory, in a place this process can write (the export is
+    written beside it and renamed into place)."""
     if os.path.isfile(out_dir):
         raise FileExistsError(f"--out {out_dir} is a file; pass a directory path")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f"--out {out_dir} exists and is not empty; pass a new directory (or remove this one)")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    while not os.path.exists(parent):  # the directories to be made: the nearest one that exists must take them
+        parent = os.path.dirname(parent)
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".nanochat-write-test-"))
+    except OSError as e:
+        raise CannotRun(f"--out {out_dir}: {parent} does not take new directories (mkdir there says: "
+                        f"{e.strerror or e}); pass a path in a directory you can write to") from None
 
 
 # What each stage is, the script that trains it, its section of the report, and the report sections that evaluate it

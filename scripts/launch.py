@@ -9,8 +9,8 @@ and running it, with the stop signals passed on to the running stage.
     python -m scripts.launch run speedrun.sh ARGS...    speedrun.sh's pipeline, after its setup
     python -m scripts.launch run pretrain.sh ARGS...    all of pretrain.sh
 
-Only the standard library and nanochat's standard-library modules (configurator, presets, usage) are imported: the
-first two forms run on a fresh machine before anything is installed.
+Only the standard library and nanochat's standard-library modules (configurator, presets, setup_check, usage) are
+imported: the first two forms run on a fresh machine before anything is installed.
 """
 
 import os
@@ -24,8 +24,9 @@ import time
 from dataclasses import dataclass, field
 
 from nanochat import presets
-from nanochat.configurator import Flag, Flags, FlagError
-from nanochat.usage import BadValue, run_main
+from nanochat.configurator import Flag, FlagError, Flags, Rule
+from nanochat.setup_check import quick_install_problem, wandb_problem
+from nanochat.usage import BadValue, CannotRun, run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINING = ("scripts.base_train", "scripts.mid_train", "scripts.chat_sft", "scripts.chat_rl")
@@ -356,7 +357,10 @@ def torchrun_stages(runner, tr, node, plan, mode, device_args, max_restarts):
 
 
 def dry_run_flag(what):
-    return Flag("dry_run", os.environ.get("NANOCHAT_DRY_RUN", "0") not in ("", "0"), what)
+    env = os.environ.get("NANOCHAT_DRY_RUN", "0").strip().lower()
+    if env not in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise BadValue(f"NANOCHAT_DRY_RUN expects 0 or 1, got '{env}'")
+    return Flag("dry_run", env not in ("", "0", "false", "no", "off"), what)
 
 
 def env_int(name, default):
@@ -380,6 +384,9 @@ def pretrain_flags():
              "markdown); another depth with both --num_shards and --device_batch_size", min=1),
         Flag("posttrain", False, "mid_train -> chat_eval -i mid -> chat_sft -> chat_eval -i sft (no data, no base)"),
         Flag("fullrun", False, "pretrain and posttrain"),
+        Rule(("posttrain", "fullrun"), lambda post, full: not (post and full),
+             "--posttrain and --fullrun are two different modes: pass one (--fullrun already runs the post-training) "
+             "(got --posttrain={posttrain:d} --fullrun={fullrun:d})"),
         Flag("num_shards", None, "data shards to download (the preset's by default)", type=int, min=0),
         Flag("device_batch_size", None, "per-GPU batch (the preset's by default)", type=int, min=0),
         Flag("use_fsdp", None, "FSDP2 instead of DDP (on by default from d40)", type=bool),
@@ -421,6 +428,19 @@ def split_args(argv, flags):
                 value, i = nxt, i + 1
         (own if name in flags else rest).append(f"--{name}={value}")
     return own, rest
+
+
+def check_installed(py):
+    """pretrain.sh runs on an interpreter that has nanochat installed (it installs nothing itself: on a cluster every
+    node would install at once), else one line saying how to install it. This process is that interpreter
+    (pretrain.sh execs $PYTHON, python or python3 on this file, as interpreter() picks it for the stages)."""
+    problem = quick_install_problem()
+    if problem:
+        venv = os.path.join(REPO, ".venv", "bin", "python")
+        other = " (PYTHON=.venv/bin/python: the venv runcpu.sh and speedrun.sh set up)" if os.path.exists(venv) else ""
+        raise CannotRun(f"{shlex.join(py)} cannot run nanochat: {problem}. Install it into that interpreter with "
+                        f"`{shlex.join(py)} -m pip install -e .` from {REPO} (it builds the rustbpe tokenizer: needs "
+                        f"Rust, https://rustup.rs), or set PYTHON to an interpreter that has it{other}")
 
 
 def check_base_train_flags(py, own, rest, flags):
@@ -496,20 +516,21 @@ def run_pretrain(argv):
         os.environ.pop(name, None)
     env = os.environ  # the commands' environment, NANOCHAT_BASE_DIR set below
     py, tr = interpreter(env)
+    check_installed(py)
     own, rest = split_args(argv, flags)
     if rest:
         check_base_train_flags(py, own, rest, flags)
     cfg = flags.parse(own)
+    wandb = wandb_problem(cfg.run)  # base_train would say so after the download and the tokenizer: say it now
+    if wandb:
+        raise CannotRun(wandb)
     mode = "fullrun" if cfg.fullrun else "posttrain" if cfg.posttrain else "pretrain"
     node = discover(env, cfg.nproc_per_node or env.get("NPROC_PER_NODE") or None)
     _whole("NANOCHAT_PREP_TIMEOUT", env.get("NANOCHAT_PREP_TIMEOUT", "14400"))  # checked here, used by prepare()
-    try:
-        launch = presets.resolve_launch(
-            cfg.depth, rest + ([f"--ac_every={cfg.ac_every}"] if cfg.ac_every else []), num_shards=cfg.num_shards,
-            device_batch_size=cfg.device_batch_size, use_fsdp=cfg.use_fsdp, world_size=node.nnodes * node.nproc,
-            mode=mode, activation_checkpointing=cfg.activation_checkpointing, tp_size=cfg.tp_size)
-    except ValueError as e:
-        raise BadValue(str(e)) from None
+    launch = presets.resolve_launch(
+        cfg.depth, rest + ([f"--ac_every={cfg.ac_every}"] if cfg.ac_every else []), num_shards=cfg.num_shards,
+        device_batch_size=cfg.device_batch_size, use_fsdp=cfg.use_fsdp, world_size=node.nnodes * node.nproc,
+        mode=mode, activation_checkpointing=cfg.activation_checkpointing, tp_size=cfg.tp_size)
     plan = Plan(launch, cfg.run, cfg.model_tag, cfg.ac_every, cfg.save_every, rest)
     env["NANOCHAT_BASE_DIR"] = base = env.get("NANOCHAT_BASE_DIR") or os.path.expanduser("~/.cache/nanochat")
     shared = env.get("NANOCHAT_SHARED_FS", "1")
@@ -566,17 +587,20 @@ def speedrun_flags():
                  prog="bash speedrun.sh", description=header("speedrun.sh"))
 
 
+def speedrun_launch(env):
+    """speedrun.sh's settings from its environment (NPROC, DEPTH, NUM_SHARDS, DEVICE_BATCH), resolved with the depth
+    preset: (nproc, depth, presets.Launch). A bad one is a usage error, found by the flag check before any setup."""
+    nproc, depth = _whole("NPROC", env.get("NPROC") or "8", 1), _whole("DEPTH", env.get("DEPTH") or "20", 1)
+    given = lambda var: _whole(var, env[var], 0) if env.get(var) else None
+    return nproc, depth, presets.resolve_launch(depth, num_shards=given("NUM_SHARDS"),
+                                                device_batch_size=given("DEVICE_BATCH"), world_size=nproc, mode="fullrun")
+
+
 def run_speedrun(argv):
     cfg = speedrun_flags().parse(argv)
     env = dict(os.environ)
     py, tr = interpreter(env)
-    nproc, depth = _whole("NPROC", env.get("NPROC", "8"), 1), _whole("DEPTH", env.get("DEPTH", "20"), 1)
-    given = lambda var: _whole(var, env[var], 0) if env.get(var) else None
-    try:
-        launch = presets.resolve_launch(depth, num_shards=given("NUM_SHARDS"), device_batch_size=given("DEVICE_BATCH"),
-                                        world_size=nproc, mode="fullrun")
-    except ValueError as e:
-        raise BadValue(str(e)) from None
+    nproc, depth, launch = speedrun_launch(env)
     for note in launch.notes:
         log("speedrun.sh", f"note: {note}")
     log("speedrun.sh", f"d{depth} on {nproc} GPUs: {launch.num_shards} shards, device batch {launch.device_batch_size}, "
@@ -613,10 +637,25 @@ def run_speedrun(argv):
 # -----------------------------------------------------------------------------
 
 
-CHECKS = {  # launchers that only ask for their flags to be checked (they eval DRY_RUN)
-    "runcpu.sh": lambda: Flags(dry_run_flag("print the setup commands it would run (venv, Rust, install), then stop"),
-                               prog="bash runcpu.sh", description=header("runcpu.sh")),
-    "speedrun.sh": speedrun_flags,
+def runcpu_flags():
+    """runcpu.sh's flags; its settings from the environment are checked with them (the pipeline itself is bash)."""
+    _whole("RUNCPU_BASE_STEPS", os.environ.get("RUNCPU_BASE_STEPS") or "500", 1)
+    return Flags(dry_run_flag("print the setup commands it would run (venv, Rust, install), then stop"),
+                 prog="bash runcpu.sh", description=header("runcpu.sh"))
+
+
+def speedrun_check_flags():
+    """speedrun.sh's flags and its environment's settings, checked before its setup installs anything."""
+    speedrun_launch(os.environ)
+    wandb = wandb_problem(os.environ.get("WANDB_RUN") or "dummy")
+    if wandb:
+        raise CannotRun(wandb.replace("--run=", "WANDB_RUN="))
+    return speedrun_flags()
+
+
+CHECKS = {  # launchers that only ask for their flags (and settings) to be checked (they eval DRY_RUN)
+    "runcpu.sh": runcpu_flags,
+    "speedrun.sh": speedrun_check_flags,
 }
 RUNS = {"pretrain.sh": run_pretrain, "speedrun.sh": run_speedrun}
 

@@ -402,6 +402,7 @@ def test_overrides_and_pass_through(tmp_path):
         "--run", "my run",
         "--warmup-ratio=0.1",
         "--num_iterations", "-1",
+        env=base_env(tmp_path, WANDB_MODE="offline"),  # --run: a wandb run, here without a login (tests/test_user_errors)
     )
     settings, commands, _ = parse(p.stdout)
     assert ["python", "-m", "nanochat.dataset", "-n", "10"] in commands

@@ -510,7 +510,7 @@ def test_mid_sft_rl_chain_on_a_record_model(chat_env):  # noqa: F811 (the fixtur
     from nanochat.checkpoint_manager import load_model, save_checkpoint
     from nanochat.gpt import record_config_for_depth
     from nanochat.tokenizer import get_tokenizer
-    from nanochat.training import build_model
+    from nanochat.training import init_model as build_model
     from scripts import chat_rl, chat_sft, mid_train
 
     # beside chat_env's December d1: the stages take the largest tag, this d2

@@ -21,6 +21,7 @@ from nanochat.checkpoint.steps import latest_resumable_step, step_problem
 from nanochat.checkpoint_manager import load_checkpoint, save_checkpoint
 from nanochat.metrics import read_metrics
 from nanochat.preemption import StopSignal
+from nanochat.usage import Interrupted
 
 # depth 2 (one attention + MLP pair is not enough to show the embedding's backward feeding the blocks), short rows
 TINY = ["--depth=2", "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=512", "--eval_every=-1",
@@ -169,16 +170,50 @@ def test_resolve_resume_step(tmp_path, capsys):
 
 
 def test_stop_signal_is_recorded_not_fatal():
-    before = signal.getsignal(signal.SIGTERM)
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     stop = StopSignal().install()
+    stop.training_started()
     try:
         assert not stop.requested(torch.device("cpu"))
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGTERM)  # a second notice while the first is honoured: still alive
-        assert stop.received == "SIGUSR1" and stop.requested(torch.device("cpu"))
+        assert stop.received == "SIGUSR1" and stop.requested(torch.device("cpu")) and stop.agreed == "SIGUSR1"
     finally:
         stop.uninstall()
-    assert signal.getsignal(signal.SIGTERM) == before
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_ctrl_c_is_a_stop_request_and_a_second_one_stops_at_once(capsys):
+    """In the loop the first Ctrl-C is recorded (the step finishes and is saved), the second ends the run at once:
+    Interrupted, status 130, whatever was running."""
+    stop = StopSignal().install()
+    stop.training_started()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested(torch.device("cpu")) and stop.agreed == "SIGINT"
+        assert "SIGINT received: finishing this step, then saving a checkpoint and exiting (Ctrl-C again stops at " \
+               "once, without saving)" in capsys.readouterr().out
+        with pytest.raises(Interrupted, match="Stopped at once by a second Ctrl-C") as e:
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.sigtimedwait([], 0)  # a point where Python runs the handler, as the training loop has many
+        assert e.value.status == 130
+    finally:
+        stop.uninstall()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1])
+def test_stop_signal_during_start_up_ends_the_run_with_the_requeue_status(sig):
+    """Before the loop (loading, compiling) there is no step to finish: the signal ends the run at once with one line
+    and 128 + the signal, what a launcher's requeue reads."""
+    stop = StopSignal().install()
+    try:
+        with pytest.raises(Interrupted, match=r"during start-up, before the first training step: nothing was "
+                                              r"trained or saved") as e:
+            os.kill(os.getpid(), sig)
+            signal.sigtimedwait([], 0)
+        assert e.value.status == 128 + sig
+    finally:
+        stop.uninstall()
 
 
 def start_base_train(base_dir, *args):
@@ -299,3 +334,53 @@ def test_a_save_that_does_not_fit_stops_before_writing_and_names_the_need(tmp_pa
     monkeypatch.setattr(files.shutil, "disk_usage", lambda path: usage(10**9, 0, 0))
     with pytest.raises(CannotRun, match="not enough disk space to save step 3"):  # the model-only save (SFT, RL) too
         train_state.save_stage_model(str(tmp_path), 3, model, {}, ddp)
+
+
+@pytest.mark.slow  # three short runs
+def test_ctrl_c_saves_the_step_exits_130_and_auto_resume_finishes_the_same_run(base_dir):
+    """Ctrl-C (SIGINT) mid-run, --deterministic: the step finishes and is saved, exit 130 with one line saying where
+    and how to resume; --resume_from_step=auto then ends bit for bit where a run that was never stopped ends."""
+    steps = 12
+    args = [f"--num_iterations={steps}", "--save_every=100", "--deterministic=1"]
+    base_train(base_dir, *args, "--model_tag=full", threads=1)
+    proc, seen = start_base_train(base_dir, *args, "--model_tag=stopped"), []
+    wait_for_line(proc, f"step 00003/{steps:05d}", seen)
+    proc.send_signal(signal.SIGINT)
+    out = "".join(seen) + proc.stdout.read()
+    assert proc.wait(timeout=120) == 130, out[-3000:]
+    assert "SIGINT received: finishing this step" in out and "Traceback" not in out, out[-3000:]
+    d = ckpt_dir(base_dir, "stopped")
+    stopped_at = latest_resumable_step(str(d))
+    assert stopped_at is not None and 3 <= stopped_at < steps, out[-3000:]
+    assert out.strip().splitlines()[-1] == (
+        f"Stopped at step {stopped_at} on a stop signal (Ctrl-C (SIGINT)): checkpoint saved in {d}; start the same "
+        f"command with --resume_from_step=auto (or --resume_from_step={stopped_at}) to continue")
+    p = base_train(base_dir, *args, "--model_tag=stopped", "--resume_from_step=auto", threads=1)
+    assert f"resuming from step {stopped_at}" in p.stdout
+    assert_same_weights(final_weights(base_dir, "full", steps), final_weights(base_dir, "stopped", steps))
+    full, resumed = losses(base_dir, "full"), losses(base_dir, "stopped")
+    assert [resumed[s] for s in range(1, steps + 1)] == [full[s] for s in range(1, steps + 1)]
+
+
+@pytest.mark.slow
+def test_stop_signal_during_start_up_exits_with_one_line(base_dir):
+    """SIGTERM while base_train is still starting (here: fetching the CORE bundle through a proxy that never answers,
+    as a slow download or a long load would): exit 143 = 128 + SIGTERM with one line, no traceback, nothing saved."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # takes the connection, never says a word
+        port = silent.getsockname()[1]
+        args = [a for a in TINY if not a.startswith("--core_metric_every")] + ["--num_iterations=5"]
+        cmd = [sys.executable, "-m", "scripts.base_train", *args, "--core_metric_every=100"]
+        env = subprocess_env(base_dir, HTTPS_PROXY=f"http://127.0.0.1:{port}", https_proxy=f"http://127.0.0.1:{port}",
+                             NO_PROXY="", no_proxy="", NANOCHAT_DATA_DIR="")
+        proc, seen = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True), []
+        wait_for_line(proc, "Training for", seen)  # the step count is known: the bundle comes next
+        proc.send_signal(signal.SIGTERM)
+        out = "".join(seen) + proc.stdout.read()
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM, out[-3000:]
+    assert "Traceback" not in out and out.strip().splitlines()[-1] == (
+        "Stopped by SIGTERM during start-up, before the first training step: nothing was trained or saved; run the "
+        "same command again to start"), out[-3000:]
+    assert not ckpt_dir(base_dir, "d2").exists()

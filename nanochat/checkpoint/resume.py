@@ -2,6 +2,7 @@
 --resume_from_step in every training stage: which step to go on from, and the run restored to it.
 
     resume_flag()                                   the flag, as every training script declares it (N | auto | -1)
+    require_resume_step(config, checkpoint_dir)     start-up check of --resume_from_step=N, before anything is built
     step = resolve_resume_step(value, checkpoint_dir)   None = fresh; auto = the latest step automatic resume may take
     start, loop = resume_run(config, checkpoint_dir, model, optimizers, device, parallel, keys)   mid, SFT, RL
     already_finished(config, checkpoint_dir, last_step)  a restarted job whose last step is saved trains no more
@@ -14,7 +15,7 @@ saves of earlier attempts left in the checkpoint directory are removed, with one
 import os
 
 from nanochat.checkpoint.files import remove_stale_temp_files
-from nanochat.checkpoint.steps import latest_resumable_step, step_problem
+from nanochat.checkpoint.steps import latest_resumable_step, require_step, step_problem
 from nanochat.checkpoint.train_state import load_train_state
 from nanochat.common import print0
 from nanochat.distributed.dist import gather_objects, get_dist_info
@@ -46,8 +47,8 @@ def parse_resume_step(value):
     except ValueError:
         step = None
     if step is None or step < -1:
-        raise ValueError(f"--resume_from_step must be a saved step number, auto (the latest complete step) or -1 "
-                         f"(start fresh), got {value!r}")
+        raise BadValue(f"--resume_from_step must be a saved step number, auto (the latest complete step) or -1 "
+                       f"(start fresh), got {value!r}")
     return step
 
 
@@ -55,9 +56,17 @@ def resume_flag():
     """--resume_from_step, as every training script declares it."""
     from nanochat.configurator import Flag
 
-    return Flag("resume_from_step", "-1", "resume from this saved step of the run's checkpoint directory; auto = the "
+    return Flag("resume_from_step", -1, "resume from this saved step of the run's checkpoint directory; auto = the "
                 "latest complete step (fresh when there is none; a damaged latest step is skipped, with a message, "
-                "for the one before), -1 = start fresh", type=str, check=parse_resume_step)
+                "for the one before), -1 = start fresh", words=["auto"], check=parse_resume_step)
+
+
+def require_resume_step(config, checkpoint_dir):
+    """The start-up check of --resume_from_step=N (N >= 0), before anything is built: step N is complete in
+    checkpoint_dir, else a usage error naming the steps there. auto and -1 need nothing yet."""
+    step = config["resume_from_step"]
+    if isinstance(step, int) and step >= 0:
+        require_step(checkpoint_dir, step)
 
 
 def resolve_resume_step(value, checkpoint_dir, with_optimizer=True):

@@ -289,6 +289,15 @@ class DataParallel:
 
     # ---------------------------------------------------------------- the model
 
+    needs_process_group = False  # FSDP and TP shard over a process group: torchrun, even with one process
+
+    def check_launch(self, model_config, world, distributed):
+        """Before any process group or model: a usage error when this layout cannot run here (FSDP/TP outside torchrun)
+        or cannot split a model of this shape (model_config; None: not known yet) over `world` ranks (TP: the heads
+        and the MLP over --tp_size)."""
+        if self.needs_process_group and not distributed:
+            raise CannotRun(f"{self.flag} needs torch.distributed: launch with torchrun (even --nproc_per_node=1)")
+
     def prepare(self, model, config, device, autocast=None):
         """
         Make a built or loaded model ready to train, in the one order that works: activation checkpointing
@@ -397,6 +406,7 @@ class FSDP(DataParallel):
 
     name = "fsdp"
     flag = "--use_fsdp=1"
+    needs_process_group = True
     collective_forward = True  # each forward all-gathers weights: every rank must run the same forwards
     compile_per_block = True  # FSDP's hooks break a whole-model graph: compile each block and the head
     shards_weights = True
@@ -509,6 +519,10 @@ class TensorParallel(FSDP):
 
         # ("dp", "tp"): rank r at (r // tp_size, r % tp_size), so the tp ranks of a group are neighbours (one node)
         return init_device_mesh(device_type, (world // self.tp_size, self.tp_size), mesh_dim_names=("dp", "tp"))
+
+    def check_launch(self, model_config, world, distributed):
+        super().check_launch(model_config, world, distributed)
+        check_layout(model_config, self.tp_size, world)
 
     def wrap(self, model, device):
         from nanochat.distributed.tensor_parallel import apply_tp

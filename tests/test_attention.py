@@ -228,8 +228,8 @@ def test_sdpa_order_compiles_without_graph_breaks():
 # FA4's custom-op wrapper, with a reference kernel pair in FA4's calling convention
 
 
-def ref_fwd(q, k, v, causal=True):
-    """(B, T, H, D) attention and its log-sum-exp (B, H, T), as FA4's _flash_attn_fwd returns them."""
+def ref_fwd(q, k, v, causal=True, return_lse=False):
+    """(B, T, H, D) attention and its log-sum-exp (B, H, T), as FA4's _flash_attn_fwd returns them with return_lse."""
     qh, kh, vh = (t.transpose(1, 2).float() for t in (q, k, v))
     rep = qh.size(1) // kh.size(1)
     kh, vh = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)

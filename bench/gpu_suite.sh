@@ -10,7 +10,8 @@
 #                                    # with the SDPA kernel each ran, a profile of two steps (time shares), FP8
 #                                    # tensorwise (shape filter) vs bf16, decode at batch 1 and 8 eager vs graphed
 #                                    # with the bandwidth fraction; ends with one markdown table ($OUT/speed_table.md)
-#   bash bench/gpu_suite.sh speed --dry-run   # print the commands only;  --cpu: the same steps at CPU sizes (d4)
+#   bash bench/gpu_suite.sh speed --dry-run   # print the commands only;  --cpu: the same steps at CPU sizes (training d4,
+#                                              # decode d2) under doubled limits
 # Settings: PY (default python3), OUT (logs; default /tmp/gpu_suite), NANOCHAT_BASE_DIR (for `serve`: holds
 # tokenizer/ and base_data/ shards, e.g. made by runcpu.sh's import step and scripts.tok_train --vocab_size=65536).
 # Each command runs under `timeout --signal=INT` so one hang cannot eat the slot; the benches print (and write) each
@@ -35,7 +36,8 @@ export PYTHONUNBUFFERED=1
 FAILED=()
 
 step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, keep going on failure (OK_RC=n: n is no failure)
-    local name="$1" limit="$2"; shift 2
+    # --cpu doubles the limits: they are sized for the GPU run, and a loaded 2-core CPU compiles far slower
+    local name="$1" limit=$(( $2 * (CPU ? 2 : 1) )); shift 2
     echo "=== $name (limit ${limit} s): $*"
     if ((DRY_RUN)); then return; fi
     local t0=$SECONDS
@@ -92,7 +94,7 @@ speed)
     if ((CPU)); then
         TRAIN="--depth=4 --max_seq_len=256 --vocab_size=4096 --device_batch_size=4 --device_type=cpu --compile=0 --steps=3 --warmup=1 --threads=1"
         ATTNS="sdpa,sdpa_flash,sdpa_math,flex,fa3,fa4"
-        DECODE="--depths=4 --device_type=cpu --threads=1 --prompt_len=64 --gen_tokens=32 --repeats=1"
+        DECODE="--depths=2 --device_type=cpu --threads=1 --prompt_len=64 --gen_tokens=32 --repeats=1"  # decode d2: its two cold CPU compiles take minutes at d4 on a loaded 2-core machine
         ENV_DEVICE=cpu
     else
         TRAIN="--depth=20 --max_seq_len=2048 --vocab_size=65536 --device_batch_size=32 --compile=1 --steps=5 --warmup=2"

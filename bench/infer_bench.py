@@ -36,6 +36,7 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -204,6 +205,38 @@ def bench_engine(engine, tokens, batch, gen_tokens, device, autocast_ctx):
     return t_first - t0, prefill_s, decode_tps, steps
 
 
+def measure_engine(args, engine, label, tokens, batch, device, autocast_ctx, weights_dtype, bw, act_dtype):
+    """One row: a warm-up run (it compiles), then --repeats timed runs of `batch` rows."""
+    model = engine.model
+    skips = cudagraph_skips()
+    t0 = time.perf_counter()
+    bench_engine(engine, tokens, batch, min(8, args.gen_tokens), device, autocast_ctx)  # warm-up (compiles)
+    warm_s = time.perf_counter() - t0
+    runs = [bench_engine(engine, tokens, batch, args.gen_tokens, device, autocast_ctx) for _ in range(args.repeats)]
+    ttft = statistics.median(r[0] for r in runs)
+    prefill = statistics.median(r[1] for r in runs)
+    decode = statistics.median(r[2] for r in runs)
+    steps = min(r[3] for r in runs)
+    step_bytes = decode_bytes(model, batch)  # the memory bound: each step reads these bytes at least
+    kernel = decode_kernel(model, batch, len(tokens) + args.gen_tokens // 2, engine.decode_compiled, act_dtype, device)
+    row = dict(depth=model.config.n_layer, params_m=model.num_params() / 1e6, batch=batch, prompt=len(tokens),
+               steps=steps, decode=label, warmup_s=warm_s, ttft_ms=ttft * 1e3, prefill_tps=len(tokens) / prefill,
+               decode_tps=decode, weights_dtype=str(weights_dtype).removeprefix("torch."), bound_bytes=step_bytes,
+               bound_tps=batch * bw / step_bytes if bw else None, attn=model.attn_choice.describe(), sdpa_kernel=kernel,
+               cudagraph_skips=cudagraph_skips() - skips)
+    return row
+
+
+def row_line(r):
+    """The line printed when a row is kept."""
+    if "error" in r:
+        return f"d{r['depth']} batch {r['batch']} {r['decode']}: failed ({r['error']})"
+    return (f"d{r['depth']} batch {r['batch']} {r['decode']}: TTFT {r['ttft_ms']:.1f} ms, prefill {r['prefill_tps']:.0f} "
+            f"tok/s, decode {r['decode_tps']:.0f} tok/s ({r['steps']} steps; warm-up {r['warmup_s']:.1f} s; "
+            f"{r['weights_dtype']} weights, attention {r['sdpa_kernel']}"
+            + (f"; {r['cudagraph_skips']} cudagraph skip(s)" if r["cudagraph_skips"] else "") + ")")
+
+
 def run_engine_benchmarks(args, tokenizer, device, autocast_ctx, rows, on_row=lambda rows: None):
     """Append one row per (depth, decode mode, batch) to `rows`, calling on_row(rows) after each."""
     tokens = prompt_tokens(tokenizer, args.prompt_len)
@@ -217,29 +250,14 @@ def run_engine_benchmarks(args, tokenizer, device, autocast_ctx, rows, on_row=la
             engine = Engine(model, tokenizer, decode_compile=mode)
             label = "compiled" + (" (CUDA graph)" if device.type == "cuda" else "") if engine.decode_compiled else "eager"
             for batch in [int(b) for b in args.batch_sizes.split(",")]:
-                skips = cudagraph_skips()
-                t0 = time.perf_counter()
-                bench_engine(engine, tokens, batch, min(8, args.gen_tokens), device, autocast_ctx)  # warm-up (compiles)
-                warm_s = time.perf_counter() - t0
-                runs = [bench_engine(engine, tokens, batch, args.gen_tokens, device, autocast_ctx) for _ in range(args.repeats)]
-                ttft = statistics.median(r[0] for r in runs)
-                prefill = statistics.median(r[1] for r in runs)
-                decode = statistics.median(r[2] for r in runs)
-                steps = min(r[3] for r in runs)
-                step_bytes = decode_bytes(model, batch)  # the memory bound: each step reads these bytes at least
-                kernel = decode_kernel(model, batch, len(tokens) + args.gen_tokens // 2, engine.decode_compiled,
-                                       act_dtype, device)
-                row = dict(depth=depth, params_m=model.num_params() / 1e6, batch=batch, prompt=len(tokens), steps=steps,
-                           decode=label, warmup_s=warm_s, ttft_ms=ttft * 1e3, prefill_tps=len(tokens) / prefill,
-                           decode_tps=decode, weights_dtype=str(weights_dtype).removeprefix("torch."),
-                           bound_bytes=step_bytes, bound_tps=batch * bw / step_bytes if bw else None,
-                           attn=model.attn_choice.describe(), sdpa_kernel=kernel, cudagraph_skips=cudagraph_skips() - skips)
+                try:
+                    row = measure_engine(args, engine, label, tokens, batch, device, autocast_ctx, weights_dtype, bw, act_dtype)
+                except Exception as e:  # a failing mode or batch is its row: the next ones still run
+                    traceback.print_exc()
+                    row = dict(depth=depth, batch=batch, decode=label, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 rows.append(row)
-                print(f"d{depth} batch {batch} {label}: TTFT {row['ttft_ms']:.1f} ms, prefill {row['prefill_tps']:.0f} tok/s, "
-                      f"decode {row['decode_tps']:.0f} tok/s ({steps} steps; warm-up {warm_s:.1f} s; {row['weights_dtype']} "
-                      f"weights, attention {kernel}" + (f"; {row['cudagraph_skips']} cudagraph skip(s)" if row["cudagraph_skips"] else "")
-                      + ")", flush=True)
-                on_row(rows)
+                on_row(rows)  # kept (--json_out) before it is printed: a row on the screen is a row in the file
+                print(row_line(row), flush=True)
             del engine
         del model
     return rows
@@ -321,6 +339,8 @@ def print_section(args, device_type, hw, vocab, engine_rows, server_row):
     print()
     print("## Inference (Engine with KV cache, chat server)")
     print()
+    failed = [r for r in engine_rows if "error" in r]
+    engine_rows = [r for r in engine_rows if "error" not in r]
     dtypes = sorted({r["weights_dtype"] for r in engine_rows})
     print(f"Device: {device_type} ({hw}); torch {torch.__version__}; random-init models, vocab {vocab}, "
           f"prompt {args.prompt_len} tokens, {args.gen_tokens} decode steps, temperature 1.0, top-k 50; "
@@ -334,6 +354,8 @@ def print_section(args, device_type, hw, vocab, engine_rows, server_row):
         frac = f"{100 * r['decode_tps'] / r['bound_tps']:.0f}% of {r['bound_tps']:,.0f}" if r["bound_tps"] else "n/a"
         print(f"| {hw} | d{r['depth']} | {r['params_m']:.1f}M | {r['batch']} | {r['decode']} | {r['sdpa_kernel']} | "
               f"{r['ttft_ms']:.1f} | {r['prefill_tps']:,.0f} | {r['decode_tps']:,.0f} | {frac} | {r['warmup_s']:.1f} |")
+    for r in failed:
+        print(f"| {hw} | d{r['depth']} |  | {r['batch']} | {r['decode']} |  | failed: {r['error']} |  |  |  |  |")
     if server_row:
         r = server_row
         print()

@@ -1,6 +1,7 @@
 """
 What the benchmarks share so that a time limit loses nothing: rows are printed (and files written) the moment they
-are measured, and a run stopped by the suite's `timeout --signal=INT` (KeyboardInterrupt) says so and exits at once.
+are measured, and a run stopped by the suite's `timeout --signal=INT` (KeyboardInterrupt) says so and exits at once;
+each row says what makes its figure suspect (CUDA graphs inductor skipped, losses that were not finite).
 """
 
 import os
@@ -26,3 +27,13 @@ def cudagraph_skips():
     from torch._dynamo.utils import counters
 
     return counters["inductor"]["cudagraph_skips"]
+
+
+def suspect_notes(r):
+    """What makes a row's figure suspect: losses that were not finite, graphs that ran without their CUDA graph."""
+    out = []
+    if r.get("nonfinite_losses"):
+        out.append(f"loss not finite in {r['nonfinite_losses']} of {r.get('steps_run', '?')} steps")
+    if r.get("cudagraph_skips"):
+        out.append(f"{r['cudagraph_skips']} cudagraph skip(s)")
+    return "; ".join(out)

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from bench.profile_step import describe as describe_profile
+from bench.rows import suspect_notes
 from nanochat.configurator import Flag, Flags
 
 
@@ -51,15 +52,6 @@ def status(out, name):
 
 def fmt(x, spec=",.0f"):
     return "n/a" if x is None else format(x, spec)
-
-
-def notes_of(r):
-    out = []
-    if r.get("nonfinite_losses"):
-        out.append(f"loss not finite in {r['nonfinite_losses']} of {r.get('steps_run', '?')} steps")
-    if r.get("cudagraph_skips"):
-        out.append(f"{r['cudagraph_skips']} cudagraph skip(s)")
-    return "; ".join(out)
 
 
 def kernel_label(r):
@@ -102,7 +94,7 @@ def main(argv=None):
         ratio = f"{r['tok_per_s'] / base['tok_per_s']:.2f}x of {base_name}" if base else "n/a"
         rows.append((r["device"], f"train d{r['depth']} {r['batch']}x{r['seq_len']}, attn {r['attn_kernels']}: "
                      f"{kernel_label(r)}", fmt(r["tok_per_s"]), f"{r['mfu_pct']:.1f}%" if r["mfu_pct"] is not None else "n/a",
-                     fmt(r["peak_mem_gib"], ".1f"), ratio, notes_of(r)))
+                     fmt(r["peak_mem_gib"], ".1f"), ratio, suspect_notes(r)))
     shape = f"d{train[0]['depth']} {train[0]['batch']}x{train[0]['seq_len']}" if train else "d20"
     for e in errors:
         rows.append((card or "?", f"train {shape}, attn={e['attn']}", f"not measured: {e['status']} ({e['error'][:200]})",
@@ -124,15 +116,19 @@ def main(argv=None):
         rows.append((r["device"], f"train d{r['depth']} {r['batch']}x{r['seq_len']}, FP8 {r['fp8']}, attn {r['attn_kernels']}: "
                      f"{kernel_label(r)}", fmt(r["tok_per_s"]),
                      f"{r['mfu_pct']:.1f}% (bf16 peak)" if r["mfu_pct"] is not None else "n/a",
-                     fmt(r["peak_mem_gib"], ".1f"), ratio, notes_of(r)))
+                     fmt(r["peak_mem_gib"], ".1f"), ratio, suspect_notes(r)))
     if not fp8:
         rows.append((card or "?", f"train {shape}, FP8 tensorwise (filter auto)", status(out, "speed_fp8"), "", "", "", ""))
 
     decode_file = out / "speed_decode.json"
     if decode_file.exists():
         data = json.loads(decode_file.read_text())
-        eager = {r["batch"]: r for r in data["engine"] if r["decode"] == "eager"}
+        eager = {r["batch"]: r for r in data["engine"] if r["decode"] == "eager" and "error" not in r}
         for r in data["engine"]:
+            if "error" in r:
+                rows.append((data["hardware"], f"decode d{r['depth']} batch {r['batch']}, {r['decode']}",
+                             f"not measured: failed ({r['error'][:200]})", "", "", "", ""))
+                continue
             bound = (f"bandwidth bound: {100 * r['decode_tps'] / r['bound_tps']:.0f}% of {r['bound_tps']:,.0f} "
                      f"({r['bound_bytes'] / 1e9:.2f} GB a step)") if r.get("bound_tps") else "bandwidth bound: n/a"
             e = eager.get(r["batch"])
@@ -140,7 +136,7 @@ def main(argv=None):
             rows.append((data["hardware"], f"decode d{r['depth']} batch {r['batch']}, {r['decode']}, "
                          f"{r.get('weights_dtype', '?')} weights, attention {r.get('sdpa_kernel', '?')} "
                          f"(prompt {r['prompt']}, first run {r['warmup_s']:.0f} s)", fmt(r["decode_tps"]), bound, "", ratio,
-                         f"{r['cudagraph_skips']} cudagraph skip(s)" if r.get("cudagraph_skips") else ""))
+                         suspect_notes(r)))
         if data.get("interrupted"):
             rows.append((data["hardware"], "decode, the rows after these", status(out, "speed_decode"), "", "", "", ""))
     else:

@@ -38,7 +38,7 @@ if str(REPO) not in sys.path:
 from nanochat.training import autocast_ctx, build_model, check_model_options, dtype_flag, resolve_dtype, train_step  # noqa: E402
 from nanochat.attention import sdpa_kernel_for, torch_sdpa_order  # noqa: E402
 from bench.profile_step import describe as describe_profile, profile_steps  # noqa: E402
-from bench.rows import cudagraph_skips, emit, exit_now  # noqa: E402
+from bench.rows import cudagraph_skips, emit, exit_now, suspect_notes  # noqa: E402
 from nanochat.common import autodetect_device_type, device_type_flag, peak_flops_for  # noqa: E402
 from nanochat.distributed.dist import compute_cleanup, compute_init, dist_world_size, is_ddp_initialized  # noqa: E402
 from nanochat.distributed.parallel import parallel_from_config  # noqa: E402
@@ -149,7 +149,7 @@ def bench_one(cfg, attn, device, parallel, torch_order=(), profile=0, on_row=Non
         losses.append(loss)
         if step >= cfg["warmup"]:
             times.append(dt)
-    ran, torch_pick = sdpa_kernels(orig_model, cfg, dtype if device_type == "cuda" else torch.float32, device)
+    ran, torch_pick = sdpa_kernels(orig_model, cfg, dtype, device)  # dtype: what autocast gives attention
 
     flops_per_token = orig_model.estimate_flops()
     tokens = B * L
@@ -207,16 +207,6 @@ HEADER = (
 )
 
 
-def notes(r):
-    """What makes a row's figure suspect: losses that were not finite, graphs that ran without a CUDA graph."""
-    out = []
-    if r.get("nonfinite_losses"):
-        out.append(f"loss not finite in {r['nonfinite_losses']} of {r['steps_run']} steps")
-    if r.get("cudagraph_skips"):
-        out.append(f"{r['cudagraph_skips']} cudagraph skip(s)")
-    return "; ".join(out)
-
-
 def markdown_row(r):
     mfu = f"{r['mfu_pct']:.1f}%" if r["mfu_pct"] is not None else "n/a"
     peak = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
@@ -225,7 +215,7 @@ def markdown_row(r):
         f"{'yes' if r['compile'] else 'no'} | {r['attn_kernels']} | {r['sdpa_kernel']} (torch's order: "
         f"{r['sdpa_torch_kernel']}) | {r['optimizer']} | {r['parallel']} | {r['activation_checkpointing']} | "
         f"{r['fp8']} | {r['step_ms_median']:.1f} | {r['tok_per_s']:,.0f} | {r['achieved_tflops']:.3g} | {mfu} | {peak} "
-        f"| {notes(r)} |"
+        f"| {suspect_notes(r)} |"
     )
 
 

@@ -44,7 +44,7 @@ _SDPB = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTIO
 # by this project yet: `bash bench/gpu_suite.sh speed` records the kernel each row ran and torch's order beside it.
 SDPA_ORDERS = (
     ((0, 0), (8, 0), ("efficient", "math"), "pre-Ampere: no flash kernels below sm80 (torch's rule)"),
-    ((8, 0), (9, 0), ("flash", "efficient", "cudnn", "math"), "Ampere/Ada: FlashAttention-2 first (torch's default)"),
+    ((8, 0), (9, 0), ("flash", "efficient", "cudnn", "math"), "Ampere/Ada: FlashAttention-2 first, as torch's default"),
     ((9, 0), (10, 0), ("cudnn", "flash", "efficient", "math"),
      "Hopper: cuDNN first, as torch 2.15 itself orders it with cuDNN > 9.15; unmeasured here"),
     ((10, 0), (100, 0), ("flash", "cudnn", "efficient", "math"),
@@ -160,8 +160,8 @@ def torch_sdpa_order(device):
     """torch's own SDPA kernel priority on `device` (no sdpa_kernel context), as it stands after an SDPA call there:
     on CUDA torch picks its default at the first call (check_prefer_cudnn_attention in torch 2.15: cuDNN first on
     compute capability 9.x/10.x when the runtime cuDNN is newer than 9.15.0, unless TORCH_CUDNN_SDPA_DEPRIORITIZED=1),
-    so this makes one tiny call first. Call it before any model runs: a first call inside an sdpa_kernel context
-    would replace that context's order by torch's default for the call."""
+    so this makes one tiny call first. Call it before any model runs: by torch's sdp_utils.cpp a first call inside
+    an sdpa_kernel context would replace that context's order by torch's default."""
     device = torch.device(device)
     if device.type == "cuda":
         q = torch.zeros(1, 1, 128, 64, device=device, dtype=torch.bfloat16)
@@ -329,8 +329,8 @@ def register_fa4_ops(fwd, bwd):
     if not hasattr(torch.ops.nanochat, "fa4_fwd"):
         @torch.library.custom_op(fwd_name, mutates_args=())
         def fa4_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            # return_lse: FA4 makes the lse only when asked or when an input needs grad, and none does inside a
-            # custom op (the backward needs it)
+            # return_lse: FA4 makes the lse (which the backward needs) only when asked or when an input needs grad,
+            # and inside a compiled graph or under no_grad none does
             out, lse = _FA4_IMPL["fwd"](q, k, v, causal=True, return_lse=True)
             return out.contiguous(), lse.contiguous()
 

@@ -142,7 +142,9 @@ def test_infer_bench_keeps_the_rows_that_finished_before_a_time_limit(tmp_path):
     printed = [line for line in lines if re.match(r"d2 batch \d+ eager:", line)]
     data = json.loads(out.read_text())
     assert rc == 130 and data["interrupted"] is True and "engine row(s) finished" in err
-    assert 1 <= len(data["engine"]) == len(printed) < 4  # every row it printed, none it did not finish
+    # every row it printed (a row is written before it is printed), none it did not finish
+    assert 1 <= len(printed) <= len(data["engine"]) < 4
+    assert [line.split(":")[0] for line in printed] == [f"d2 batch {r['batch']} eager" for r in data["engine"]][:len(printed)]
     assert data["engine"][0]["batch"] == 1 and data["engine"][0]["decode_tps"] > 0
     assert not (tmp_path / "decode.json.tmp").exists()  # written whole (a temp file, then a rename)
 
@@ -312,6 +314,26 @@ def test_decode_bench_runs_the_weights_users_run(tmp_path):
         assert r["sdpa_kernel"] == "flash" and r["cudagraph_skips"] == 0
 
 
+def test_a_decode_row_that_fails_is_its_row(tmp_path, monkeypatch, capsys):
+    from bench import infer_bench
+
+    real = infer_bench.bench_engine
+
+    def bench_engine(engine, tokens, batch, *args):
+        if batch == 2:  # as a corrupt inductor cache or a CUDA graph capture error surfaces
+            raise ImportError("main.so: file too short")
+        return real(engine, tokens, batch, *args)
+
+    monkeypatch.setattr(infer_bench, "bench_engine", bench_engine)
+    out = tmp_path / "d.json"
+    infer_bench.main(["--depths=1", "--device_type=cpu", "--threads=1", "--prompt_len=16", "--gen_tokens=4",
+                      "--repeats=1", "--batch_sizes=1,2,4", "--decode_compile=0", "--skip_server", "--tokenizer=repo_docs",
+                      f"--json_out={out}"])
+    rows = json.loads(out.read_text())["engine"]
+    assert [(r["batch"], r.get("error")) for r in rows] == [(1, None), (2, "ImportError: main.so: file too short"), (4, None)]
+    assert "d1 batch 2 eager: failed (ImportError: main.so: file too short)" in capsys.readouterr().out
+
+
 # -----------------------------------------------------------------------------
 # the profile: where a step's time goes
 
@@ -406,7 +428,8 @@ def test_speed_table_from_logs(tmp_path, capsys):
         dict(depth=20, batch=1, decode="eager", prompt=256, warmup_s=1.0, decode_tps=84.0, bound_tps=3000.0,
              bound_bytes=1.1e9, weights_dtype="bfloat16", sdpa_kernel="flash", cudagraph_skips=0),
         dict(depth=20, batch=1, decode="compiled (CUDA graph)", prompt=256, warmup_s=40.0, decode_tps=1500.0,
-             bound_tps=3000.0, bound_bytes=1.1e9, weights_dtype="bfloat16", sdpa_kernel="efficient", cudagraph_skips=2)]}))
+             bound_tps=3000.0, bound_bytes=1.1e9, weights_dtype="bfloat16", sdpa_kernel="efficient", cudagraph_skips=2),
+        dict(depth=20, batch=8, decode="compiled (CUDA graph)", error="RuntimeError: CUDA graph capture failed")]}))
     (tmp_path / "speed_decode.rc").write_text("124\n")
     (tmp_path / "speed_decode.log").write_text("interrupted: 2 engine row(s) finished, kept in speed_decode.json\n")
     speed_table.main([str(tmp_path)])
@@ -428,6 +451,7 @@ def test_speed_table_from_logs(tmp_path, capsys):
     assert "FP8 tensorwise (auto), attn sdpa (cudnn > flash > efficient > math): ran cudnn (torch's own pick) | 160,000 | 50.0% (bf16 peak) | 70.0 | 1.07x of bf16 | loss not finite in 7 of 7 steps |" in table
     assert ("| decode d20 batch 1, compiled (CUDA graph), bfloat16 weights, attention efficient (prompt 256, first run "
             "40 s) | 1,500 | bandwidth bound: 50% of 3,000 (1.10 GB a step) |  | 17.86x of eager | 2 cudagraph skip(s) |") in table
+    assert "| decode d20 batch 8, compiled (CUDA graph) | not measured: failed (RuntimeError: CUDA graph capture failed) |" in table
     assert ("| decode, the rows after these | not measured: hit its time limit (interrupted: 2 engine row(s) finished, "
             "kept in speed_decode.json) |") in table
     assert all(line.startswith("| NVIDIA H100") for line in lines[4:])  # the card on every row

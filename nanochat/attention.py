@@ -45,15 +45,17 @@ _SDPB = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTIO
          "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 # SDPA kernel order for `sdpa` (and so `auto`), by compute capability: (lowest, below, order, where it comes from).
-# Only Hopper's row differs from torch's own default order; none of these is measured by this project yet (the
-# `attn` part of bench/gpu_suite.sh measures them on one GPU and its table goes into docs/benchmarks.md).
+# torch's own order (torch_sdpa_order) is flash > efficient > math > cudnn, except that torch 2.15 puts cuDNN first on
+# 9.x and 10.x when the runtime cuDNN is newer than 9.15.0 (its check_prefer_cudnn_attention; CUDA 12 builds only on
+# x.0 and x.3): so Hopper's row is torch's own order there, and Blackwell's differs from it. None of these is measured
+# by this project yet: `bash bench/gpu_suite.sh speed` records the kernel each row ran and torch's order beside it.
 SDPA_ORDERS = (
     ((0, 0), (8, 0), ("efficient", "math"), "pre-Ampere: no flash kernels below sm80 (torch's rule)"),
-    ((8, 0), (9, 0), ("flash", "efficient", "cudnn", "math"), "Ampere/Ada: FlashAttention-2 first (torch's default)"),
+    ((8, 0), (9, 0), ("flash", "efficient", "cudnn", "math"), "Ampere/Ada: FlashAttention-2 first, as torch's default"),
     ((9, 0), (10, 0), ("cudnn", "flash", "efficient", "math"),
-     "Hopper: cuDNN attention 1.7-2.3x FlashAttention-2 on training shapes (transformers PR #48163, torchtitan); "
-     "not yet measured here"),
-    ((10, 0), (100, 0), ("flash", "cudnn", "efficient", "math"), "Blackwell and later: torch's default order, unmeasured"),
+     "Hopper: cuDNN first, as torch 2.15 itself orders it with cuDNN > 9.15; unmeasured here"),
+    ((10, 0), (100, 0), ("flash", "cudnn", "efficient", "math"),
+     "Blackwell and later: FlashAttention-2 first (torch 2.15 puts cuDNN first on 10.x with cuDNN > 9.15); unmeasured"),
 )
 CPU_ORDER = ("flash", "math")  # torch's CPU flash kernel; math for what it cannot take
 AUTO = "sdpa"  # what auto picks at every capability (see the module doc for why not fa3/fa4/flex)
@@ -120,10 +122,71 @@ def choose(attn, capability, load=None):
 
 
 def resolve_attn(attn, device):
-    """choose() for a real device: reads its compute capability and loads fa3/fa4 when asked."""
+    """choose() for a real device: reads its compute capability and loads fa3/fa4 when asked. Says once per process
+    when masked calls of the choice run other kernels (masked_order)."""
     device = torch.device(device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return choose(attn, capability)
+    choice = choose(attn, capability)
+    note = masked_note(choice, device.type)
+    if note and note not in _SAID:
+        _SAID.add(note)
+        from nanochat.common import print0
+
+        print0(note)
+    return choice
+
+
+_SAID = set()
+# SDPA kernels that refuse an explicit attn_mask, by device type: CUDA's flash kernel (torch's CPU flash kernel takes one)
+NO_MASK = {"cuda": ("flash",)}
+MASK_FALLBACK = ("efficient", "math")  # what a masked call of a pinned kernel that takes no mask runs instead
+
+
+def masked_order(order, device_type):
+    """The SDPA kernel order of a call with an explicit mask (the engine's fixed-shape decode step, a chunk after a
+    cached prefix): `order` without the kernels that refuse masks on this device type, or MASK_FALLBACK when none is
+    left (a pinned `sdpa_flash` on CUDA would otherwise stop with torch's "No available kernel")."""
+    kept = tuple(k for k in order if k not in NO_MASK.get(device_type, ()))
+    return kept or MASK_FALLBACK
+
+
+def masked_note(choice, device_type):
+    """The line saying that masked calls of a pinned kernel run other kernels on this device type, or None."""
+    if not choice.name.startswith("sdpa_") or masked_order(choice.order, device_type) == choice.order:
+        return None
+    return (f"attn {choice.name}: {device_type.upper()}'s {' and '.join(choice.order)} kernel takes no attention mask, so "
+            f"masked calls (the engine's fixed-shape decode step) run {' > '.join(masked_order(choice.order, device_type))}")
+
+
+def _sdpb_name(value):
+    """nanochat's name of an SDPBackend value: 'cudnn', 'flash', 'efficient', 'math', 'overrideable'."""
+    return SDPBackend(int(value)).name.lower().removesuffix("_attention")
+
+
+def torch_sdpa_order(device):
+    """torch's own SDPA kernel priority on `device` (no sdpa_kernel context), as it stands after an SDPA call there:
+    on CUDA torch picks its default at the first call (check_prefer_cudnn_attention in torch 2.15: cuDNN first on
+    compute capability 9.x/10.x when the runtime cuDNN is newer than 9.15.0, unless TORCH_CUDNN_SDPA_DEPRIORITIZED=1),
+    so this makes one tiny call first. Call it before any model runs: by torch's sdp_utils.cpp a first call inside
+    an sdpa_kernel context would replace that context's order by torch's default."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        q = torch.zeros(1, 1, 128, 64, device=device, dtype=torch.bfloat16)
+        torch._fused_sdp_choice(q, q, q, is_causal=True)  # settles torch's default order (the first call does)
+    return tuple(_sdpb_name(b) for b in torch._C._get_sdp_priority_order())
+
+
+def sdpa_kernel_for(order, q, k, v, attn_mask=None, is_causal=False):
+    """The kernel SDPA dispatches to for these arguments under the kernel `order` (None: torch's own order), asked
+    without running it: 'cudnn', 'flash', 'efficient' or 'math', or 'none: <torch's error>'."""
+    gqa = q.size(1) != k.size(1)
+    try:
+        if order is None:
+            return _sdpb_name(torch._fused_sdp_choice(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=gqa))
+        with sdpa_kernel([_SDPB[n] for n in order], set_priority=True):
+            return _sdpb_name(torch._fused_sdp_choice(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=gqa))
+    except RuntimeError as e:
+        return f"none: {str(e).splitlines()[0]}"
 
 
 def attn_flag():
@@ -168,7 +231,9 @@ def attention(q, k, v, choice, mask=None, window=None):
 
         block_mask = None if Tq == 1 else _causal_block_mask(Tq, q.device, window)  # one new token sees everything cached
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
-    with sdpa_kernel([_SDPB[n] for n in choice.order], set_priority=True):
+    masked = mask is not None or Tq not in (Tk, 1)  # an explicit mask: the decode step's, or the chunk's below
+    order = masked_order(choice.order, q.device.type) if masked else choice.order
+    with sdpa_kernel([_SDPB[n] for n in order], set_priority=True):
         if mask is not None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         if window is not None:  # SDPA has no sliding window: an explicit mask (the kernels that take masks run it)
@@ -193,18 +258,30 @@ def causal_mask(Tq, Tk, device, window=None):
 _BLOCK_MASKS = {}
 
 
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+def _sliding(window):
+    def mask(b, h, q, kv):
+        return (q >= kv) & (q - kv <= window)
+
+    return mask
+
+
 def _causal_block_mask(T, device, window=None):
-    """FlexAttention's causal (and with `window`, sliding-window) block mask for T x T, built once per (T, window,
-    device): building it costs a kernel launch per block row, and every layer and step of a run asks for the same
-    one. Blocks wholly outside the window are skipped, which is where flex gains on a windowed layer."""
+    """FlexAttention's causal (and with `window`, sliding-window) block mask for T x T. Blocks wholly outside the
+    window are skipped, which is where flex gains on a windowed layer. Eager: built once per (T, window, device)
+    (building it costs a kernel launch per block row, and every layer and step asks for the same one). Compiled: built
+    inside the graph, where it is a few fused ops; reading the cache while dynamo traces would guard on its keys, and
+    the key added by the first call would recompile the whole model at the second (tests/test_speed_suite.py)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask_mod = _causal if window is None else _sliding(window)
+    if torch.compiler.is_compiling():
+        return create_block_mask(mask_mod, None, None, T, T, device=device)
     key = (T, window, str(device))
     if key not in _BLOCK_MASKS:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        if window is None:
-            mask_mod = lambda b, h, q, kv: q >= kv  # noqa: E731
-        else:
-            mask_mod = lambda b, h, q, kv: (q >= kv) & (q - kv <= window)  # noqa: E731
         _BLOCK_MASKS[key] = create_block_mask(mask_mod, None, None, T, T, device=device)
     return _BLOCK_MASKS[key]
 
@@ -288,7 +365,9 @@ def register_fa4_ops(fwd, bwd):
     if not hasattr(torch.ops.nanochat, "fa4_fwd"):
         @torch.library.custom_op(fwd_name, mutates_args=())
         def fa4_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-            out, lse = _FA4_IMPL["fwd"](q, k, v, causal=True, **_fa4_window(window))
+            # return_lse: FA4 makes the lse (which the backward needs) only when asked or when an input needs grad,
+            # and inside a compiled graph or under no_grad none does
+            out, lse = _FA4_IMPL["fwd"](q, k, v, causal=True, return_lse=True, **_fa4_window(window))
             return out.contiguous(), lse.contiguous()
 
         @fa4_fwd.register_fake

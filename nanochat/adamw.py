@@ -47,6 +47,73 @@ def adamw_update_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, 
         p.copy_(p32)
 
 
+@torch.no_grad()
+def record_adamw_update_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float):
+    """
+    The same AdamW step in nanochat 92d63d4's arithmetic (its fused kernel, the record recipe's): every
+    hyperparameter is a float32 scalar tensor, so 1 - lr*wd, 1 - beta, the bias corrections and lr / bias1 round as
+    float32 (torch's AdamW keeps them in Python doubles), and both moments move by lerp. The two differ in the last
+    bit of some elements each step, and training amplifies that (the cautious Muon decay flips with the sign of an
+    update): the record recipe uses this one so that its losses are 92d63d4's step for step
+    (bench/record_side_by_side.py).
+    """
+    lr_t, wd_t, eps_t, step_t, beta1_t, beta2_t = (torch.tensor(float(v), dtype=torch.float32)
+                                                   for v in (lr, weight_decay, eps, step, beta1, beta2))
+    p32, grad = p.float(), grad.float()  # p.float() is p itself for fp32 parameters
+    p32.mul_(1 - lr_t * wd_t)
+    exp_avg.lerp_(grad, 1 - beta1_t)
+    exp_avg_sq.lerp_(grad.square(), 1 - beta2_t)
+    denom = (exp_avg_sq / (1 - beta2_t**step_t)).sqrt() + eps_t
+    p32.add_(exp_avg / denom, alpha=-(lr_t / (1 - beta1_t**step_t)))
+    if p32 is not p:
+        p.copy_(p32)
+
+
+ADAMW_MATHS = {"torch": adamw_update_, "record": record_adamw_update_}  # an AdamW group's "math" (default torch)
+
+
+def adamw_math(group):
+    """The update function of an AdamW param group: its "math" key, torch's order when absent."""
+    math = group.get("math", "torch")
+    if math not in ADAMW_MATHS:
+        raise ValueError(f"an AdamW group's math must be one of {', '.join(ADAMW_MATHS)}, got {math!r}")
+    return ADAMW_MATHS[math]
+
+
+class AdamW(torch.optim.Optimizer):
+    """
+    AdamW whose param groups choose their arithmetic ("math": torch, the default, or record: record_adamw_update_),
+    with fp32 moments. GPT.build_optimizers gives it to a model whose groups ask for the record math in one process
+    (December's groups keep torch.optim.AdamW itself); FSDPRecordAdamW (nanochat/optim/sharded.py) runs it on FSDP's
+    DTensor shards, through their local tensors (the math is elementwise).
+    """
+
+    def __init__(self, param_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        for group in self.param_groups:
+            adamw_math(group)  # an unknown math fails here, not at the first step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = run_closure(closure)
+        for group in self.param_groups:
+            update = adamw_math(group)
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                local, grad = (p.to_local(), p.grad.to_local()) if hasattr(p, "to_local") else (p, p.grad)
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(local, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(local, dtype=torch.float32)
+                state["step"] = int(state["step"]) + 1
+                update(local, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"], beta1, beta2,
+                       group["eps"], group["weight_decay"])
+        return loss
+
+
 class DistAdamW(PerRankState, torch.optim.Optimizer):
     """
     ZeRO-2 AdamW (see the module docstring). `param_groups` as for torch.optim.AdamW (list of tensors or of dicts).
@@ -105,7 +172,7 @@ class DistAdamW(PerRankState, torch.optim.Optimizer):
             wd = group["weight_decay"] * getattr(p, "wd_mul", 1.0)
             p_rows = p[start : start + n]
             if n > 0:
-                adamw_update_(p_rows, g_slice[:n].float(), state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2, group["eps"], wd)
+                adamw_math(group)(p_rows, g_slice[:n].float(), state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2, group["eps"], wd)
             if chunk * W == p.size(0) and p.is_contiguous():
                 # even split: gather straight into the parameter (my rows are already in place)
                 gathers.append((None, p, dist.all_gather_into_tensor(p, p_rows, async_op=True), p_rows))

@@ -387,7 +387,12 @@ class GPT(nn.Module):
             # amplifies that last-bit difference to ~1e-2 in a few steps, so 1 process would no longer equal N ranks;
             # the fused kernel saves under 1% of a CPU training step.
             fused = self.get_device().type == "cuda"
-            adamw = torch.optim.AdamW(adam_groups, fused=fused, **adamw_kwargs)
+            if any(g.get("math") == "record" for g in adam_groups):  # 92d63d4's arithmetic (nanochat/adamw.py)
+                from nanochat.adamw import AdamW
+
+                adamw = AdamW(adam_groups, **adamw_kwargs)
+            else:
+                adamw = torch.optim.AdamW(adam_groups, fused=fused, **adamw_kwargs)
         optimizers = [adamw]
         if muon is not None:
             from nanochat.muon import DistMuon, Muon  # imported here: muon.py is optional for AdamW-only use
@@ -638,15 +643,15 @@ class RecordGPT(GPT):
     def optimizer_groups(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, scalar_lr=0.5):
         """
         92d63d4's parameter groups, every hyperparameter explicit (`kind` says which optimizer takes the group):
-        AdamW (eps 1e-10) for lm_head (betas 0.8/0.96, decay 0.01), wte (0.8/0.995, 0.001), the value embeddings (half
-        the embedding lr, 0.8/0.995, 0.01), resid_lambdas (scalar_lr / 100, 0.8/0.95, 0.05), x0_lambdas (scalar_lr,
-        0.96/0.95, none), smear/backout (0.2, 0.8/0.95, none); the lm_head and embedding lrs scaled by
-        (n_embd/768)^-0.5. Muon for the block matrices (lr matrix_lr, momentum 0.95, weight_decay the cautious decay
+        AdamW (eps 1e-10, in 92d63d4's arithmetic: math="record", nanochat/adamw.py) for lm_head (betas 0.8/0.96,
+        decay 0.01), wte (0.8/0.995, 0.001), the value embeddings (half the embedding lr, 0.8/0.995, 0.01),
+        resid_lambdas (scalar_lr / 100, 0.8/0.95, 0.05), x0_lambdas (scalar_lr, 0.96/0.95, none), smear/backout (0.2,
+        0.8/0.95, none); the lm_head and embedding lrs scaled by (n_embd/768)^-0.5. Muon for the block matrices (lr matrix_lr, momentum 0.95, weight_decay the cautious decay
         the training loop schedules) with the record options of nanochat/muon.py: Polar Express, MuonEq, Muon+,
         NorMuon (beta2 0.9).
         """
         scale = (self.config.n_embd / 768) ** -0.5
-        adamw = dict(kind="adamw", eps=1e-10)
+        adamw = dict(kind="adamw", eps=1e-10, math="record")  # its fused AdamW's float32 arithmetic (nanochat/adamw.py)
         groups = [
             dict(adamw, params=[self.lm_head.weight], lr=unembedding_lr * scale, betas=(0.8, 0.96), weight_decay=0.01),
             dict(adamw, params=[self.transformer.wte.weight], lr=embedding_lr * scale, betas=(0.8, 0.995), weight_decay=0.001),

@@ -22,7 +22,7 @@ _spec.loader.exec_module(launch)
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize("mode, optimizers", [("fsdp", ["FSDPAdamW", "FSDPMuon"]), ("tp", ["FSDPAdamW", "ShardedMuon"])])
+@pytest.mark.parametrize("mode, optimizers", [("fsdp", ["FSDPRecordAdamW", "FSDPMuon"]), ("tp", ["FSDPRecordAdamW", "ShardedMuon"])])
 def test_record_model_sharded_equals_one_process(mode, optimizers):
     [out] = launch.json_lines(launch.torchrun("record_layout_check.py", [mode], timeout=400))
     assert out["loss"] < 1e-6 and out["logits"] < 1e-5 and out["state"] == 0.0

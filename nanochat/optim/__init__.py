@@ -8,11 +8,14 @@ matrices; GPT.setup_optimizers picks the classes and the learning rates, nanocha
     FSDP2 (--use_fsdp=1)    FSDPAdamW           FSDPMuon      nanochat/optim/sharded.py
     FSDP2 x TP (--tp_size)  FSDPAdamW           ShardedMuon   nanochat/optim/sharded.py
 
+The record model's AdamW groups carry math="record" (nanochat 92d63d4's float32 arithmetic, nanochat/adamw.py): in one
+process they get nanochat.adamw.AdamW, under FSDP FSDPRecordAdamW; DistAdamW reads the key per group.
+
 The param groups are the interface (GPT.setup_optimizers fills them; every class on every path reads each group's own
 values at every step, so a schedule writes them into the groups):
-    AdamW: dict(params, lr, betas, eps, weight_decay)   per group in all three AdamW classes (92d63d4's record recipe
+    AdamW: dict(params, lr, betas, eps, weight_decay)   per group in every AdamW class (92d63d4's record recipe
                                                         gives lm_head, wte, value embeddings, the residual and x0
-                                                        scalars and smear each their own)
+                                                        scalars and smear each their own, with math="record")
     Muon:  dict(params, lr, momentum, nesterov, ns_steps, ns, row_equilibrate, renormalize, normuon, beta2,
                 weight_decay, cautious_wd)              nanochat/muon.py's docstring; muon.RECORD_MUON holds the record
                                                         recipe's options. Groups are split by shape inside.

@@ -11,6 +11,7 @@ nanochat/distributed/tensor_parallel.py) hand the optimizer. nanochat/optim/__in
                                                  # checks the class, rank and world size match (optim/base.py)
 
 FSDPAdamW is torch.optim.AdamW: its math is elementwise, so it runs on the DTensor shards with no communication.
+FSDPRecordAdamW is the same for the record model's groups, in nanochat 92d63d4's arithmetic (nanochat/adamw.py).
 
 ShardedMuon (why it exists): FSDP2 hands the optimizer dim-0 shards of each matrix (FSDP x TP: rectangles of it).
 Orthogonalising a shard is not orthogonalising the matrix (it is wrong, and running Newton-Schulz on DTensors is also
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private; the one helper that knows FSDP x TP (_StridedShard) layouts
 
+from nanochat.adamw import AdamW
 from nanochat.muon import (Muon, muon_apply_, muon_direction, muon_finish, muon_momentum_, muon_orthogonalize,
                            normuon_buffer_shape, ns_dtype, shape_lr_scale, step_momentum, uses_record_options)
 from nanochat.optim.base import PerRankState, run_closure
@@ -65,6 +67,12 @@ class FSDPAdamW(PerRankState, torch.optim.AdamW):
                         if v.shape != p.to_local().shape:
                             raise ValueError(f"FSDPAdamW state {k!r} has local shape {tuple(v.shape)} but the parameter shard is {tuple(p.to_local().shape)}")
                         st[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+class FSDPRecordAdamW(PerRankState, AdamW):
+    """nanochat.adamw.AdamW (groups with math="record": nanochat 92d63d4's arithmetic, the record recipe's) on FSDP's
+    DTensor shards: each rank updates its local shard (elementwise math, no communication), and its state is plain
+    local tensors, one file per rank."""
 
 
 def _dim0_rows(dtensor):
@@ -232,7 +240,10 @@ def setup_fsdp_optimizers(model, muon_cls=None, **kwargs):
     optimizers = []
     for ref in reference:
         groups = [dict(g) for g in ref.param_groups]
-        if "betas" in groups[0]:  # an AdamW (torch's or DistAdamW)
+        if "betas" in groups[0] and any(g.get("math") == "record" for g in groups):  # RecordGPT's (nanochat/adamw.py)
+            keep = ("params", "lr", "betas", "eps", "weight_decay", "initial_lr", "math")
+            optimizers.append(FSDPRecordAdamW([{k: g[k] for k in keep if k in g} for g in groups]))
+        elif "betas" in groups[0]:  # an AdamW (torch's or DistAdamW)
             keep = ("params", "lr", "betas", "eps", "weight_decay", "initial_lr")
             groups = [{k: g[k] for k in keep} for g in groups]
             # foreach on CUDA (torch's default) works with DTensors; the fused kernel is not used for them

@@ -275,14 +275,19 @@ def model_config_from_meta(meta, meta_path):
         raise BadValue(f"the model_config in {meta_path} is not a GPTConfig ({e}): {cfg}") from e
 
 
+def checkpoint_meta(source, model_tag, step):
+    """The meta dict of a saved step (no tensor is read)."""
+    checkpoint_dir = os.path.join(checkpoint_root(source), model_tag)
+    return read_meta(step_meta_path(checkpoint_dir, step), checkpoint_dir, step)
+
+
 def checkpoint_model_config(source, model_tag, step):
     """The GPTConfig a saved step was built with, from its meta alone (no tensor is read), checked: what the start-up
     checks of a model's shape (sequence length, tensor parallelism) read before the model loads."""
     from nanochat.gpt import check_config
 
-    checkpoint_dir = os.path.join(checkpoint_root(source), model_tag)
-    meta_path = step_meta_path(checkpoint_dir, step)
-    config = model_config_from_meta(read_meta(meta_path, checkpoint_dir, step), meta_path)
+    meta_path = step_meta_path(os.path.join(checkpoint_root(source), model_tag), step)
+    config = model_config_from_meta(checkpoint_meta(source, model_tag, step), meta_path)
     check_config(config)
     return config
 

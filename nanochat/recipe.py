@@ -236,6 +236,14 @@ class Recipe:
             self.weight_decay * 0.5 * (1 + math.cos(math.pi * step / num_iterations))
 
 
+def training_data(meta):
+    """(--data, --packing) of the base run a checkpoint comes from: its user_config's, else (a checkpoint from before
+    those flags, or a later stage's meta) its recipe's defaults; what base_loss measures a model on by default."""
+    recipe = Recipe(meta.get("recipe", "december"), {})
+    user_config = meta.get("user_config") or {}
+    return user_config.get("data") or recipe.data_source, user_config.get("packing") or recipe.packing
+
+
 def record_momentum(step, num_iterations, warmdown_ratio):
     """The record recipe's Muon momentum: 0.85 -> 0.97 over the first 400 steps, 0.97 -> 0.90 over the warmdown."""
     warmdown_iters = round(warmdown_ratio * num_iterations)

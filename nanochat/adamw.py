@@ -104,12 +104,12 @@ class AdamW(torch.optim.Optimizer):
                     continue
                 local, grad = (p.to_local(), p.grad.to_local()) if hasattr(p, "to_local") else (p, p.grad)
                 state = self.state[p]
-                if not state:
-                    state["step"] = 0
+                if not state:  # torch's AdamW layout (the step a float32 scalar tensor: sharded checkpoints save tensors)
+                    state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(local, dtype=torch.float32)
                     state["exp_avg_sq"] = torch.zeros_like(local, dtype=torch.float32)
-                state["step"] = int(state["step"]) + 1
-                update(local, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"], beta1, beta2,
+                state["step"] += 1
+                update(local, grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"]), group["lr"], beta1, beta2,
                        group["eps"], group["weight_decay"])
         return loss
 

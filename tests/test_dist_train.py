@@ -76,6 +76,28 @@ def test_fsdp_two_ranks_match_one_process(base_dir, use_muon):
     assert_same_run(base_dir, f"ref{use_muon}", f"fsdp{use_muon}", steps)
 
 
+# The record recipe with its defaults (92d63d4's groups, AdamW arithmetic, Polar Express/NorMuon/cautious decay, best-fit
+# rows) on rows of 256 so that the first layer's short window (128) cuts; a 1-step warmup so the 5 steps move the
+# weights; the imported corpus of the tiny base dir (base_data/) instead of ClimbMix.
+RECORD = ["--recipe=record", "--depth=2", "--head_dim=64", "--max_seq_len=256", "--device_batch_size=2",
+          "--warmup_steps=1", "--data=fineweb_edu"]
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+def test_record_recipe_two_ranks_match_one_process(base_dir, layout):
+    """DistAdamW/DistMuon (ddp) and FSDPRecordAdamW/FSDPMuon (fsdp) with the record recipe == one process reading the
+    same global batches: the same losses step for step and the same weights (float summation order apart)."""
+    steps = 5
+    single_process(base_dir, "recref", steps, 2, [*RECORD, "--total_batch_size=1024"])
+    run_torchrun(["-m", "scripts.base_train", *TINY, *RECORD, "--total_batch_size=1024", f"--num_iterations={steps}",
+                  f"--model_tag=rec{layout}", *(["--use_fsdp=1"] if layout == "fsdp" else [])],
+                 env=subprocess_env(base_dir))
+    assert_same_run(base_dir, "recref", f"rec{layout}", steps)
+    _, meta = final_params(base_dir, f"rec{layout}", steps)
+    assert meta["recipe"] == "record" and meta["model_config"]["window_pattern"] == "SSSL"
+    assert [r["train/cropped_fraction"] for r in records(base_dir, f"rec{layout}") if "train/cropped_fraction" in r]
+
+
 def test_fsdp_deferred_grad_sync_matches_one_process(base_dir):
     """With 2 micro-steps per rank, reduce-scattering once per step gives the same run as syncing every micro-step."""
     steps = 3

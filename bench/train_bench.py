@@ -45,7 +45,8 @@ from nanochat.distributed.parallel import parallel_from_config  # noqa: E402
 from nanochat.compile import compile_flag, resolve_compile  # noqa: E402
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit  # noqa: E402
 from nanochat.fp8 import FP8_FILTER_HELP, FP8_IMPL_HELP, FP8_IMPLS  # noqa: E402
-from nanochat.gpt import config_for_depth  # noqa: E402
+from nanochat.gpt import config_for_depth, record_config_for_depth  # noqa: E402
+from nanochat.recipe import RECIPES  # noqa: E402
 
 FLAGS = Flags(
     "model",
@@ -53,7 +54,11 @@ FLAGS = Flags(
     Flag("max_seq_len", 256, "tokens per row"),
     Flag("device_batch_size", 8, "rows per step"),
     Flag("vocab_size", 65536, "vocabulary size (nanochat's tokenizer: 2**16)"),
-    Flag("init", "normal", "weight init (as base_train)", choices=["normal", "nanochat"]),
+    Flag("recipe", "december", "base_train's --recipe: december (GPT) or record (RecordGPT, nanochat 92d63d4's: "
+         "width depth x 64 in heads of 128, SSSL sliding windows, its optimizer groups, no gradient clipping)",
+         choices=list(RECIPES)),
+    Flag("init", None, "weight init (as base_train); auto = the recipe's", type=str,
+         choices=["normal", "nanochat", "record"]),
     Flag("attn", "auto", "attention kernel (nanochat.attention: auto, sdpa, sdpa_cudnn, sdpa_flash, flex, fa3, fa4, ...), "
          "or a comma list such as sdpa_cudnn,sdpa_flash,flex to compare them (one that cannot run is skipped with why)"),
     "timing",
@@ -65,7 +70,7 @@ FLAGS = Flags(
     compile_flag(),
     dtype_flag(),
     Flag("use_muon", True, "Muon for the matrices (0: AdamW for everything)"),
-    Flag("grad_clip", 1.0, "clip the gradient norm to this (<= 0: no clipping)"),
+    Flag("grad_clip", None, "clip the gradient norm to this (<= 0: no clipping); auto = the recipe's", type=float),
     Flag("use_fsdp", False, "the FSDP2 path instead of the DDP path (launch under torchrun, as base_train: "
          "`torchrun --nproc_per_node=1 -m bench.train_bench --use_fsdp=1 ...`); under torchrun without it: the DDP path"),
     Flag("activation_checkpointing", "none", "recompute block activations in the backward (as base_train)",
@@ -117,13 +122,26 @@ def sdpa_kernels(model, cfg, dtype, device):
     return ran, sdpa_kernel_for(None, q, k, v, is_causal=True)
 
 
+def recipe_model(cfg):
+    """(model config, init, grad clip) of --recipe at --depth, as base_train builds them with the recipe's defaults
+    (nanochat/recipe.py RECIPES); --init and --grad_clip override."""
+    r = RECIPES[cfg["recipe"]]
+    if cfg["recipe"] == "record":
+        model_config = record_config_for_depth(cfg["depth"], cfg["vocab_size"], cfg["max_seq_len"], r["aspect_ratio"],
+                                               r["head_dim"], r["window_pattern"])
+    else:
+        model_config = config_for_depth(cfg["depth"], cfg["vocab_size"], cfg["max_seq_len"])
+    return (model_config, cfg["init"] or r["init"],
+            r["grad_clip"] if cfg["grad_clip"] is None else cfg["grad_clip"])
+
+
 def bench_one(cfg, attn, device, parallel, torch_order=(), profile=0, on_row=None):
     """Time one backend; on_row(row) as soon as its row is measured, then the --profile_steps trace (row['profile'])."""
     device_type = device.type
     torch.manual_seed(cfg["seed"])
     dtype = resolve_dtype(cfg["dtype"], device_type)
-    model_config = config_for_depth(cfg["depth"], cfg["vocab_size"], cfg["max_seq_len"])
-    model = init_model(model_config, device, cfg["init"], attn)
+    model_config, init, grad_clip = recipe_model(cfg)
+    model = init_model(model_config, device, init, attn)
     autocast = lambda: autocast_ctx(device_type, dtype)  # noqa: E731
     # --activation_checkpointing, --fp8, the layout and compile: the plan's one call, as in base_train
     model, orig_model = parallel.prepare(model, cfg, device, autocast)
@@ -144,7 +162,7 @@ def bench_one(cfg, attn, device, parallel, torch_order=(), profile=0, on_row=Non
     for step in range(cfg["warmup"] + cfg["steps"]):
         sync(device)
         t0 = time.perf_counter()
-        loss, _, _ = train_step(model, optimizers, next_batch, 1, cfg["grad_clip"], autocast)  # .item() syncs too
+        loss, _, _ = train_step(model, optimizers, next_batch, 1, grad_clip, autocast)  # .item() syncs too
         sync(device)
         dt = time.perf_counter() - t0
         losses.append(loss)
@@ -162,6 +180,7 @@ def bench_one(cfg, attn, device, parallel, torch_order=(), profile=0, on_row=Non
         "status": "ok",
         "device": torch.cuda.get_device_name(device) if device_type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
         "depth": cfg["depth"],
+        "recipe": cfg["recipe"],
         "params": orig_model.num_params(),
         "seq_len": L,
         "batch": B,
@@ -194,7 +213,7 @@ def bench_one(cfg, attn, device, parallel, torch_order=(), profile=0, on_row=Non
         on_row(row)
     if profile:  # a trace that fails is said in its record; the row stands
         try:
-            row["profile"] = profile_steps(lambda opts: train_step(model, opts, next_batch, 1, cfg["grad_clip"], autocast),
+            row["profile"] = profile_steps(lambda opts: train_step(model, opts, next_batch, 1, grad_clip, autocast),
                                            optimizers, profile, device, lambda: sync(device))
         except Exception as e:
             row["profile"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
@@ -212,7 +231,7 @@ def markdown_row(r):
     mfu = f"{r['mfu_pct']:.1f}%" if r["mfu_pct"] is not None else "n/a"
     peak = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
     return (
-        f"| {r['device']} | d{r['depth']} ({r['params'] / 1e6:.1f}M) | {r['batch']} x {r['seq_len']} | {r['dtype']} | "
+        f"| {r['device']} | d{r['depth']}{' record' if r.get('recipe') == 'record' else ''} ({r['params'] / 1e6:.1f}M) | {r['batch']} x {r['seq_len']} | {r['dtype']} | "
         f"{'yes' if r['compile'] else 'no'} | {r['attn_kernels']} | {r['sdpa_kernel']} (torch's order: "
         f"{r['sdpa_torch_kernel']}) | {r['optimizer']} | {r['parallel']} | {r['activation_checkpointing']} | "
         f"{r['fp8']} | {r['step_ms_median']:.1f} | {r['tok_per_s']:,.0f} | {r['achieved_tflops']:.3g} | {mfu} | {peak} "

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +60,8 @@ FLAGS = Flags(
     Flag("base_dir", None, "a base dir with base_data_climbmix/ and tokenizer/; auto = made under --work", type=str),
     Flag("work", "/tmp/nanochat-record-sbs", "scratch directory (the extracted anchor, the data, both runs)"),
     Flag("threads", 2, "OMP_NUM_THREADS of both runs"),
+    Flag("together", False, "run both at the same time (give each --threads=1 on 2 cores): half the wall time, and "
+         "the seconds printed mean nothing"),
     Flag("atol", 1e-4, "the largest per-step loss difference accepted (exit 1 above it)"),
     Flag("every", 5, "print every this many steps in the table (and every step above --atol)"),
     Flag("out", None, "write the per-step figures here as JSON", type=str),
@@ -201,9 +204,15 @@ def main(argv=None):
     data = Path(c["base_dir"]) if c["base_dir"] else prepare_data(work, env)
     load_before = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
     log(f"92d63d4 ({'compiled' if c['anchor_compile'] else 'eager'}): {c['steps']} steps at d{c['depth']}")
-    theirs = run_theirs(c, anchor, data, work, env)
-    log("ours: the same flags with --recipe=record")
-    ours = run_ours(c, data, work, env)
+    if c["together"]:
+        log("ours at the same time: the same flags with --recipe=record")
+        with ThreadPoolExecutor(2) as pool:
+            pending = pool.submit(run_theirs, c, anchor, data, work, env), pool.submit(run_ours, c, data, work, env)
+            theirs, ours = (f.result() for f in pending)
+    else:
+        theirs = run_theirs(c, anchor, data, work, env)
+        log("ours: the same flags with --recipe=record")
+        ours = run_ours(c, data, work, env)
     result = compare(c, ours, theirs)
     result["loadavg"] = " ".join(load_before)
     print_table(c, result)

@@ -12,12 +12,15 @@ import threading
 
 from nanochat.common import print0
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
+from nanochat.dataset import DEFAULT_SOURCE, SOURCES
 from nanochat.tokenizer import get_tokenizer
 from nanochat.usage import RunFailure, run_main
 
 FLAGS = Flags(
     Flag("reference_timeout", 15.0, "seconds to wait for tiktoken to load (download) a reference vocabulary", min=0.0),
     Flag("max_shard_chars", 2_000_000, "characters of train/val shard text to measure", min=0),
+    Flag("data", DEFAULT_SOURCE, "which shards to measure: fineweb_edu (base_data/) or climbmix (base_data_climbmix/, "
+         "the record recipe's)", choices=list(SOURCES)),
 )
 
 # Short texts of different kinds, written for this script.
@@ -91,17 +94,21 @@ def load_reference(encoding_name, timeout):
     return None, result.get("error", "unknown error")
 
 
-def shard_texts(max_chars):
-    """{'fwe-train': ..., 'fwe-val': ...} from the first row groups of the shards, or {} with a note."""
-    from nanochat.dataset import list_parquet_files, parquets_iter_batched
+def shard_texts(max_chars, source=DEFAULT_SOURCE):
+    """{'fwe-train': ..., 'fwe-val': ...} from the first row groups of the shards (ClimbMix's: 'climbmix-train', ...),
+    or {} with a note."""
+    from nanochat.dataset import base_data_dir, data_flag, list_parquet_files, parquets_iter_batched
 
-    if len(list_parquet_files()) < 2:
-        print0("note: no train/val shards in the base dir, skipping shard texts (python -m nanochat.dataset -n 8)")
+    data_dir = base_data_dir(source=source)
+    if len(list_parquet_files(data_dir)) < 2:
+        print0(f"note: no train/val shards in {data_dir}, skipping shard texts (python -m nanochat.dataset -n 8"
+               f"{data_flag(data_dir)})")
         return {}
     out = {}
-    for name, split in (("fwe-train", "train"), ("fwe-val", "val")):
+    prefix = "fwe" if source == DEFAULT_SOURCE else source
+    for name, split in ((f"{prefix}-train", "train"), (f"{prefix}-val", "val")):
         parts, n = [], 0
-        for batch in parquets_iter_batched(split):
+        for batch in parquets_iter_batched(split, data_dir=data_dir):
             for doc in batch:
                 parts.append(doc)
                 n += len(doc) + 1
@@ -129,7 +136,7 @@ def main(argv=None):
         vocab_sizes[name] = enc.n_vocab
 
     texts = dict(SAMPLES)
-    texts.update(shard_texts(config["max_shard_chars"]))
+    texts.update(shard_texts(config["max_shard_chars"], config["data"]))
 
     names = list(encoders)
     results = {}  # text name -> {tokenizer name: (tokens, bytes/token)}

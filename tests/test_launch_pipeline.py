@@ -167,7 +167,7 @@ def test_runcpu_dry_run_prints_its_pipeline(world):
         f"  REMOVE: {base}/base_data_climbmix/shard_*.parquet {base}/base_data_climbmix/*.tmp",
         f"  RUN: {py} -m nanochat.dataset import {files} --val_paths {pre}/wikitext-2/valid.txt --overwrite {climb}",
         f"RUN: {py} -m scripts.tok_train --max_chars=20000000 --vocab_size=4096 --keep_existing {climb}",
-        tokenizer[1]] + toy_stages(py, 500, " --recipe=record")
+        f"RUN: {py} -m scripts.tok_eval {climb}"] + toy_stages(py, 500, " --recipe=record")
     assert f"no network for ClimbMix: importing the local corpus in {pre} instead" in p.stdout
     # shards already there: the download is skipped, and said so
     (base / "base_data").mkdir(parents=True)
@@ -219,9 +219,10 @@ def test_speedrun_record_recipe(world):
     assert p.returncode == 0, p.stdout + p.stderr
     steps, py = printed_steps(p.stdout), world["py"]
     climb = "--data=climbmix"  # nanochat 92d63d4's data: its shards, the tokenizer trained on them
-    assert steps[2:5] == [f"RUN: {py} -m nanochat.dataset -n 8 {climb}",
+    assert steps[2:6] == [f"RUN: {py} -m nanochat.dataset -n 8 {climb}",
                           f"RUN (in the background): {py} -m nanochat.dataset -n 170 {climb}",
-                          f"RUN: {py} -m scripts.tok_train --max_chars=2000000000 --vocab_size=65536 --keep_existing {climb}"]
+                          f"RUN: {py} -m scripts.tok_train --max_chars=2000000000 --vocab_size=65536 --keep_existing {climb}",
+                          f"RUN: {py} -m scripts.tok_eval {climb}"]
     stages = gpu_stages(tr, 8, 24, 16, record)
     stages[0] += " --target_param_data_ratio=8"
     assert steps[7:14] == stages

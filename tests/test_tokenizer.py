@@ -335,6 +335,10 @@ def test_tok_train_and_eval_end_to_end(tmp_path, monkeypatch):
     p = _run(["scripts.tok_eval", "--reference_timeout=20"], base)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "| fwe-val |" in p.stdout and "| news |" in p.stdout
+    # --data=climbmix measures the record recipe's shards (base_data_climbmix/), not base_data/
+    os.symlink(base / "base_data", base / "base_data_climbmix")
+    p = _run(["scripts.tok_eval", "--reference_timeout=0", "--data=climbmix"], base)
+    assert p.returncode == 0 and "| climbmix-val |" in p.stdout and "| fwe-val |" not in p.stdout, p.stdout + p.stderr
     # offline, the reference vocabularies are reported as missing; online they are compared
     for name in ("gpt2", "gpt4"):
         assert f"{name} (" in p.stdout and ("not compared" in p.stdout or f"{name} tokens" in p.stdout)

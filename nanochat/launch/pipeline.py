@@ -320,7 +320,7 @@ def speedrun_data(s):
             Step("shards", [*py, "-m", "nanochat.dataset", "-n", str(s.launch.num_shards), *data], background=True),
             Step("tokenizer", [*py, "-m", "scripts.tok_train", "--max_chars=2000000000",
                                f"--vocab_size={presets.VOCAB_SIZE}", "--keep_existing", *data]),
-            Step("tokenizer eval", [*py, "-m", "scripts.tok_eval"]),
+            Step("tokenizer eval", [*py, "-m", "scripts.tok_eval", *data]),
             Step("wait for the shards", wait="shards", show="Waiting for the shard download..."),
             Step("identity conversations", ["curl", "-fsSL", "-o", os.path.join(s.base_dir, "identity_conversations.jsonl"),
                                             IDENTITY_URL],
@@ -389,7 +389,7 @@ def runcpu_data(s):
                  and f"pretraining shards already in {data}", fallback=fallback),
             Step("tokenizer", [*py, "-m", "scripts.tok_train", "--max_chars=20000000", "--vocab_size=4096",
                                "--keep_existing", *flag], banner="tokenizer: train (vocab 4096) and evaluate"),
-            Step("tokenizer eval", [*py, "-m", "scripts.tok_eval"])]
+            Step("tokenizer eval", [*py, "-m", "scripts.tok_eval", *flag])]
 
 
 def remove_files(directory, *patterns):

@@ -380,6 +380,20 @@ class Engine:
             state.forced_tokens.append(self.output_end)
         state.python_expr_tokens = []
 
+    def observe(self, row, token):
+        """A row's bookkeeping once `token` is its next token: completion at a stop token, and the calculator (at
+        <|python_end|> its answer is queued to be forced). Shared with the serving scheduler's rows."""
+        if token == self.assistant_end or token == self.bos:
+            row.completed = True
+        if token == self.python_start:
+            row.in_python_block = True
+            row.python_expr_tokens = []
+        elif token == self.python_end and row.in_python_block:
+            row.in_python_block = False
+            self._run_tool(row)
+        elif row.in_python_block:
+            row.python_expr_tokens.append(token)
+
     @torch.inference_mode()
     def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42, top_p=None):
         """
@@ -451,16 +465,7 @@ class Engine:
             for i, _ in forced:
                 token_masks[i] = 0
             for token, row in zip(token_column, rows):
-                if token == self.assistant_end or token == self.bos:
-                    row.completed = True
-                if token == self.python_start:
-                    row.in_python_block = True
-                    row.python_expr_tokens = []
-                elif token == self.python_end and row.in_python_block:
-                    row.in_python_block = False
-                    self._run_tool(row)
-                elif row.in_python_block:
-                    row.python_expr_tokens.append(token)
+                self.observe(row, token)
             yield token_column, token_masks
             if step == steps - 1 or all(row.completed for row in rows):
                 return

@@ -379,7 +379,9 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
         T = idx.size(1)
-        positions = getattr(kv_cache, "positions", None)  # the engine's fixed-shape decode step: a device tensor
+        # the engine's fixed-shape decode step: a device tensor, (1,) or one position per row (B, 1) for the serving
+        # scheduler's batch of sequences at different lengths (nanochat/serving/kv_slots.py)
+        positions = getattr(kv_cache, "positions", None)
         pos = kv_cache.get_pos() if kv_cache is not None and positions is None else 0
         if pos + T > self.cos.size(1):
             raise ValueError(
@@ -388,16 +390,18 @@ class GPT(nn.Module):
             )
         if self.cos.device != idx.device:
             raise RuntimeError(f"rotary tables are on {self.cos.device} but the input is on {idx.device}; call init_weights() after moving the model")
-        backend = self.attn_choice
+        backend = getattr(kv_cache, "attn_choice", None) or self.attn_choice  # a cache may pin the kernel of its step
         if positions is None:
             cos_sin = full_rotary_tables(self.cos[:, pos : pos + T], self.sin[:, pos : pos + T])
         else:  # read from the tensor, so a compiled/graphed step does not change (and recompile) with every position
-            cos_sin = full_rotary_tables(self.cos[:, positions], self.sin[:, positions])
+            cos_sin = full_rotary_tables(self.cos[0, positions], self.sin[0, positions])
 
         x = self.transformer.wte(idx)
         x = norm(x.to(compute_dtype(x)))  # the residual stream runs in the compute dtype (see the top)
         for block in self.transformer.h:
             x = block(x, cos_sin, kv_cache, backend)
+        if targets is None and getattr(kv_cache, "last_only", False):  # a serving prefill reads the next token's logits only
+            x = x[:, -1:]
         return self.head(x, self.lm_head.weight, self.config.vocab_size, targets, loss_reduction)
 
     @torch.inference_mode()

@@ -1,0 +1,272 @@
+"""
+KV memory for serving many sequences at once: a pool of fixed-size slots (one sequence each), the views through
+which the model's forward reads and writes it, the prefix cache that keeps finished sequences' keys and values for
+later requests, and the memory budget both come from.
+
+    pool = SlotPool(layers=4, kv_heads=2, head_dim=128, rows=64, slot_len=1024, dtype=torch.float32, device=cpu)
+    model(chunk_ids, kv_cache=pool.prefill_view(row, start))       # one sequence's prompt chunk into its slot
+    model(ids, kv_cache=pool.decode_view(bucket))                   # one token for each of rows [0, bucket)
+
+The model sees the same cache API as the Engine's KVCache (nanochat/engine.py): `insert_kv(layer, k, v)` returns the
+keys/values to attend, `get_pos()` / `positions` give the rotary positions and `attn_mask` the positions to attend.
+A decode view gives every row its own position (B, 1) and mask (B, 1, 1, S+1): rows are at different lengths.
+
+Why slots and not pages: on CPU (and with torch's SDPA kernels on GPU) attention needs each row's keys contiguous,
+so paged blocks would be gathered into a contiguous batch every step, a copy of the whole cache per step. A slot is
+contiguous already; the cost is that every admitted sequence reserves slot_len positions (--max_context). The
+prefix cache is paged instead (blocks of BLOCK tokens, hashed by their whole prefix, as vLLM's): it is only copied
+when a request starts (matched blocks into its slot) and when a sequence is registered (its new blocks out of it).
+
+Each slot has slot_len + 1 columns: the last one is scratch, written by the filler rows of a decode batch (rows of
+the bucket that hold no decoding sequence) and never attended by a real row, so a filler cannot disturb a slot
+whose prompt is still being prefilled.
+
+A per-layer attention window (sliding-window layers) fits this layout: a windowed layer's decode mask becomes
+`pos - window < column <= pos` (the `attn_mask` of that layer) and its prefill chunk mask the same band; the slot
+may even shrink to window + 1 columns for such a layer as a ring (keys are cached after rotary, so their order in
+storage does not matter to attention). Nothing here does that yet: the model has no windowed layers.
+"""
+
+import os
+from collections import OrderedDict
+
+import torch
+
+BLOCK = 16  # tokens per prefix-cache block: the granularity at which prompts share cached keys/values
+
+
+def kv_bytes_per_token(num_layers, kv_heads, head_dim, dtype):
+    return num_layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def free_memory_bytes(device):
+    """Memory free for the KV cache on `device`: CUDA's free memory now, else the host's available memory."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+# share of the free memory the KV cache takes by default: most of a GPU (what is left holds the activations of a
+# prefill chunk and a decode step), a quarter of a host's RAM (the host runs everything else too)
+DEFAULT_BUDGET_FRACTION = {"cuda": 0.85, "cpu": 0.25, "mps": 0.25}
+
+
+def default_budget_bytes(device):
+    device = torch.device(device)
+    return int(free_memory_bytes(device) * DEFAULT_BUDGET_FRACTION.get(device.type, 0.25))
+
+
+def decode_buckets(max_rows):
+    """Batch sizes a decode step runs at: 4, 8, then multiples of 8 growing by about 1.5x (16, 24, 32, 48, 64, 96,
+    ...), the last one covering max_rows. Few shapes (each a compiled graph where decode is compiled), at most ~1.5x
+    padding, and never below 4 rows: on the CPU BLAS measured here a matmul's row comes out the same bits at any
+    M in these sizes, but not at M < 4 (bench notes in docs/benchmarks.md#continuous-batching)."""
+    out = [4, 8]
+    while out[-1] < max_rows:
+        out.append(max(out[-1] + 8, (out[-1] * 3 // 2 + 7) // 8 * 8))
+    return out
+
+
+class PrefillView:
+    """One sequence's slot seen as a batch-1 cache at `start` tokens: the model appends a chunk of its prompt."""
+
+    positions = None
+    attn_mask = None
+    attn_choice = None
+    last_only = True  # a prefill needs the last position's logits only
+
+    def __init__(self, pool, row, start):
+        self.pool, self.row, self.start = pool, row, start
+
+    def get_pos(self):
+        return self.start
+
+    def insert_kv(self, layer_idx, k, v):
+        T = k.size(2)
+        end = self.start + T
+        if end > self.pool.slot_len:
+            raise ValueError(f"a prefill to {end} tokens overflows the slot of {self.pool.slot_len}")
+        kv = self.pool.layers[layer_idx]
+        kv[0, self.row, :, self.start:end] = k[0]
+        kv[1, self.row, :, self.start:end] = v[0]
+        r = self.row
+        return kv[0, r:r + 1, :, :end], kv[1, r:r + 1, :, :end]
+
+
+class DecodeView:
+    """
+    Rows [0, B) of the pool as one batch for a decode step: row i feeds one token at its own position pos[i] and
+    attends columns <= pos[i] of its slot. The positions, their mask and the input ids live in tensors of fixed
+    address (set before each step), so a compiled or graph-captured step is the same graph every step.
+    Attention always spans the whole slot (masked): a row's result then does not depend on the other rows' lengths.
+    """
+
+    last_only = False
+
+    def __init__(self, pool, batch, attn_choice=None):
+        device = pool.device
+        self.pool, self.batch, self.attn_choice = pool, batch, attn_choice
+        self.rows = torch.arange(batch, device=device)
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.mask = torch.zeros(batch, 1, 1, pool.slot_len + 1, dtype=torch.bool, device=device)
+        self.columns = torch.arange(pool.slot_len + 1, device=device)
+
+    @property
+    def positions(self):
+        return self.pos
+
+    @property
+    def attn_mask(self):
+        return self.mask
+
+    def get_pos(self):  # the model reads `positions` instead; an int makes no sense for rows at different lengths
+        raise TypeError("a decode view has one position per row: read .positions")
+
+    def set_step(self, ids, positions):
+        """Host lists of B ids and positions -> the device tensors (one copy each) and the mask."""
+        self.ids.copy_(torch.tensor(ids, dtype=torch.long).view(-1, 1), non_blocking=True)
+        self.pos.copy_(torch.tensor(positions, dtype=torch.long).view(-1, 1), non_blocking=True)
+        torch.le(self.columns.view(1, -1), self.pos, out=self.mask.view(self.batch, -1))
+
+    def insert_kv(self, layer_idx, k, v):
+        kv = self.pool.layers[layer_idx]
+        pos = self.pos[:, 0]
+        kv[0, self.rows, :, pos] = k[:, :, 0]
+        kv[1, self.rows, :, pos] = v[:, :, 0]
+        return kv[0, : self.batch], kv[1, : self.batch]
+
+
+class SlotPool:
+    """
+    `rows` slots of slot_len (+1 scratch) positions for every layer: per layer one tensor (2, rows, heads, S+1, dim),
+    zeroed (a masked position still enters attention's sums as 0 * value, and uninitialised memory may hold NaN).
+    One tensor per layer, not views of one: a compiled step writes graph inputs in place, and writes through views of
+    one tensor made inductor copy the whole cache back every step (see KVCache.start_fixed_shape).
+    """
+
+    def __init__(self, num_layers, kv_heads, head_dim, rows, slot_len, dtype, device):
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.rows, self.slot_len, self.dtype, self.device = rows, slot_len, dtype, torch.device(device)
+        shape = (2, rows, kv_heads, slot_len + 1, head_dim)
+        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def scratch(self):
+        return self.slot_len
+
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in self.layers)
+
+    def prefill_view(self, row, start):
+        return PrefillView(self, row, start)
+
+    def copy_prefix(self, src, dst, n):
+        """The first n positions of slot src into slot dst (a request's extra samples start from its prompt)."""
+        for kv in self.layers:
+            kv[:, dst, :, :n] = kv[:, src, :, :n]
+
+
+class PrefixCache:
+    """
+    Keys/values of token prefixes, in blocks of BLOCK tokens keyed by the whole prefix up to the block's end (a
+    chain: each key holds its parent's key), so a block is shared by every sequence that starts with the same tokens
+    and a lookup walks from the first block. Least recently used blocks are evicted first; a lookup touches the
+    deepest block first and the first block last, so a chain loses its tail before its head.
+    Storage per layer: (2, num_blocks, heads, BLOCK, dim), allocated empty (a block is read only once written).
+    """
+
+    def __init__(self, pool, num_blocks):
+        self.pool, self.num_blocks = pool, num_blocks
+        shape = (2, num_blocks, pool.kv_heads, BLOCK, pool.head_dim)
+        self.layers = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.num_layers)]
+        self.index = OrderedDict()  # key -> block id, least recently used first
+        self.free = list(range(num_blocks - 1, -1, -1))
+        # counters for /stats: prompt tokens looked up, and how many of them came from the cache
+        self.lookups = self.hits = self.lookup_tokens = self.hit_tokens = self.evictions = 0
+
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in self.layers)
+
+    @staticmethod
+    def _keys(tokens, n_blocks):
+        keys, parent = [], None
+        for b in range(n_blocks):
+            parent = (parent, tuple(tokens[b * BLOCK:(b + 1) * BLOCK]))
+            keys.append(parent)
+        return keys
+
+    def match(self, tokens):
+        """Block ids of the longest cached prefix of `tokens` (whole blocks), touched as used."""
+        ids = []
+        for key in self._keys(tokens, len(tokens) // BLOCK):
+            block = self.index.get(key)
+            if block is None:
+                break
+            ids.append((key, block))
+        for key, _ in reversed(ids):  # deepest first: the first block ends up most recently used
+            self.index.move_to_end(key)
+        return [block for _, block in ids]
+
+    def load(self, tokens, row, limit):
+        """Copy the longest cached prefix of `tokens`, at most `limit` tokens, into slot `row`. Returns its length."""
+        self.lookups += 1
+        self.lookup_tokens += len(tokens)
+        blocks = self.match(tokens[:limit + BLOCK - 1])
+        n = min(len(blocks) * BLOCK, limit)
+        if n == 0:
+            return 0
+        index = torch.tensor(blocks, device=self.pool.device)
+        for store, kv in zip(self.layers, self.pool.layers):
+            got = store[:, index].transpose(1, 2).reshape(2, self.pool.kv_heads, len(blocks) * BLOCK, self.pool.head_dim)
+            kv[:, row, :, :n] = got[:, :, :n]
+        self.hits += 1
+        self.hit_tokens += n
+        return n
+
+    def save(self, tokens, row):
+        """Register the whole blocks of `tokens`, whose keys/values are in slot `row`, evicting old blocks as needed."""
+        n_blocks = len(tokens) // BLOCK
+        new = []  # (block position in the sequence, block id)
+        for b, key in enumerate(self._keys(tokens, n_blocks)):
+            if key in self.index:
+                self.index.move_to_end(key)
+                continue
+            if not self.free:
+                if not self.index:
+                    break
+                _, victim = self.index.popitem(last=False)
+                self.free.append(victim)
+                self.evictions += 1
+            block = self.free.pop()
+            self.index[key] = block
+            new.append((b, block))
+        if not new:
+            return
+        src = torch.tensor([b for b, _ in new], device=self.pool.device)
+        dst = torch.tensor([block for _, block in new], device=self.pool.device)
+        H, D = self.pool.kv_heads, self.pool.head_dim
+        for store, kv in zip(self.layers, self.pool.layers):
+            blocks = kv[:, row, :, : n_blocks * BLOCK].reshape(2, H, n_blocks, BLOCK, D).transpose(1, 2)
+            store[:, dst] = blocks[:, src]
+
+    def stats(self):
+        return {
+            "blocks": self.num_blocks,
+            "blocks_used": len(self.index),
+            "block_tokens": BLOCK,
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "prompt_tokens": self.lookup_tokens,
+            "hit_tokens": self.hit_tokens,
+            "hit_rate": self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0,
+            "evictions": self.evictions,
+        }

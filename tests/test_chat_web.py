@@ -43,7 +43,9 @@ def model(tok):
 
 @pytest.fixture(scope="module")
 def server(tok, model):
-    app = create_app([Worker(Engine(model, tok))], api_key=API_KEY, max_tokens=DEFAULT_MAX_TOKENS, temperature=0.8, top_k=50)
+    # slots of every position the model addresses: the limit tests send prompts of several thousand tokens
+    app = create_app([Worker(Engine(model, tok))], api_key=API_KEY, max_tokens=DEFAULT_MAX_TOKENS, temperature=0.8, top_k=50,
+                     max_batch=32, max_context=model.rotary_seq_len)
     with ServerThread(app, **server_options()) as s:
         yield s
 
@@ -494,13 +496,14 @@ def test_32_concurrent_streams_with_one_worker(server):
     async def health_while_busy(client, streams):
         # poll /health until the streams are done: every answer must be quick, and at least one must come while
         # the worker is busy (sampling from the start, so a fast run cannot finish before the first look)
-        samples = []
+        samples, together = [], []
         while not streams.done():
             t0 = time.monotonic()
             h = (await client.get("/health")).json()
             samples.append((time.monotonic() - t0, h["available_workers"]))
+            together.append((await client.get("/stats")).json()["workers"][0]["batching"]["running_rows"])
             await asyncio.sleep(0.02)
-        return samples, await streams
+        return samples, together, await streams
 
     async def main():
         limits = httpx.Limits(max_connections=64)
@@ -508,8 +511,9 @@ def test_32_concurrent_streams_with_one_worker(server):
             streams = asyncio.ensure_future(asyncio.gather(*[one(client, i) for i in range(32)]))
             return await health_while_busy(client, streams)
 
-    samples, results = asyncio.run(main())
+    samples, together, results = asyncio.run(main())
     assert len(results) == 32 and all(events[-1] == '{"done": true}' for events in results)
+    assert max(together) > 1, together  # continuous batching: the one worker decoded several requests at once
     # the event loop kept answering while the worker was busy
     assert samples and max(latency for latency, _ in samples) < 2.0
     assert any(available == 0 for _, available in samples), samples
@@ -529,11 +533,13 @@ def wait_for(predicate, timeout=5.0, interval=0.05):
 
 
 @pytest.mark.slow  # waits for the server to notice a dropped client
-def test_dropped_client_frees_the_worker(tok):
-    # a "model" that never stops on its own and takes 10 ms per token: 4096 tokens would take 40 s
+@pytest.mark.parametrize("batching", [True, False], ids=["batching", "worker_per_request"])
+def test_dropped_client_frees_the_worker(tok, batching):
+    # a "model" that never stops on its own and takes 10 ms per token: 4096 tokens would take 40 s. Batching with one
+    # sequence at a time, so that a second request waits in the scheduler's queue as it waits for the worker without
     word = tok.encode(" the")[0]
     scripted = ScriptedModel(tok.get_vocab_size(), [], word, delay=0.01, max_positions=100_000)
-    app = create_app([Worker(Engine(scripted, tok))])
+    app = create_app([Worker(Engine(scripted, tok))], batching=batching, max_batch=1)
     body = {"messages": msgs("go on forever"), "max_tokens": 4096}
     with ServerThread(app) as s:
         stats = lambda: httpx.get(s.base_url + "/stats").json()  # noqa: E731
@@ -832,10 +838,12 @@ def test_fuzzed_bodies_never_get_a_5xx(quick_server):
 
 
 @pytest.mark.slow  # a slow model holds the worker for seconds
-def test_a_full_queue_is_a_429_with_retry_after_and_frees_up(tok):
-    """One worker, --max_queue=2: three requests are admitted (one runs, two wait); the fourth gets 429 at once."""
+@pytest.mark.parametrize("batching", [True, False], ids=["batching", "worker_per_request"])
+def test_a_full_queue_is_a_429_with_retry_after_and_frees_up(tok, batching):
+    """One worker, --max_queue=2 (and --max_batch=1 when batching): three requests are admitted (one runs, two wait);
+    the fourth gets 429 at once."""
     slow = ScriptedModel(tok.get_vocab_size(), script=[], filler=tok.encode("a")[0], delay=0.25)  # 2 s a request: time to look
-    app = create_app([Worker(Engine(slow, tok))], max_queue=2, max_tokens=8)
+    app = create_app([Worker(Engine(slow, tok))], max_queue=2, max_tokens=8, batching=batching, max_batch=1)
     body = {"messages": msgs("hi"), "temperature": 0}
     with ServerThread(app) as s:
         results = []

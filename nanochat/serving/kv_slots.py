@@ -107,6 +107,7 @@ class DecodeView:
     attends columns <= pos[i] of its slot. The positions, their mask and the input ids live in tensors of fixed
     address (set before each step), so a compiled or graph-captured step is the same graph every step.
     Attention always spans the whole slot (masked): a row's result then does not depend on the other rows' lengths.
+    Filler rows (set_step's None) sit at position 0, attend column 0 and write the scratch column.
     """
 
     last_only = False
@@ -117,6 +118,7 @@ class DecodeView:
         self.rows = torch.arange(batch, device=device)
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.column = torch.zeros(batch, dtype=torch.long, device=device)  # where each row writes: pos, or scratch
         self.mask = torch.zeros(batch, 1, 1, pool.slot_len + 1, dtype=torch.bool, device=device)
         self.columns = torch.arange(pool.slot_len + 1, device=device)
 
@@ -132,16 +134,18 @@ class DecodeView:
         raise TypeError("a decode view has one position per row: read .positions")
 
     def set_step(self, ids, positions):
-        """Host lists of B ids and positions -> the device tensors (one copy each) and the mask."""
+        """Host lists of B ids and positions (None: a filler row) -> the device tensors (one copy each), the mask."""
+        pos = [0 if p is None else p for p in positions]
+        column = [self.pool.scratch if p is None else p for p in positions]
         self.ids.copy_(torch.tensor(ids, dtype=torch.long).view(-1, 1), non_blocking=True)
-        self.pos.copy_(torch.tensor(positions, dtype=torch.long).view(-1, 1), non_blocking=True)
+        self.pos.copy_(torch.tensor(pos, dtype=torch.long).view(-1, 1), non_blocking=True)
+        self.column.copy_(torch.tensor(column, dtype=torch.long), non_blocking=True)
         torch.le(self.columns.view(1, -1), self.pos, out=self.mask.view(self.batch, -1))
 
     def insert_kv(self, layer_idx, k, v):
         kv = self.pool.layers[layer_idx]
-        pos = self.pos[:, 0]
-        kv[0, self.rows, :, pos] = k[:, :, 0]
-        kv[1, self.rows, :, pos] = v[:, :, 0]
+        kv[0, self.rows, :, self.column] = k[:, :, 0]
+        kv[1, self.rows, :, self.column] = v[:, :, 0]
         return kv[0, : self.batch], kv[1, : self.batch]
 
 
@@ -215,6 +219,16 @@ class PrefixCache:
         for key, _ in reversed(ids):  # deepest first: the first block ends up most recently used
             self.index.move_to_end(key)
         return [block for _, block in ids]
+
+    def cached_tokens(self, tokens):
+        """How many leading tokens of `tokens` are cached (whole blocks), without touching anything: safe to call
+        from another thread while the scheduler's thread works (one dict read per block)."""
+        n = 0
+        for key in self._keys(tokens, len(tokens) // BLOCK):
+            if self.index.get(key) is None:
+                break
+            n += BLOCK
+        return n
 
     def load(self, tokens, row, limit):
         """Copy the longest cached prefix of `tokens`, at most `limit` tokens, into slot `row`. Returns its length."""

@@ -57,6 +57,7 @@ logger = logging.getLogger("nanochat.serving")
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward (and per step): a d4 on CPU takes ~50 ms for 512
 MIN_PREFIX_CACHE_BLOCKS = 64  # below this the prefix cache is off (the budget went to the slots)
 PREFIX_CACHE_SHARE = 0.5  # at most this share of the KV budget holds the prefix cache; the slots take the rest first
+PREFIX_CACHE_BATCHES = 4
 
 
 class Request:
@@ -185,7 +186,9 @@ class Scheduler:
         self.buckets = [b for b in buckets if b <= rows]
         self.pool = SlotPool(cfg.n_layer, cfg.n_kv_head, head_dim, rows, self.max_context, dtype, self.device)
         cache_bytes = min(budget - self.pool.nbytes(), int(budget * PREFIX_CACHE_SHARE))
-        num_blocks = cache_bytes // (per_token * BLOCK) if prefix_cache else 0
+        # and at most PREFIX_CACHE_BATCHES full batches of slots: more would mostly hold conversations long gone
+        num_blocks = min(cache_bytes // (per_token * BLOCK), PREFIX_CACHE_BATCHES * rows * self.max_context // BLOCK)
+        num_blocks = num_blocks if prefix_cache else 0
         self.prefix = PrefixCache(self.pool, num_blocks) if num_blocks >= MIN_PREFIX_CACHE_BLOCKS else None
         if batch_invariant is None:
             batch_invariant = self.device.type == "cpu"
@@ -206,7 +209,7 @@ class Scheduler:
         self.free_slots = list(range(rows - 1, -1, -1))  # a stack: the lowest slot is taken first
         self.requests = {}  # admitted, by id
         # counters for /stats
-        self.steps = self.tokens_generated = self.requests_done = self.errors = 0
+        self.steps = self.tokens_generated = self.requests_done = self.requests_served = self.errors = 0
         self._thread = None
         self._wake = threading.Condition()
         self._stop = False
@@ -337,7 +340,7 @@ class Scheduler:
             top = max(r.slot for r in rows) + 1
         B = next(b for b in self.buckets if b >= top)
         view = self.views[B]
-        ids, positions = [0] * B, [self.pool.scratch] * B  # filler rows write and read the scratch column only
+        ids, positions = [0] * B, [None] * B  # filler rows: see DecodeView
         for r in rows:
             ids[r.slot], positions[r.slot] = r.next_token, r.length
         try:
@@ -378,7 +381,7 @@ class Scheduler:
             for t in self.pool.layers:
                 torch._dynamo.mark_static_address(t)
             for v in self.views.values():
-                for t in (v.ids, v.pos, v.mask, v.rows, v.columns):
+                for t in (v.ids, v.pos, v.column, v.mask, v.rows, v.columns):
                     torch._dynamo.mark_static_address(t)
 
             def step(model, ids, cache):
@@ -466,6 +469,13 @@ class Scheduler:
             if reason is None:
                 request.finish_reasons[i] = "cancelled" if request.cancelled else ("error" if error else "length")
         self.requests_done += 1
+        self.requests_served += bool(request.rows)  # it got rows (one cancelled while waiting never ran)
+        if request.rows:
+            dt = time.perf_counter() - request.submitted
+            made = sum(len(t) for t in request.tokens)
+            how = "failed" if error else ("stopped: cancelled" if request.cancelled else "done")
+            logger.info(f"scheduler {self.name}: prompt {len(request.prompt)} tokens ({request.prefix_hit} cached), "
+                        f"{made} tokens over {request.num_samples} row(s) in {dt:.2f}s, {how}")
         if error is not None:
             self.errors += 1
             self._emit(request, "error", error)
@@ -512,6 +522,12 @@ class Scheduler:
                 for request in list(self.requests.values()) + list(self.waiting):
                     self._finish(request, "generation failed: scheduler error (see the server log)")
                 self.waiting.clear()
+
+    def describe(self):
+        cache = (f"prefix cache {self.prefix.num_blocks} blocks of {BLOCK} tokens" if self.prefix is not None
+                 else "no prefix cache")
+        return (f"{self.max_batch} sequences x {self.max_context} positions ({self.pool.nbytes() / 2**20:.0f} MiB), "
+                f"{cache}, decode {'compiled' if self.compiled else 'eager'}, buckets {self.buckets}")
 
     def stats(self):
         rows = self.running_rows()

@@ -29,6 +29,7 @@ storage does not matter to attention). Nothing here does that yet: the model has
 
 import os
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -65,14 +66,73 @@ def default_budget_bytes(device):
 
 
 def decode_buckets(max_rows):
-    """Batch sizes a decode step runs at: 4, 8, then multiples of 8 growing by about 1.5x (16, 24, 32, 48, 64, 96,
-    ...), the last one covering max_rows. Few shapes (each a compiled graph where decode is compiled), at most ~1.5x
-    padding, and never below 4 rows: on the CPU BLAS measured here a matmul's row comes out the same bits at any
-    M in these sizes, but not at M < 4 (bench notes in docs/benchmarks.md#continuous-batching)."""
-    out = [4, 8]
-    while out[-1] < max_rows:
-        out.append(max(out[-1] + 8, (out[-1] * 3 // 2 + 7) // 8 * 8))
+    """
+    Batch sizes a decode step runs at: 4, 8, then multiples of 8 growing by about 1.5x (16, 24, 40, 64, 96, ...),
+    the last one max_rows rounded up to a multiple of 8. Few shapes (each a compiled graph where decode is compiled),
+    at most ~1.5x padding, and never below 4 rows: on the CPU BLAS measured here (docs/benchmarks.md, continuous
+    batching) a matmul's row comes out the same bits at M = 4, 8 and any M >= 12, but not at M < 4 (nor, with two
+    threads, at 5-7 or 9-11), so the padded batch keeps every row's arithmetic the same whatever the batch size.
+    """
+    top = max(8, -(-max_rows // 8) * 8) if max_rows > 4 else 4
+    out = [4]
+    while out[-1] < top:
+        out.append(min(top, max(out[-1] + 8 if out[-1] >= 8 else 8, (out[-1] * 3 // 2 + 7) // 8 * 8)))
     return out
+
+
+MIN_PREFIX_CACHE_BLOCKS = 64  # below this the prefix cache is off (the budget went to the slots)
+PREFIX_CACHE_SHARE = 0.5  # at most this share of the KV budget holds the prefix cache; the slots take the rest first
+PREFIX_CACHE_BATCHES = 4  # and at most this many full pools' worth: more would mostly hold conversations long gone
+
+
+@dataclass
+class KVPlan:
+    """How a scheduler's KV memory is laid out (plan_kv)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    max_context: int  # positions per slot
+    rows: int  # slots (a whole decode bucket)
+    max_batch: int  # sequences admitted at once (<= rows)
+    buckets: list
+    prefix_blocks: int  # 0: no prefix cache
+    budget: int
+    slot_bytes: int
+
+
+def plan_kv(config, max_positions, max_batch, max_context, dtype, device, budget=None, prefix_cache=True):
+    """
+    Slots and prefix-cache blocks for a model of GPTConfig `config` within `budget` bytes (default: a share of the
+    device's free memory, DEFAULT_BUDGET_FRACTION). The slots come first: as many decode rows as max_batch asks for
+    and the budget holds (at least one bucket of 4); the prefix cache takes what is left, within PREFIX_CACHE_SHARE
+    of the budget. Raises ValueError, saying which setting to change, when nothing fits.
+    """
+    limit = int(max_positions)
+    max_context = int(max_context or min(config.sequence_len, limit))
+    if not 2 <= max_context <= limit:
+        raise ValueError(f"--max_context={max_context} must be in [2, {limit}] (the positions this model addresses)")
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"--max_batch must be a positive int, got {max_batch!r}")
+    head_dim = config.n_embd // config.n_head
+    per_token = kv_bytes_per_token(config.n_layer, config.n_kv_head, head_dim, dtype)
+    slot_bytes = per_token * (max_context + 1)
+    budget = int(budget) if budget is not None else default_budget_bytes(device)
+    buckets = decode_buckets(max_batch)
+    fit = [b for b in buckets if b * slot_bytes <= budget]
+    if not fit:
+        raise ValueError(
+            f"the KV cache budget ({budget / 2**30:.2f} GiB) holds fewer than {buckets[0]} sequences of "
+            f"--max_context={max_context} tokens ({slot_bytes / 2**20:.1f} MiB each): lower --max_context or raise "
+            f"--kv_cache_gb")
+    rows = fit[-1]
+    blocks = 0
+    if prefix_cache:
+        cache_bytes = min(budget - rows * slot_bytes, int(budget * PREFIX_CACHE_SHARE))
+        blocks = min(cache_bytes // (per_token * BLOCK), PREFIX_CACHE_BATCHES * rows * max_context // BLOCK)
+        blocks = blocks if blocks >= MIN_PREFIX_CACHE_BLOCKS else 0
+    return KVPlan(config.n_layer, config.n_kv_head, head_dim, max_context, rows, min(max_batch, rows),
+                  [b for b in buckets if b <= rows], blocks, budget, slot_bytes)
 
 
 class PrefillView:

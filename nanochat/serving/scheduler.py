@@ -49,15 +49,11 @@ from dataclasses import dataclass
 import torch
 
 from nanochat.engine import RowState, sample_next_token
-from nanochat.serving.kv_slots import (BLOCK, DecodeView, PrefixCache, SlotPool, decode_buckets, default_budget_bytes,
-                                       kv_bytes_per_token)
+from nanochat.serving.kv_slots import BLOCK, DecodeView, PrefixCache, SlotPool, plan_kv
 
 logger = logging.getLogger("nanochat.serving")
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward (and per step): a d4 on CPU takes ~50 ms for 512
-MIN_PREFIX_CACHE_BLOCKS = 64  # below this the prefix cache is off (the budget went to the slots)
-PREFIX_CACHE_SHARE = 0.5  # at most this share of the KV budget holds the prefix cache; the slots take the rest first
-PREFIX_CACHE_BATCHES = 4
 
 
 class Request:
@@ -156,40 +152,17 @@ class Scheduler:
         self.engine, self.model, self.name = engine, model, name
         self.device = model.get_device()
         self.autocast = autocast or nullcontext
-        cfg = model.config
-        limit = engine.max_positions()
-        self.max_context = int(max_context or min(cfg.sequence_len, limit))
-        if not 2 <= self.max_context <= limit:
-            raise ValueError(f"max_context={self.max_context}: must be in [2, {limit}] (the positions this model addresses)")
-        if not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
         if dtype is None:  # the dtype keys come out in: autocast's on CUDA (the caller passes it), else the weights'
             dtype = next(model.parameters()).dtype if any(True for _ in model.parameters()) else torch.float32
-        head_dim = cfg.n_embd // cfg.n_head
-        per_token = kv_bytes_per_token(cfg.n_layer, cfg.n_kv_head, head_dim, dtype)
-        slot_bytes = per_token * (self.max_context + 1)
-        budget = kv_budget_bytes if kv_budget_bytes is not None else default_budget_bytes(self.device)
-        # the pool's rows are a whole bucket (a padded decode batch needs real rows); admission stops at max_batch
-        buckets = decode_buckets(max_batch)
-        rows = buckets[-1]
-        fit = [b for b in buckets if b * slot_bytes <= budget]
-        if not fit:
-            raise ValueError(
-                f"the KV cache budget ({budget / 2**30:.2f} GiB) holds fewer than {buckets[0]} sequences of "
-                f"max_context={self.max_context} tokens ({slot_bytes / 2**20:.1f} MiB each): lower --max_context or "
-                f"raise --kv_cache_gb")
-        rows = min(rows, fit[-1])
-        self.max_batch = min(max_batch, rows)
-        self.buckets = [b for b in buckets if b <= rows]
-        self.pool = SlotPool(cfg.n_layer, cfg.n_kv_head, head_dim, rows, self.max_context, dtype, self.device)
-        cache_bytes = min(budget - self.pool.nbytes(), int(budget * PREFIX_CACHE_SHARE))
-        # and at most PREFIX_CACHE_BATCHES full batches of slots: more would mostly hold conversations long gone
-        num_blocks = min(cache_bytes // (per_token * BLOCK), PREFIX_CACHE_BATCHES * rows * self.max_context // BLOCK)
-        num_blocks = num_blocks if prefix_cache else 0
-        self.prefix = PrefixCache(self.pool, num_blocks) if num_blocks >= MIN_PREFIX_CACHE_BLOCKS else None
+        plan = plan_kv(model.config, engine.max_positions(), max_batch, max_context, dtype, self.device,
+                       kv_budget_bytes, prefix_cache)
+        self.plan, self.max_context, self.max_batch, self.buckets = plan, plan.max_context, plan.max_batch, plan.buckets
+        self.pool = SlotPool(plan.layers, plan.kv_heads, plan.head_dim, plan.rows, plan.max_context, dtype, self.device)
+        self.prefix = PrefixCache(self.pool, plan.prefix_blocks) if plan.prefix_blocks else None
+        rows = plan.rows
         if batch_invariant is None:
             batch_invariant = self.device.type == "cpu"
         attn_choice = None

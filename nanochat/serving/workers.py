@@ -41,6 +41,10 @@ class Worker:
             return torch.amp.autocast(device_type="cuda", dtype=self.dtype)
         return nullcontext()
 
+    def kv_dtype(self):
+        """The dtype the forward's keys come out in, so the KV cache holds them as they are: autocast's on CUDA."""
+        return self.dtype if self.device.type == "cuda" else next(self.engine.model.parameters()).dtype
+
     def is_busy(self):
         return self.scheduler.pending() > 0 if self.scheduler is not None else self.busy
 
@@ -155,8 +159,8 @@ class BatchingPool(Admission):
         self.workers = list(workers)
         self.max_queue = max_queue
         for w in self.workers:
-            dtype = w.dtype if w.device.type == "cuda" else None  # the KV cache holds what the forward produces
-            w.scheduler = Scheduler(w.engine, autocast=w.autocast, dtype=dtype, name=str(w.gpu_id), **scheduler_options)
+            w.scheduler = Scheduler(w.engine, autocast=w.autocast, dtype=w.kv_dtype(), name=str(w.gpu_id),
+                                    **scheduler_options)
             w.scheduler.start()
         self.running_limit = sum(w.scheduler.max_batch for w in self.workers)
 

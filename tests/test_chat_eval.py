@@ -320,3 +320,29 @@ def test_ddp_ranks_agree_on_a_task_one_rank_lacks(tmp_path):
         assert "rank 0" not in missing["ARC-Easy"]
     report = (base / "report" / "chat-evaluation-sft.md").read_text()
     assert "ARC-Easy" in report and "rank 1: " in report
+
+
+def test_batched_generative_eval_gives_the_answers_of_one_problem_at_a_time(monkeypatch):
+    """-b 8 on a generative task: the problems decode together through the scheduler, and at temperature 0 every
+    completion (so the accuracy) is the one the Engine gives one problem at a time."""
+    from nanochat.engine import Engine
+    from tasks.gsm8k import GSM8K
+
+    shared("gsm8k", "test.jsonl")
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(SHARED))
+    tok = tiny_tokenizer()
+    model = tiny_model(tok.get_vocab_size(), depth=2, sequence_len=512, seed=5)
+    task = GSM8K("main", "test")
+    seen = {}
+    real = task.evaluate
+
+    def recording(conv, completion):
+        seen.setdefault(conv["messages"][0]["content"], []).append(completion)
+        return real(conv, completion) or len(completion) % 3 == 0  # a varied pass/fail pattern to compare
+
+    monkeypatch.setattr(task, "evaluate", recording)
+    one = run_generative_eval(task, tok, model, Engine(model, tok), 1, 20, 0.0, 50, max_problems=10, batch_size=1)
+    by_engine, seen = seen, {}
+    batched = run_generative_eval(task, tok, model, Engine(model, tok), 1, 20, 0.0, 50, max_problems=10, batch_size=8)
+    assert seen == by_engine and len(seen) == 10
+    assert batched == one and 0 < one < 1

@@ -105,7 +105,7 @@ def test_32_prompts_8_at_a_time_give_the_same_tokens_and_logits_as_alone(tok, d4
     engine = Engine(d4, tok)
     prompts = mixed_prompts(tok, 36, seed=1)[:n]
     jobs = [Job(p, max_tokens=[6, 17, 33][i % 3], temperature=0.0) for i, p in enumerate(prompts)]
-    arrivals = ([0] * 6 + [1 + (i * 7) % 40 for i in range(30)])[:n]
+    arrivals = [0] * 6 + [1 + (i * 7) % (40 * n // 36) for i in range(n - 6)]
 
     crowd_scheduler = Recording(engine, max_batch=8, kv_budget_bytes=BUDGET, prefix_cache=False)
     seen_together = []

@@ -49,11 +49,21 @@ from dataclasses import dataclass
 import torch
 
 from nanochat.engine import RowState, sample_next_token
-from nanochat.serving.kv_slots import BLOCK, DecodeView, PrefixCache, SlotPool, plan_kv
+from nanochat.serving.kv_slots import BLOCK, DecodeView, PrefixCache, SlotPool, decode_buckets, kv_bytes_per_token, plan_kv
 
 logger = logging.getLogger("nanochat.serving")
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward (and per step): a d4 on CPU takes ~50 ms for 512
+
+
+def kv_dtype(model):
+    """The dtype the model's keys come out in here and now: autocast's when it is on (as GPT.forward computes in
+    it), else the weights'."""
+    device = model.get_device()
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    params = list(model.parameters())
+    return params[0].dtype if params else torch.float32
 
 
 class Request:
@@ -155,8 +165,7 @@ class Scheduler:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
-        if dtype is None:  # the dtype keys come out in: autocast's on CUDA (the caller passes it), else the weights'
-            dtype = next(model.parameters()).dtype if any(True for _ in model.parameters()) else torch.float32
+        dtype = dtype or kv_dtype(model)
         plan = plan_kv(model.config, engine.max_positions(), max_batch, max_context, dtype, self.device,
                        kv_budget_bytes, prefix_cache)
         self.plan, self.max_context, self.max_batch, self.buckets = plan, plan.max_context, plan.max_batch, plan.buckets
@@ -518,11 +527,16 @@ class Scheduler:
         }
 
 
-def generate_many(engine, jobs, max_batch=32, max_context=None, prefix_cache=True, **kwargs):
+def generate_many(engine, jobs, max_batch=32, max_context=None, prefix_cache=False, on_finish=None, **kwargs):
     """
     Run every Job through one Scheduler on this thread (no server): for evaluation and RL rollouts. Returns, per job
     and in order, (sequences, masks) as Engine.generate_batch gives them: the prompt then the sampled tokens (mask
-    1) and forced tool output (mask 0), without the stop token. max_context defaults to what the longest job needs.
+    1) and forced tool output (mask 0), without the stop token. on_finish(i, sequences, masks) is called as each
+    job ends (in the order they end). max_context defaults to what the longest job needs; the KV budget (unless
+    kv_budget_bytes is given) to the slots for max_batch sequences (and as much again for a prefix cache).
+    No prefix cache by default: whether a job hits one depends on when it is admitted, so on the other jobs and
+    max_batch, and a hit changes the last bits of its arithmetic; without it every job's result is the one it gets
+    alone (bit for bit on CPU), however the jobs are grouped (an RL step on 1 rank == the same questions on 2).
     """
     jobs = list(jobs)
     if not jobs:
@@ -530,15 +544,31 @@ def generate_many(engine, jobs, max_batch=32, max_context=None, prefix_cache=Tru
     if max_context is None:
         need = max(len(j.prompt) + (j.max_tokens or engine.model.config.sequence_len) for j in jobs)
         max_context = min(need, engine.max_positions())
-    scheduler = Scheduler(engine, max_batch=max(max_batch, max(j.num_samples for j in jobs)), max_context=max_context,
-                          prefix_cache=prefix_cache, **kwargs)
+    max_batch = max(max_batch, max(j.num_samples for j in jobs))
+    if "kv_budget_bytes" not in kwargs:
+        cfg = engine.model.config
+        per_token = kv_bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.n_embd // cfg.n_head,
+                                       kwargs.get("dtype") or kv_dtype(engine.model))
+        kwargs["kv_budget_bytes"] = (2 if prefix_cache else 1) * decode_buckets(max_batch)[-1] * per_token * (max_context + 1)
+    scheduler = Scheduler(engine, max_batch=max_batch, max_context=max_context, prefix_cache=prefix_cache, **kwargs)
+    results = [None] * len(jobs)
+
+    def finished(i):
+        def on_event(kind, payload):
+            if kind == "done":
+                results[i] = requests[i].sequences()
+                if on_finish is not None:
+                    on_finish(i, *results[i])
+        return on_event
+
     requests = []
-    for job in jobs:
+    for i, job in enumerate(jobs):
         requests.append(scheduler.submit(job.prompt, num_samples=job.num_samples, max_tokens=job.max_tokens,
-                                         temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=job.seed))
+                                         temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=job.seed,
+                                         on_event=finished(i)))
     while scheduler.step():
         pass
     for request in requests:
         if request.error:
             raise RuntimeError(request.error)
-    return [request.sequences() for request in requests]
+    return results

@@ -43,7 +43,10 @@ class Worker:
 
     def kv_dtype(self):
         """The dtype the forward's keys come out in, so the KV cache holds them as they are: autocast's on CUDA."""
-        return self.dtype if self.device.type == "cuda" else next(self.engine.model.parameters()).dtype
+        from nanochat.serving.scheduler import kv_dtype
+
+        with self.autocast():
+            return kv_dtype(self.engine.model)
 
     def is_busy(self):
         return self.scheduler.pending() > 0 if self.scheduler is not None else self.busy

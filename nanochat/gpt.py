@@ -176,7 +176,11 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.insert_kv(self.layer_idx, k, v)
             mask = getattr(kv_cache, "attn_mask", None)  # the engine's fixed-shape decode step: valid cache positions
-        y = attention(q, k, v, backend, mask)  # backend: the model's resolved nanochat.attention.Attn
+        attend = getattr(kv_cache, "attend", None)  # a cache that attends over its own layout (the serving scheduler's)
+        if attend is not None:
+            y = attend(self.layer_idx, q, k, v)
+        else:
+            y = attention(q, k, v, backend, mask)  # backend: the model's resolved nanochat.attention.Attn
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.c_proj(y)
 
@@ -390,7 +394,7 @@ class GPT(nn.Module):
             )
         if self.cos.device != idx.device:
             raise RuntimeError(f"rotary tables are on {self.cos.device} but the input is on {idx.device}; call init_weights() after moving the model")
-        backend = getattr(kv_cache, "attn_choice", None) or self.attn_choice  # a cache may pin the kernel of its step
+        backend = self.attn_choice
         if positions is None:
             cos_sin = full_rotary_tables(self.cos[:, pos : pos + T], self.sin[:, pos : pos + T])
         else:  # read from the tensor, so a compiled/graphed step does not change (and recompile) with every position

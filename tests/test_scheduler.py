@@ -312,8 +312,9 @@ def test_prefix_cache_shares_a_system_prompt_and_evicts_old_blocks(tok, d4, thre
     engine = Engine(d4, tok)
     prompts = mixed_prompts(tok, 20, seed=8, shared_prefix=True)
     per_token = kv_bytes_per_token(4, 2, 128, torch.float32)
-    # 4 slots and a prefix cache of 64 blocks (1024 tokens): old conversations get evicted
-    scheduler = Scheduler(engine, max_batch=4, kv_budget_bytes=4 * 257 * per_token + 64 * BLOCK * per_token)
+    # 4 slots (257 positions rounded up to 320 columns) and a prefix cache of 64 blocks (1024 tokens): old
+    # conversations get evicted
+    scheduler = Scheduler(engine, max_batch=4, kv_budget_bytes=4 * 320 * per_token + 64 * BLOCK * per_token)
     assert scheduler.prefix.num_blocks == 64
     requests = run(scheduler, [Job(p, max_tokens=12, temperature=0.0) for p in prompts], arrivals=list(range(0, 40, 2)))
     stats = scheduler.stats()["prefix_cache"]
@@ -327,7 +328,7 @@ def test_prefix_cache_shares_a_system_prompt_and_evicts_old_blocks(tok, d4, thre
 
 def test_the_kv_budget_bounds_the_batch_and_its_errors_say_what_to_change(tok, d4):
     engine = Engine(d4, tok)
-    per_slot = kv_bytes_per_token(4, 2, 128, torch.float32) * 257
+    per_slot = kv_bytes_per_token(4, 2, 128, torch.float32) * 320  # 256 positions + scratch, in blocks of 64
     scheduler = Scheduler(engine, max_batch=64, kv_budget_bytes=8 * per_slot + 10)
     assert scheduler.pool.rows == 8 and scheduler.max_batch == 8 and scheduler.prefix is None
     prompts = mixed_prompts(tok, 12, seed=9)

@@ -17,9 +17,9 @@ contiguous already; the cost is that every admitted sequence reserves slot_len p
 prefix cache is paged instead (blocks of BLOCK tokens, hashed by their whole prefix, as vLLM's): it is only copied
 when a request starts (matched blocks into its slot) and when a sequence is registered (its new blocks out of it).
 
-Each slot has slot_len + 1 columns: the last one is scratch, written by the filler rows of a decode batch (rows of
-the bucket that hold no decoding sequence) and never attended by a real row, so a filler cannot disturb a slot
-whose prompt is still being prefilled.
+Each slot has at least slot_len + 1 columns: the last one is scratch, written by the filler rows of a decode batch
+(rows of the bucket that hold no decoding sequence) and never attended by a real row, so a filler cannot disturb a
+slot whose prompt is still being prefilled.
 
 A per-layer attention window (sliding-window layers) fits this layout: a windowed layer's decode mask becomes
 `pos - window < column <= pos` (the `attn_mask` of that layer) and its prefill chunk mask the same band; the slot
@@ -32,8 +32,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 BLOCK = 16  # tokens per prefix-cache block: the granularity at which prompts share cached keys/values
+ATTN_BLOCK = 64  # decode attention reads keys in blocks of this many positions (slot columns are a multiple of it)
 
 
 def kv_bytes_per_token(num_layers, kv_heads, head_dim, dtype):
@@ -116,7 +118,7 @@ def plan_kv(config, max_positions, max_batch, max_context, dtype, device, budget
         raise ValueError(f"--max_batch must be a positive int, got {max_batch!r}")
     head_dim = config.n_embd // config.n_head
     per_token = kv_bytes_per_token(config.n_layer, config.n_kv_head, head_dim, dtype)
-    slot_bytes = per_token * (max_context + 1)
+    slot_bytes = per_token * (-(-(max_context + 1) // ATTN_BLOCK) * ATTN_BLOCK)  # SlotPool.columns
     budget = int(budget) if budget is not None else default_budget_bytes(device)
     buckets = decode_buckets(max_batch)
     fit = [b for b in buckets if b * slot_bytes <= budget]
@@ -140,7 +142,6 @@ class PrefillView:
 
     positions = None
     attn_mask = None
-    attn_choice = None
     last_only = True  # a prefill needs the last position's logits only
 
     def __init__(self, pool, row, start):
@@ -161,34 +162,57 @@ class PrefillView:
         return kv[0, r:r + 1, :, :end], kv[1, r:r + 1, :, :end]
 
 
+def blockwise_attention(q, k, v, mask, span):
+    """
+    One decode token per row, q (B, Hq, 1, D), over the first `span` columns of k, v (B, Hkv, C, D) where `mask`
+    (B, 1, 1, C) allows; span a multiple of ATTN_BLOCK. A row's result is the same bits whatever the batch (its
+    size, the other rows, their lengths, so the span): every reduction whose length could vary is split into
+    ATTN_BLOCK blocks and summed over a fixed number of blocks (the whole slot's; the blocks past the span are exact
+    zeros), and the max is exact in any order. torch's CPU kernels are not: the math SDPA kernel scales the whole
+    cache every step (slow), and the flash kernel splits the keys differently by batch size with several threads.
+    Grouped-query attention: the query heads of one key head are the rows of one matmul.
+    """
+    B, Hq, _, D = q.shape
+    Hkv, C = k.size(1), k.size(2)
+    G, nb, total = Hq // Hkv, span // ATTN_BLOCK, C // ATTN_BLOCK
+    scores = torch.matmul((q * D ** -0.5).view(B, Hkv, G, D), k[:, :, :span].transpose(-1, -2))  # (B, Hkv, G, span)
+    scores = scores.masked_fill(~mask[:, :, :, :span], float("-inf"))
+    p = torch.exp(scores - scores.amax(-1, keepdim=True)).view(B, Hkv, G, nb, ATTN_BLOCK).transpose(2, 3)
+    out = torch.matmul(p, v[:, :, :span].reshape(B, Hkv, nb, ATTN_BLOCK, D))  # (B, Hkv, nb, G, D) per block
+    weight = p.sum(-1)  # (B, Hkv, nb, G)
+    if nb < total:
+        out = torch.cat([out, out.new_zeros(B, Hkv, total - nb, G, D)], 2)
+        weight = torch.cat([weight, weight.new_zeros(B, Hkv, total - nb, G)], 2)
+    return (out.sum(2) / weight.sum(2).unsqueeze(-1)).reshape(B, Hq, 1, D).to(q.dtype)
+
+
 class DecodeView:
     """
     Rows [0, B) of the pool as one batch for a decode step: row i feeds one token at its own position pos[i] and
     attends columns <= pos[i] of its slot. The positions, their mask and the input ids live in tensors of fixed
-    address (set before each step), so a compiled or graph-captured step is the same graph every step.
-    Attention always spans the whole slot (masked): a row's result then does not depend on the other rows' lengths.
-    Filler rows (set_step's None) sit at position 0, attend column 0 and write the scratch column.
+    address (set before each step), so a compiled or graph-captured step finds its inputs where it left them.
+    Attention reads the first `span` columns only (the longest row's, rounded up): with `invariant` through
+    blockwise_attention (a row's result the same bits in any batch), else torch's SDPA over a power-of-two span
+    (few shapes for the graphs). Filler rows (set_step's None) sit at position 0, attend column 0 and write the
+    scratch column.
     """
 
     last_only = False
 
-    def __init__(self, pool, batch, attn_choice=None):
+    def __init__(self, pool, batch, invariant):
         device = pool.device
-        self.pool, self.batch, self.attn_choice = pool, batch, attn_choice
+        self.pool, self.batch, self.invariant = pool, batch, invariant
         self.rows = torch.arange(batch, device=device)
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.column = torch.zeros(batch, dtype=torch.long, device=device)  # where each row writes: pos, or scratch
-        self.mask = torch.zeros(batch, 1, 1, pool.slot_len + 1, dtype=torch.bool, device=device)
-        self.columns = torch.arange(pool.slot_len + 1, device=device)
+        self.mask = torch.zeros(batch, 1, 1, pool.columns, dtype=torch.bool, device=device)
+        self.columns = torch.arange(pool.columns, device=device)
+        self.span = pool.columns
 
     @property
     def positions(self):
         return self.pos
-
-    @property
-    def attn_mask(self):
-        return self.mask
 
     def get_pos(self):  # the model reads `positions` instead; an int makes no sense for rows at different lengths
         raise TypeError("a decode view has one position per row: read .positions")
@@ -201,6 +225,11 @@ class DecodeView:
         self.pos.copy_(torch.tensor(pos, dtype=torch.long).view(-1, 1), non_blocking=True)
         self.column.copy_(torch.tensor(column, dtype=torch.long), non_blocking=True)
         torch.le(self.columns.view(1, -1), self.pos, out=self.mask.view(self.batch, -1))
+        need = max(pos) + 1
+        if self.invariant:
+            self.span = -(-need // ATTN_BLOCK) * ATTN_BLOCK
+        else:
+            self.span = min(self.pool.columns, max(256, 1 << (need - 1).bit_length()))
 
     def insert_kv(self, layer_idx, k, v):
         kv = self.pool.layers[layer_idx]
@@ -208,24 +237,33 @@ class DecodeView:
         kv[1, self.rows, :, self.column] = v[:, :, 0]
         return kv[0, : self.batch], kv[1, : self.batch]
 
+    def attend(self, layer_idx, q, k, v):
+        if self.invariant:
+            return blockwise_attention(q, k, v, self.mask, self.span)
+        span = self.span
+        return F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=self.mask[..., :span],
+                                              enable_gqa=q.size(1) != k.size(1))
+
 
 class SlotPool:
     """
-    `rows` slots of slot_len (+1 scratch) positions for every layer: per layer one tensor (2, rows, heads, S+1, dim),
-    zeroed (a masked position still enters attention's sums as 0 * value, and uninitialised memory may hold NaN).
-    One tensor per layer, not views of one: a compiled step writes graph inputs in place, and writes through views of
-    one tensor made inductor copy the whole cache back every step (see KVCache.start_fixed_shape).
+    `rows` slots of slot_len positions for every layer, plus a scratch column, rounded up to whole ATTN_BLOCKs: per
+    layer one tensor (2, rows, heads, columns, dim), zeroed (a masked position still enters attention's sums as
+    0 * value, and uninitialised memory may hold NaN). One tensor per layer, not views of one: a compiled step writes
+    graph inputs in place, and writes through views of one tensor made inductor copy the whole cache back every step
+    (see KVCache.start_fixed_shape).
     """
 
     def __init__(self, num_layers, kv_heads, head_dim, rows, slot_len, dtype, device):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.rows, self.slot_len, self.dtype, self.device = rows, slot_len, dtype, torch.device(device)
-        shape = (2, rows, kv_heads, slot_len + 1, head_dim)
+        self.columns = -(-(slot_len + 1) // ATTN_BLOCK) * ATTN_BLOCK
+        shape = (2, rows, kv_heads, self.columns, head_dim)
         self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @property
     def scratch(self):
-        return self.slot_len
+        return self.columns - 1
 
     def nbytes(self):
         return sum(t.numel() * t.element_size() for t in self.layers)

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from nanochat.engine import RowState, sample_next_token
-from nanochat.serving.kv_slots import BLOCK, DecodeView, PrefixCache, SlotPool, decode_buckets, kv_bytes_per_token, plan_kv
+from nanochat.serving.kv_slots import ATTN_BLOCK, BLOCK, DecodeView, PrefixCache, SlotPool, decode_buckets, kv_bytes_per_token, plan_kv
 
 logger = logging.getLogger("nanochat.serving")
 
@@ -174,12 +174,7 @@ class Scheduler:
         rows = plan.rows
         if batch_invariant is None:
             batch_invariant = self.device.type == "cpu"
-        attn_choice = None
-        if batch_invariant and hasattr(model, "attn_choice"):
-            from nanochat.attention import resolve_attn
-
-            attn_choice = resolve_attn("sdpa_math", self.device)
-        self.views = {b: DecodeView(self.pool, b, attn_choice) for b in self.buckets}
+        self.views = {b: DecodeView(self.pool, b, batch_invariant) for b in self.buckets}
         self.compiled = engine.decode_compiled
         self._step_fn = None
         self._checked = set()
@@ -549,7 +544,8 @@ def generate_many(engine, jobs, max_batch=32, max_context=None, prefix_cache=Fal
         cfg = engine.model.config
         per_token = kv_bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.n_embd // cfg.n_head,
                                        kwargs.get("dtype") or kv_dtype(engine.model))
-        kwargs["kv_budget_bytes"] = (2 if prefix_cache else 1) * decode_buckets(max_batch)[-1] * per_token * (max_context + 1)
+        columns = -(-(max_context + 1) // ATTN_BLOCK) * ATTN_BLOCK
+        kwargs["kv_budget_bytes"] = (2 if prefix_cache else 1) * decode_buckets(max_batch)[-1] * per_token * columns
     scheduler = Scheduler(engine, max_batch=max_batch, max_context=max_context, prefix_cache=prefix_cache, **kwargs)
     results = [None] * len(jobs)
 

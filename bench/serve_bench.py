@@ -56,11 +56,13 @@ FLAGS = Flags(
     Flag("concurrency", "1,4,16,64", "closed-loop clients, a comma list of levels"),
     Flag("requests_per_client", 3, "requests each client sends at each level"),
     Flag("prompt_tokens", "16,64,256", "user message lengths in tokens, mixed (seeded)"),
-    Flag("max_tokens", 48, "tokens per reply (greedy; a reply may stop earlier at <|assistant_end|>)"),
+    Flag("max_tokens", "24,48,96", "tokens per reply, mixed (seeded; greedy, a reply may stop earlier at "
+         "<|assistant_end|>): mixed lengths keep closed-loop clients from arriving in lockstep"),
     Flag("baseline", True, "also measure the one-request-per-worker server (--batching=0)"),
     Flag("baseline_up_to", 0, "measure the baseline only up to this concurrency (0: every level)"),
     Flag("max_batch", 64, "the batching server's --max_batch"),
     Flag("decode_compile", "auto", "both servers' --decode_compile"),
+    Flag("threads", 0, "torch threads of both servers (OMP_NUM_THREADS; 0: torch's default)"),
     "multi-turn",
     Flag("turns", 5, "turns per conversation (0: skip)"),
     Flag("conversations", "1,8", "conversations at once, a comma list"),
@@ -209,6 +211,7 @@ def pct(xs, p):
 
 
 async def load_level(url, concurrency, messages, requests_per_client, max_tokens):
+    """`concurrency` closed-loop clients; request r of client c sends message and max_tokens number c*R + r."""
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
@@ -216,8 +219,9 @@ async def load_level(url, concurrency, messages, requests_per_client, max_tokens
         async def one_client(c):
             out = []
             for r in range(requests_per_client):
-                msg = messages[(c * requests_per_client + r) % len(messages)]
-                out.append(await chat(client, [{"role": "user", "content": msg}], max_tokens))
+                i = c * requests_per_client + r
+                out.append(await chat(client, [{"role": "user", "content": messages[i % len(messages)]}],
+                                      max_tokens[i % len(max_tokens)]))
             return out
 
         t0 = time.perf_counter()
@@ -257,6 +261,8 @@ def main(argv=None):
     convs = [int(x) for x in str(args.conversations).split(",")] if args.turns else []
     work = Path(tempfile.mkdtemp(prefix="serve_bench_"))
     env = dict(os.environ, PYTHONUNBUFFERED="1", SERVE_BENCH_LOGS=str(work))
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     if args.source:
         from nanochat.tokenizer import get_tokenizer
 
@@ -270,6 +276,9 @@ def main(argv=None):
         model_desc = f"random-init d{args.depth} (vocab {tokenizer.get_vocab_size()}, sequence_len {args.sequence_len})"
     lengths = [int(x) for x in str(args.prompt_tokens).split(",")]
     pool = message_pool(tokenizer, lengths, 512, seed=0)
+    rng = random.Random(2)
+    reply_lengths = [int(x) for x in str(args.max_tokens).split(",")]
+    max_tokens = [rng.choice(reply_lengths) for _ in range(512)]
     turn_pool = message_pool(tokenizer, [args.turn_tokens], 256, seed=1)
 
     servers = {"batching": Server("batching", args, env, ["--max_batch", str(args.max_batch)])}
@@ -284,11 +293,11 @@ def main(argv=None):
         for s in servers.values():
             s.wait_ready(args.startup_timeout)
         for s in servers.values():  # warm-up: first forwards, allocations, compiled steps of the small buckets
-            asyncio.run(load_level(s.url, 4, pool, 1, 8))
+            asyncio.run(load_level(s.url, 4, pool, 1, [8]))
         for i, c in enumerate(levels):
             names = ["batching"] + (["one per worker"] if args.baseline and (not args.baseline_up_to or c <= args.baseline_up_to) else [])
             for name in (names if i % 2 == 0 else names[::-1]):  # alternate which server goes first
-                row = asyncio.run(load_level(servers[name].url, c, pool, args.requests_per_client, args.max_tokens))
+                row = asyncio.run(load_level(servers[name].url, c, pool, args.requests_per_client, max_tokens))
                 row["server"] = name
                 rows.append(row)
                 print(f"{name:>16} c={c:<4} {row['tok_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_s'] * 1e3:7.1f} ms "
@@ -317,9 +326,10 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work):
     else:
         hw = f"{os.cpu_count()} CPU cores"
     print()
-    print(f"Serving, {model_desc} on {hw}; {args.requests_per_client} requests per client, user messages of "
-          f"{args.prompt_tokens} tokens, up to {args.max_tokens} tokens per reply, greedy. Load average "
-          f"{load_before[0]:.1f} before, {load_after[0]:.1f} after. Server logs: {work}")
+    threads = f"{args.threads} torch thread(s) per server" if args.threads else "torch's default threads"
+    print(f"Serving, {model_desc} on {hw}, {threads}; {args.requests_per_client} requests per client, user "
+          f"messages of {args.prompt_tokens} tokens, replies of up to {args.max_tokens} tokens (mixed), greedy. "
+          f"Load average {load_before[0]:.1f} before, {load_after[0]:.1f} after. Server logs: {work}")
     print()
     print("| concurrency | server | aggregate tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | speed-up |")
     print("|---:|---|---:|---:|---:|---:|")

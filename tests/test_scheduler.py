@@ -25,7 +25,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def d4(tok):
-    return tiny_model(tok.get_vocab_size(), depth=4, sequence_len=256, seed=3)
+    return tiny_model(tok.get_vocab_size(), depth=4, sequence_len=512, seed=3)
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ class Recording(Scheduler):
 
 
 def mixed_prompts(tok, n, seed=0, shared_prefix=False):
-    """n prompts of 4 to ~150 tokens from WikiText; with shared_prefix every other one starts with the same 40-token
+    """n prompts of 4 to ~300 tokens from WikiText; with shared_prefix every other one starts with the same 40-token
     "system prompt" (so the prefix cache has something to share)."""
     rng = random.Random(seed)
     text = wikitext_text(60_000)
@@ -61,7 +61,7 @@ def mixed_prompts(tok, n, seed=0, shared_prefix=False):
     prompts = []
     for i in range(n):
         start = rng.randrange(0, len(text) - 2000)
-        length = rng.choice([3, 10, 30, 60, 100, 150])
+        length = rng.choice([3, 10, 30, 60, 100, 150, 300])
         body = tok.encode(text[start:start + 8 * length])[:length]
         prompts.append([bos] + (system if shared_prefix and i % 2 == 0 else []) + body)
     return prompts
@@ -312,9 +312,9 @@ def test_prefix_cache_shares_a_system_prompt_and_evicts_old_blocks(tok, d4, thre
     engine = Engine(d4, tok)
     prompts = mixed_prompts(tok, 20, seed=8, shared_prefix=True)
     per_token = kv_bytes_per_token(4, 2, 128, torch.float32)
-    # 4 slots (257 positions rounded up to 320 columns) and a prefix cache of 64 blocks (1024 tokens): old
+    # 4 slots (513 positions rounded up to 576 columns) and a prefix cache of 64 blocks (1024 tokens): old
     # conversations get evicted
-    scheduler = Scheduler(engine, max_batch=4, kv_budget_bytes=4 * 320 * per_token + 64 * BLOCK * per_token)
+    scheduler = Scheduler(engine, max_batch=4, kv_budget_bytes=4 * 576 * per_token + 64 * BLOCK * per_token)
     assert scheduler.prefix.num_blocks == 64
     requests = run(scheduler, [Job(p, max_tokens=12, temperature=0.0) for p in prompts], arrivals=list(range(0, 40, 2)))
     stats = scheduler.stats()["prefix_cache"]
@@ -328,7 +328,7 @@ def test_prefix_cache_shares_a_system_prompt_and_evicts_old_blocks(tok, d4, thre
 
 def test_the_kv_budget_bounds_the_batch_and_its_errors_say_what_to_change(tok, d4):
     engine = Engine(d4, tok)
-    per_slot = kv_bytes_per_token(4, 2, 128, torch.float32) * 320  # 256 positions + scratch, in blocks of 64
+    per_slot = kv_bytes_per_token(4, 2, 128, torch.float32) * 576  # 512 positions + scratch, in blocks of 64
     scheduler = Scheduler(engine, max_batch=64, kv_budget_bytes=8 * per_slot + 10)
     assert scheduler.pool.rows == 8 and scheduler.max_batch == 8 and scheduler.prefix is None
     prompts = mixed_prompts(tok, 12, seed=9)
@@ -338,12 +338,12 @@ def test_the_kv_budget_bounds_the_batch_and_its_errors_say_what_to_change(tok, d
     assert scheduler.running_rows() == 8 and len(scheduler.waiting) == 4  # admission stopped at the budget
     with pytest.raises(ValueError, match="lower --max_context or raise --kv_cache_gb"):
         Scheduler(engine, kv_budget_bytes=3 * per_slot)
-    with pytest.raises(ValueError, match="--max_context=5000 must be in"):
-        Scheduler(engine, max_context=5000, kv_budget_bytes=BUDGET)
-    with pytest.raises(ValueError, match="the prompt is 300 tokens"):
-        scheduler.submit([1] * 300)
-    plan = plan_kv(d4.config, 2560, 256, None, torch.bfloat16, "cpu", budget=2**30)
-    assert plan.max_context == 256 and plan.rows == 256 and plan.buckets == decode_buckets(256)
+    with pytest.raises(ValueError, match="--max_context=6000 must be in"):
+        Scheduler(engine, max_context=6000, kv_budget_bytes=BUDGET)
+    with pytest.raises(ValueError, match="the prompt is 600 tokens"):
+        scheduler.submit([1] * 600)
+    plan = plan_kv(d4.config, 5120, 256, None, torch.bfloat16, "cpu", budget=2**30)
+    assert plan.max_context == 512 and plan.rows == 256 and plan.buckets == decode_buckets(256)
     assert decode_buckets(256) == [4, 8, 16, 24, 40, 64, 96, 144, 216, 256]
 
 

@@ -130,6 +130,32 @@ def test_32_prompts_8_at_a_time_give_the_same_tokens_and_logits_as_alone(tok, d4
     assert steps > 10 * n
 
 
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_decode_attention_gives_a_row_the_same_bits_in_any_batch(threads):
+    """The decode step's attention on CPU (invariant_attention: flash with one thread, blockwise_attention with
+    more): a row's output alone equals its output in batches of other rows with other lengths (so other spans), bit
+    for bit; and it is attention (close to SDPA's math kernel)."""
+    from nanochat.serving.kv_slots import blockwise_attention, invariant_attention
+
+    torch.manual_seed(0)
+    rows, C = 24, 576
+    q, k, v = torch.randn(rows, 4, 1, 32), torch.randn(rows, 2, C, 32), torch.randn(rows, 2, C, 32)  # GQA: 4 on 2
+    lengths = torch.randint(1, C - 1, (rows,))
+    mask = (torch.arange(C).view(1, C) < lengths.view(rows, 1)).view(rows, 1, 1, C)
+
+    def span(ix):
+        return -(-int(lengths[ix].max()) // 64) * 64
+
+    for fn in (invariant_attention, blockwise_attention):
+        alone = [fn(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask[i:i + 1], span([i])) for i in range(rows)]
+        for size, start in ((4, 0), (8, 5), (24, 0)):
+            ix = [(start + j) % rows for j in range(size)]
+            out = fn(q[ix], k[ix], v[ix], mask[ix], span(ix))
+            assert all(torch.equal(out[j:j + 1], alone[i]) for j, i in enumerate(ix)), (fn.__name__, size)
+        reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(torch.cat(alone), reference, atol=1e-5, rtol=1e-5)
+
+
 def test_batched_tokens_match_the_engine_one_prompt_at_a_time(tok, d4, threads):
     """Not bit for bit (the Engine decodes at batch 1 with the flash kernel), but at temperature 0 the tokens agree
     with Engine.generate_batch for these prompts: the batched path answers what the unbatched one did."""
@@ -347,13 +373,19 @@ def test_the_kv_budget_bounds_the_batch_and_its_errors_say_what_to_change(tok, d
     assert decode_buckets(256) == [4, 8, 16, 24, 40, 64, 96, 144, 216, 256]
 
 
-@pytest.mark.slow  # a torch.compile of the decode step on CPU
-def test_compiled_decode_gives_the_eager_tokens(tok, threads):
+@pytest.mark.slow  # torch.compile of the decode step on CPU
+def test_compiled_decode_gives_the_eager_tokens_in_two_compiles(tok, threads):
+    """--decode_compile=1: the same tokens as eager, and the batch buckets share one graph with a symbolic batch size
+    (the first bucket compiles static, the second recompiles dynamic, the rest reuse it)."""
+    from torch._dynamo.utils import counters
+
     model = tiny_model(tok.get_vocab_size(), depth=2, sequence_len=128, seed=4)
-    prompts = mixed_prompts(tok, 4, seed=10)
-    jobs = [Job(p[:60], max_tokens=12, temperature=0.0) for p in prompts]
-    eager = generate_many(Engine(model, tok), jobs, max_batch=4, kv_budget_bytes=BUDGET)
-    compiled_engine = Engine(model, tok, decode_compile="1")
-    scheduler = Scheduler(compiled_engine, max_batch=4, kv_budget_bytes=BUDGET)
+    jobs = [Job(p[:60], max_tokens=6 + 2 * i, temperature=0.0) for i, p in enumerate(mixed_prompts(tok, 10, seed=10))]
+    eager = generate_many(Engine(model, tok), jobs, max_batch=16, kv_budget_bytes=BUDGET)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    scheduler = Scheduler(Engine(model, tok, decode_compile="1"), max_batch=16, kv_budget_bytes=BUDGET)
     assert scheduler.compiled
-    assert [r.sequences() for r in run(scheduler, jobs)] == eager
+    compiled = run(scheduler, jobs, arrivals=[0, 0, 3, 3, 3, 3, 3, 3, 9, 9])  # buckets 4, 8, 16
+    assert [r.sequences() for r in compiled] == eager
+    assert counters["stats"]["unique_graphs"] - before <= 2

@@ -166,24 +166,34 @@ def blockwise_attention(q, k, v, mask, span):
     """
     One decode token per row, q (B, Hq, 1, D), over the first `span` columns of k, v (B, Hkv, C, D) where `mask`
     (B, 1, 1, C) allows; span a multiple of ATTN_BLOCK. A row's result is the same bits whatever the batch (its
-    size, the other rows, their lengths, so the span): every reduction whose length could vary is split into
-    ATTN_BLOCK blocks and summed over a fixed number of blocks (the whole slot's; the blocks past the span are exact
-    zeros), and the max is exact in any order. torch's CPU kernels are not: the math SDPA kernel scales the whole
-    cache every step (slow), and the flash kernel splits the keys differently by batch size with several threads.
-    Grouped-query attention: the query heads of one key head are the rows of one matmul.
+    size, the other rows, their lengths, so the span): the scores are one matmul per (row, head) whose columns do
+    not depend on how many there are, the max is exact in any order, and the sums over positions run block by block
+    in a fixed order, the blocks past the row's length adding exact zeros. (torch's CPU flash kernel does that too
+    with one thread, but with several it splits the keys differently by batch size; the math kernel scales the whole
+    cache every step.) Grouped-query attention: the query heads of one key head are the rows of one matmul.
     """
     B, Hq, _, D = q.shape
-    Hkv, C = k.size(1), k.size(2)
-    G, nb, total = Hq // Hkv, span // ATTN_BLOCK, C // ATTN_BLOCK
+    Hkv = k.size(1)
+    G = Hq // Hkv
     scores = torch.matmul((q * D ** -0.5).view(B, Hkv, G, D), k[:, :, :span].transpose(-1, -2))  # (B, Hkv, G, span)
     scores = scores.masked_fill(~mask[:, :, :, :span], float("-inf"))
-    p = torch.exp(scores - scores.amax(-1, keepdim=True)).view(B, Hkv, G, nb, ATTN_BLOCK).transpose(2, 3)
-    out = torch.matmul(p, v[:, :, :span].reshape(B, Hkv, nb, ATTN_BLOCK, D))  # (B, Hkv, nb, G, D) per block
-    weight = p.sum(-1)  # (B, Hkv, nb, G)
-    if nb < total:
-        out = torch.cat([out, out.new_zeros(B, Hkv, total - nb, G, D)], 2)
-        weight = torch.cat([weight, weight.new_zeros(B, Hkv, total - nb, G)], 2)
-    return (out.sum(2) / weight.sum(2).unsqueeze(-1)).reshape(B, Hq, 1, D).to(q.dtype)
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))
+    out = weight = 0
+    for j in range(0, span, ATTN_BLOCK):  # slices of the slot are matmul operands as they are: nothing is copied
+        block = p[..., j:j + ATTN_BLOCK]
+        out = out + torch.matmul(block, v[:, :, j:j + ATTN_BLOCK])
+        weight = weight + block.sum(-1, keepdim=True)
+    return (out / weight).reshape(B, Hq, 1, D).to(q.dtype)
+
+
+def invariant_attention(q, k, v, mask, span):
+    """Decode attention whose result for a row does not depend on the batch: torch's flash kernel with one CPU
+    thread (it then computes each row and head alone, measured bit for bit in tests/test_scheduler.py, and it is the
+    fastest), else blockwise_attention."""
+    if torch.get_num_threads() == 1:
+        return F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask[..., :span],
+                                              enable_gqa=q.size(1) != k.size(1))
+    return blockwise_attention(q, k, v, mask, span)
 
 
 class DecodeView:
@@ -191,17 +201,18 @@ class DecodeView:
     Rows [0, B) of the pool as one batch for a decode step: row i feeds one token at its own position pos[i] and
     attends columns <= pos[i] of its slot. The positions, their mask and the input ids live in tensors of fixed
     address (set before each step), so a compiled or graph-captured step finds its inputs where it left them.
-    Attention reads the first `span` columns only (the longest row's, rounded up): with `invariant` through
-    blockwise_attention (a row's result the same bits in any batch), else torch's SDPA over a power-of-two span
-    (few shapes for the graphs). Filler rows (set_step's None) sit at position 0, attend column 0 and write the
-    scratch column.
+    Attention reads the first `span` columns only (the longest row's, rounded up to ATTN_BLOCK; every column with
+    trim=False, as a compiled step needs one shape), with `invariant` through invariant_attention (a row's result
+    the same bits in any batch), else torch's SDPA. Inside the forward only tensors' sizes say the batch size, so a
+    compiled step can take it as a symbolic size. Filler rows (set_step's None) sit at position 0, attend column 0
+    and write the scratch column.
     """
 
     last_only = False
 
-    def __init__(self, pool, batch, invariant):
+    def __init__(self, pool, batch, invariant, trim=True):
         device = pool.device
-        self.pool, self.batch, self.invariant = pool, batch, invariant
+        self.pool, self.batch, self.invariant, self.trim = pool, batch, invariant, trim
         self.rows = torch.arange(batch, device=device)
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -225,22 +236,20 @@ class DecodeView:
         self.pos.copy_(torch.tensor(pos, dtype=torch.long).view(-1, 1), non_blocking=True)
         self.column.copy_(torch.tensor(column, dtype=torch.long), non_blocking=True)
         torch.le(self.columns.view(1, -1), self.pos, out=self.mask.view(self.batch, -1))
-        need = max(pos) + 1
-        if self.invariant:
-            self.span = -(-need // ATTN_BLOCK) * ATTN_BLOCK
-        else:
-            self.span = min(self.pool.columns, max(256, 1 << (need - 1).bit_length()))
+        if self.trim:
+            self.span = -(-(max(pos) + 1) // ATTN_BLOCK) * ATTN_BLOCK
 
     def insert_kv(self, layer_idx, k, v):
         kv = self.pool.layers[layer_idx]
         kv[0, self.rows, :, self.column] = k[:, :, 0]
         kv[1, self.rows, :, self.column] = v[:, :, 0]
-        return kv[0, : self.batch], kv[1, : self.batch]
+        B = self.rows.size(0)
+        return kv[0, :B], kv[1, :B]
 
     def attend(self, layer_idx, q, k, v):
-        if self.invariant:
-            return blockwise_attention(q, k, v, self.mask, self.span)
         span = self.span
+        if self.invariant:
+            return invariant_attention(q, k, v, self.mask, span)
         return F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=self.mask[..., :span],
                                               enable_gqa=q.size(1) != k.size(1))
 

@@ -153,13 +153,15 @@ class Scheduler:
     max_batch: most sequences decoded together. max_context: positions per slot, i.e. the longest prompt + reply
     (default the model's sequence_len, at most what its rotary table addresses). kv_budget_bytes: memory for slots
     and the prefix cache (default a share of the device's free memory, DEFAULT_BUDGET_FRACTION). autocast: a
-    callable returning the context every forward runs in (the server's bf16 autocast on CUDA).
+    callable returning the context every forward runs in (the server's bf16 autocast on CUDA). log_requests: a log
+    line per finished request (the server's).
     """
 
     def __init__(self, engine, max_batch=64, max_context=None, kv_budget_bytes=None, prefix_cache=True,
-                 prefill_chunk=DEFAULT_PREFILL_CHUNK, autocast=None, dtype=None, batch_invariant=None, name="0"):
+                 prefill_chunk=DEFAULT_PREFILL_CHUNK, autocast=None, dtype=None, batch_invariant=None, name="0",
+                 log_requests=False):
         model = engine.model
-        self.engine, self.model, self.name = engine, model, name
+        self.engine, self.model, self.name, self.log_requests = engine, model, name, log_requests
         self.device = model.get_device()
         self.autocast = autocast or nullcontext
         if prefill_chunk < 1:
@@ -174,8 +176,8 @@ class Scheduler:
         rows = plan.rows
         if batch_invariant is None:
             batch_invariant = self.device.type == "cpu"
-        self.views = {b: DecodeView(self.pool, b, batch_invariant) for b in self.buckets}
         self.compiled = engine.decode_compiled
+        self.views = {b: DecodeView(self.pool, b, batch_invariant, trim=not self.compiled) for b in self.buckets}
         self._step_fn = None
         self._checked = set()
         # the requests; `inbox` is the only structure other threads touch (append / popleft are atomic)
@@ -364,9 +366,12 @@ class Scheduler:
             def step(model, ids, cache):
                 return model(ids, kv_cache=cache)[:, -1, :]
 
+            # dynamic=None (automatic): the first bucket compiles static, the second recompiles with the batch size
+            # symbolic, and every later bucket reuses that graph (on CUDA recorded as one more CUDA graph, cheap next
+            # to a compile): two compiles, not one per bucket
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             cuda = self.device.type == "cuda"
-            self._step_fn = torch.compile(step, mode="reduce-overhead" if cuda else None, dynamic=False)
+            self._step_fn = torch.compile(step, mode="reduce-overhead" if cuda else None, dynamic=None)
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
         if view.batch in self._checked:  # this bucket's guards held once: skip re-checking them every step
@@ -447,7 +452,7 @@ class Scheduler:
                 request.finish_reasons[i] = "cancelled" if request.cancelled else ("error" if error else "length")
         self.requests_done += 1
         self.requests_served += bool(request.rows)  # it got rows (one cancelled while waiting never ran)
-        if request.rows:
+        if request.rows and self.log_requests:
             dt = time.perf_counter() - request.submitted
             made = sum(len(t) for t in request.tokens)
             how = "failed" if error else ("stopped: cancelled" if request.cancelled else "done")

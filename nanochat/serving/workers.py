@@ -163,7 +163,7 @@ class BatchingPool(Admission):
         self.max_queue = max_queue
         for w in self.workers:
             w.scheduler = Scheduler(w.engine, autocast=w.autocast, dtype=w.kv_dtype(), name=str(w.gpu_id),
-                                    **scheduler_options)
+                                    log_requests=True, **scheduler_options)
             w.scheduler.start()
         self.running_limit = sum(w.scheduler.max_batch for w in self.workers)
 

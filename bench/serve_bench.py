@@ -61,6 +61,9 @@ FLAGS = Flags(
     Flag("baseline", True, "also measure the one-request-per-worker server (--batching=0)"),
     Flag("baseline_up_to", 0, "measure the baseline only up to this concurrency (0: every level)"),
     Flag("max_batch", 64, "the batching server's --max_batch"),
+    Flag("max_context", None, "the batching servers' --max_context (auto: the model's sequence_len)", type=int),
+    Flag("kv_cache_gb", None, "the batching servers' --kv_cache_gb (auto: their default share of the free memory; "
+         "set it on a GPU, where the servers share the device)", type=float),
     Flag("decode_compile", "auto", "both servers' --decode_compile"),
     Flag("threads", 0, "torch threads of both servers (OMP_NUM_THREADS; 0: torch's default)"),
     "multi-turn",
@@ -220,19 +223,20 @@ async def load_level(url, concurrency, messages, requests_per_client, max_tokens
             out = []
             for r in range(requests_per_client):
                 i = c * requests_per_client + r
-                out.append(await chat(client, [{"role": "user", "content": messages[i % len(messages)]}],
-                                      max_tokens[i % len(max_tokens)]))
+                out.append((r, *await chat(client, [{"role": "user", "content": messages[i % len(messages)]}],
+                                           max_tokens[i % len(max_tokens)])))
             return out
 
         t0 = time.perf_counter()
         results = [x for xs in await asyncio.gather(*[one_client(c) for c in range(concurrency)]) for x in xs]
         wall = time.perf_counter() - t0
-    tokens = sum(r[2] for r in results)
+    tokens = sum(r[3] for r in results)
+    later = [r[1] for r in results if r[0] > 0]  # past each client's first request: no longer the start-up burst
     return {"concurrency": concurrency, "requests": len(results), "tokens": tokens, "wall_s": wall,
-            "tok_s": tokens / wall, "ttft_p50_s": pct([r[0] for r in results], 50),
-            "ttft_p99_s": pct([r[0] for r in results], 99),
-            "itl_p50_s": pct([g for r in results for g in r[1]], 50), "itl_p99_s": pct([g for r in results for g in r[1]], 99),
-            "latency_p50_s": pct([r[4] for r in results], 50)}
+            "tok_s": tokens / wall, "ttft_p50_s": pct([r[1] for r in results], 50),
+            "ttft_p99_s": pct([r[1] for r in results], 99), "ttft_p99_after_first_s": pct(later, 99),
+            "itl_p50_s": pct([g for r in results for g in r[2]], 50), "itl_p99_s": pct([g for r in results for g in r[2]], 99),
+            "latency_p50_s": pct([r[5] for r in results], 50)}
 
 
 async def conversations(url, n, turns, messages, max_tokens):
@@ -281,12 +285,14 @@ def main(argv=None):
     max_tokens = [rng.choice(reply_lengths) for _ in range(512)]
     turn_pool = message_pool(tokenizer, [args.turn_tokens], 256, seed=1)
 
-    servers = {"batching": Server("batching", args, env, ["--max_batch", str(args.max_batch)])}
+    kv = (["--max_context", str(args.max_context)] if args.max_context else []) + \
+        (["--kv_cache_gb", str(args.kv_cache_gb)] if args.kv_cache_gb else [])
+    servers = {"batching": Server("batching", args, env, ["--max_batch", str(args.max_batch), *kv])}
     if args.baseline:
         servers["one per worker"] = Server("one_per_worker", args, env, ["--batching", "0"])
-    if convs:
+    if convs:  # only the conversations at once decode there: its slots are for those
         servers["batching, no prefix cache"] = Server("no_prefix_cache", args, env,
-                                                      ["--max_batch", str(args.max_batch), "--prefix_cache", "0"])
+                                                      ["--max_batch", str(max(convs)), "--prefix_cache", "0", *kv])
     load_before = os.getloadavg()
     rows, turns = [], []
     try:
@@ -331,13 +337,21 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work):
           f"messages of {args.prompt_tokens} tokens, replies of up to {args.max_tokens} tokens (mixed), greedy. "
           f"Load average {load_before[0]:.1f} before, {load_after[0]:.1f} after. Server logs: {work}")
     print()
-    print("| concurrency | server | aggregate tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | speed-up |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print("| concurrency | server | aggregate tok/s | speed-up | TTFT p50 / p99 (ms) | TTFT p99 after the first "
+          "round (ms) | ITL p50 / p99 (ms) |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
     base = {r["concurrency"]: r["tok_s"] for r in rows if r["server"] == "one per worker"}
     for r in sorted(rows, key=lambda r: (r["concurrency"], r["server"])):
         up = f"{r['tok_s'] / base[r['concurrency']]:.2f}x" if r["server"] == "batching" and r["concurrency"] in base else ""
-        print(f"| {r['concurrency']} | {r['server']} | {r['tok_s']:,.1f} | {r['ttft_p50_s'] * 1e3:.0f} / "
-              f"{r['ttft_p99_s'] * 1e3:.0f} | {r['itl_p50_s'] * 1e3:.1f} / {r['itl_p99_s'] * 1e3:.1f} | {up} |")
+        print(f"| {r['concurrency']} | {r['server']} | {r['tok_s']:,.1f} | {up} | {r['ttft_p50_s'] * 1e3:.0f} / "
+              f"{r['ttft_p99_s'] * 1e3:.0f} | {r['ttft_p99_after_first_s'] * 1e3:.0f} | {r['itl_p50_s'] * 1e3:.1f} / "
+              f"{r['itl_p99_s'] * 1e3:.1f} |")
+    lone = next((r for r in rows if r["server"] == "batching" and r["concurrency"] == 1), None)
+    if lone:
+        for r in rows:
+            if r["server"] == "batching" and r["concurrency"] > 1:
+                print(f"\nbatching, {r['concurrency']} clients: TTFT p99 {r['ttft_p99_s'] / lone['ttft_p50_s']:.1f}x a lone "
+                      f"request's ({r['ttft_p99_after_first_s'] / lone['ttft_p50_s']:.1f}x after the first round)")
     if turns:
         print()
         print(f"Multi-turn: {args.turns} turns, user messages of {args.turn_tokens} tokens, replies of up to "

@@ -16,8 +16,9 @@ Every step, in order:
    the budget comes from the device's free memory, or --kv_cache_gb). The rest wait; the server refuses requests
    beyond its queue with 429 before they get here. An admitted prompt first looks in the prefix cache: the longest
    cached prefix (a shared system prompt, the same conversation's earlier turn) is copied into its slot.
-3. Prompts are prefilled, one forward per chunk of at most `prefill_chunk` tokens, up to that many tokens a step (at
-   least one chunk), so a long prompt cannot stall the sequences already streaming. A prompt's last chunk gives its
+3. Prompts are prefilled, one forward per chunk of at most `prefill_chunk` tokens, up to `prefill_budget` tokens a
+   step (at least one chunk), so a long prompt or a crowd of new ones delays the sequences already streaming by a
+   bounded amount, while new requests get their first token soon. A prompt's last chunk gives its
    first token(s); a request sampling n completions copies its prompt's keys/values into its other n - 1 slots.
 4. One decode step for every sequence that is generating, whatever request it belongs to. Each request keeps its own
    temperature, top_k, top_p, seed (its own torch.Generator: its samples never depend on its neighbours), max_tokens,
@@ -53,7 +54,8 @@ from nanochat.serving.kv_slots import ATTN_BLOCK, BLOCK, DecodeView, PrefixCache
 
 logger = logging.getLogger("nanochat.serving")
 
-DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward (and per step): a d4 on CPU takes ~50 ms for 512
+DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward: a d4 on CPU takes ~50 ms for 512
+DEFAULT_PREFILL_BUDGET = 2048  # prompt tokens prefilled per step, at most (time to first token vs a decode stall)
 
 
 def kv_dtype(model):
@@ -158,15 +160,16 @@ class Scheduler:
     """
 
     def __init__(self, engine, max_batch=64, max_context=None, kv_budget_bytes=None, prefix_cache=True,
-                 prefill_chunk=DEFAULT_PREFILL_CHUNK, autocast=None, dtype=None, batch_invariant=None, name="0",
+                 prefill_chunk=DEFAULT_PREFILL_CHUNK, prefill_budget=DEFAULT_PREFILL_BUDGET, autocast=None, dtype=None,
+                 batch_invariant=None, name="0",
                  log_requests=False):
         model = engine.model
         self.engine, self.model, self.name, self.log_requests = engine, model, name, log_requests
         self.device = model.get_device()
         self.autocast = autocast or nullcontext
-        if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        self.prefill_chunk = prefill_chunk
+        if prefill_chunk < 1 or prefill_budget < 1:
+            raise ValueError(f"prefill_chunk and prefill_budget must be >= 1, got {prefill_chunk}, {prefill_budget}")
+        self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
         dtype = dtype or kv_dtype(model)
         plan = plan_kv(model.config, engine.max_positions(), max_batch, max_context, dtype, self.device,
                        kv_budget_bytes, prefix_cache)
@@ -266,7 +269,7 @@ class Scheduler:
             self.prefilling.append(request)
 
     def _prefill(self):
-        budget = self.prefill_chunk
+        budget = self.prefill_budget
         done_any = False
         while self.prefilling:
             request = self.prefilling[0]

@@ -49,12 +49,16 @@ FLAGS = Flags(
     Flag("vocab_size", 8192, "vocabulary of the tokenizer trained on WikiText (--tokenizer=wikitext)"),
     Flag("tokenizer", "wikitext", "wikitext: trained on WikiText-2 at --vocab_size; base_dir: $NANOCHAT_BASE_DIR's; "
          "repo_docs: trained on this repo's docs", choices=["wikitext", "base_dir", "repo_docs"]),
+    Flag("train_steps", 200, "train the random-init model this many steps on WikiText-2 first (batch 8 x 128 tokens, "
+         "AdamW), so its replies are text whose tokens re-encode the same: a conversation's next turn can then reuse "
+         "the reply's cached keys/values, as with a real model (0: keep the random weights)"),
     Flag("source", "", "serve this checkpoint (chat_web's -i, with --model_tag) instead of random weights"),
     Flag("model_tag", "", "its model tag"),
     device_type_flag(),
     "load",
     Flag("concurrency", "1,4,16,64", "closed-loop clients, a comma list of levels"),
-    Flag("requests_per_client", 3, "requests each client sends at each level"),
+    Flag("requests_per_client", 3, "requests each client sends at each level (more at low concurrency: --min_requests)"),
+    Flag("min_requests", 12, "requests per level at least (a lone client sends this many)"),
     Flag("prompt_tokens", "16,64,256", "user message lengths in tokens, mixed (seeded)"),
     Flag("max_tokens", "24,48,96", "tokens per reply, mixed (seeded; greedy, a reply may stop earlier at "
          "<|assistant_end|>): mixed lengths keep closed-loop clients from arriving in lockstep"),
@@ -92,8 +96,12 @@ def write_random_checkpoint(args, base_dir):
         tokenizer.save(str(base_dir / "tokenizer"))
     config = config_for_depth(args.depth, tokenizer.get_vocab_size(), args.sequence_len)
     torch.manual_seed(0)
-    model = GPT(config, attn="sdpa")
+    device = torch.device(args.device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with torch.device(device):
+        model = GPT(config, attn="sdpa")
     model.init_weights(scheme="nanochat")  # lm_head not zero, so replies vary like a real model's
+    if args.train_steps:
+        quick_train(model, tokenizer, args.train_steps, device)
     save_checkpoint(str(base_dir / "chatsft_checkpoints" / "serve_bench"), 1, model.state_dict(), None,
                     {"model_config": vars(config), "step": 1})
     return tokenizer
@@ -113,6 +121,27 @@ def get_tokenizer(args):
     path = next(p for p in TEXTS if p.exists())
     text = path.read_text(encoding="utf-8")[:3_000_000]
     return RustBPETokenizer.train_from_iterator(iter(text.split("\n \n")), args.vocab_size)
+
+
+def quick_train(model, tokenizer, steps, device):
+    """A few hundred steps of next-token training on WikiText-2: replies become word-like (and re-encode to the same
+    tokens), which is all the benchmark needs of them."""
+    path = next(p for p in TEXTS if p.exists())
+    ids = torch.tensor(tokenizer.encode(path.read_text(encoding="utf-8")[:2_000_000]), device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    B, T = 8, 128
+    t0 = time.perf_counter()
+    for step in range(steps):
+        starts = torch.randint(0, len(ids) - T - 1, (B,), generator=gen).tolist()
+        x = torch.stack([ids[i:i + T] for i in starts])
+        y = torch.stack([ids[i + 1:i + T + 1] for i in starts])
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    print(f"trained {steps} steps in {time.perf_counter() - t0:.0f} s, last loss {loss.item():.2f}", flush=True)
+    model.eval()
 
 
 def free_port():
@@ -217,7 +246,9 @@ async def load_level(url, concurrency, messages, requests_per_client, max_tokens
     """`concurrency` closed-loop clients; request r of client c sends message and max_tokens number c*R + r."""
     import httpx
 
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    # a new connection per request: a kept-alive one may be closed by the server (uvicorn's keep-alive timeout) just
+    # as the next request goes out on it, and a POST is not retried (httpx.ReadError)
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
         async def one_client(c):
             out = []
@@ -243,7 +274,7 @@ async def conversations(url, n, turns, messages, max_tokens):
     """n conversations at once, `turns` turns each; returns TTFT per turn, one list per conversation."""
     import httpx
 
-    async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         async def one(c):
             history, ttfts = [], []
             for t in range(turns):
@@ -277,7 +308,8 @@ def main(argv=None):
         base.mkdir(parents=True, exist_ok=True)
         env["NANOCHAT_BASE_DIR"] = str(base)
         tokenizer = write_random_checkpoint(args, base)
-        model_desc = f"random-init d{args.depth} (vocab {tokenizer.get_vocab_size()}, sequence_len {args.sequence_len})"
+        model_desc = (f"d{args.depth} (vocab {tokenizer.get_vocab_size()}, sequence_len {args.sequence_len}), random-init"
+                      + (f" then {args.train_steps} quick training steps on WikiText-2" if args.train_steps else ""))
     lengths = [int(x) for x in str(args.prompt_tokens).split(",")]
     pool = message_pool(tokenizer, lengths, 512, seed=0)
     rng = random.Random(2)
@@ -303,7 +335,8 @@ def main(argv=None):
         for i, c in enumerate(levels):
             names = ["batching"] + (["one per worker"] if args.baseline and (not args.baseline_up_to or c <= args.baseline_up_to) else [])
             for name in (names if i % 2 == 0 else names[::-1]):  # alternate which server goes first
-                row = asyncio.run(load_level(servers[name].url, c, pool, args.requests_per_client, max_tokens))
+                per_client = max(args.requests_per_client, -(-args.min_requests // c))
+                row = asyncio.run(load_level(servers[name].url, c, pool, per_client, max_tokens))
                 row["server"] = name
                 rows.append(row)
                 print(f"{name:>16} c={c:<4} {row['tok_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_s'] * 1e3:7.1f} ms "
@@ -333,7 +366,8 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work):
         hw = f"{os.cpu_count()} CPU cores"
     print()
     threads = f"{args.threads} torch thread(s) per server" if args.threads else "torch's default threads"
-    print(f"Serving, {model_desc} on {hw}, {threads}; {args.requests_per_client} requests per client, user "
+    print(f"Serving, {model_desc} on {hw}, {threads}; {args.requests_per_client} requests per client (at least "
+          f"{args.min_requests} per level), user "
           f"messages of {args.prompt_tokens} tokens, replies of up to {args.max_tokens} tokens (mixed), greedy. "
           f"Load average {load_before[0]:.1f} before, {load_after[0]:.1f} after. Server logs: {work}")
     print()

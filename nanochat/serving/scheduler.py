@@ -192,6 +192,7 @@ class Scheduler:
         self.requests = {}  # admitted, by id
         # counters for /stats
         self.steps = self.tokens_generated = self.requests_done = self.requests_served = self.errors = 0
+        self.busy_s = self.decode_s = 0.0  # time in steps, and in their decode part
         self._thread = None
         self._wake = threading.Condition()
         self._stop = False
@@ -232,14 +233,19 @@ class Scheduler:
     @torch.inference_mode()
     def step(self):
         """Run one scheduling step (admit, prefill, decode). Returns True while work remains."""
+        t0 = time.perf_counter()
         while self.inbox:
             self.waiting.append(self.inbox.popleft())
         self._reap_cancelled()
         self._admit()
         with self.autocast():
             self._prefill()
+            t1 = time.perf_counter()
             self._decode()
+        t2 = time.perf_counter()
         self.steps += 1
+        self.busy_s += t2 - t0
+        self.decode_s += t2 - t1
         return bool(self.inbox or self.waiting or self.requests)
 
     def _reap_cancelled(self):
@@ -525,6 +531,8 @@ class Scheduler:
             "max_context": self.max_context,
             "kv_cache_bytes": self.pool.nbytes() + (self.prefix.nbytes() if self.prefix else 0),
             "steps": self.steps,
+            "busy_s": round(self.busy_s, 3),
+            "decode_s": round(self.decode_s, 3),
             "decode": "compiled" if self.compiled else "eager",
             "prefix_cache": self.prefix.stats() if self.prefix else None,
         }

@@ -35,6 +35,7 @@ class Worker:
         self.tokens_generated = 0
         self.errors = 0
         self.scheduler = None  # set by a BatchingPool
+        self.mailbox = None  # the wake-ups of its requests' streams (nanochat/serving/generation.py), per event loop
 
     def autocast(self):
         if self.device.type == "cuda" and self.dtype != torch.float32:

@@ -59,8 +59,8 @@ FLAGS = Flags(
     Flag("concurrency", "1,4,16,64", "closed-loop clients, a comma list of levels"),
     Flag("requests_per_client", 3, "requests each client sends at each level (more at low concurrency: --min_requests)"),
     Flag("min_requests", 12, "requests per level at least (a lone client sends this many)"),
-    Flag("prompt_tokens", "16,64,256", "user message lengths in tokens, mixed (seeded)"),
-    Flag("max_tokens", "24,48,96", "tokens per reply, mixed (seeded; greedy, a reply may stop earlier at "
+    Flag("prompt_tokens", "8,32,128", "user message lengths in tokens, mixed (seeded)"),
+    Flag("max_tokens", "32,48,64", "tokens per reply, mixed (seeded; greedy, a reply may stop earlier at "
          "<|assistant_end|>): mixed lengths keep closed-loop clients from arriving in lockstep"),
     Flag("baseline", True, "also measure the one-request-per-worker server (--batching=0)"),
     Flag("baseline_up_to", 0, "measure the baseline only up to this concurrency (0: every level)"),

@@ -207,9 +207,12 @@ async def _start_batched(pool, request, prompt, params):
         worker.mailbox = Mailbox(loop)
     bridge = Bridge(loop, worker.mailbox)
 
+    first = [True]
+
     def on_event(kind, payload):  # on the scheduler's thread
-        if kind == "tokens":
-            bridge.emit("tokens", [(row, token) for row, token, _ in payload])
+        if kind == "tokens":  # the first token at once (time to first token), the rest at the shared pace
+            bridge.emit("tokens", [(row, token) for row, token, _ in payload], urgent=first[0])
+            first[0] = False
         else:
             bridge.emit(kind, payload, urgent=True)
 

@@ -86,8 +86,8 @@ serve)
         TOKENIZER=repo_docs
         [[ -f "${NANOCHAT_BASE_DIR:-/nonexistent}/tokenizer/tokenizer.pkl" ]] && TOKENIZER=base_dir
         SERVE="--depth=20 --sequence_len=2048 --device_type=cuda --tokenizer=$TOKENIZER --concurrency=1,16,64,256
-            --baseline_up_to=16 --requests_per_client=2 --max_batch=256 --prompt_tokens=64,256,1024
-            --max_tokens=64,128,256 --conversations=1,16 --turn_tokens=150 --turn_max_tokens=128 --startup_timeout=240
+            --baseline_up_to=16 --requests_per_client=2 --max_batch=256 --prompt_tokens=32-1024
+            --max_tokens=64-256 --conversations=1,16 --turn_tokens=150 --turn_max_tokens=128 --startup_timeout=240
             --max_context=1536 --kv_cache_gb=48"
         ((DRY_RUN)) || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/env.log"
     fi

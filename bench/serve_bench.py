@@ -57,11 +57,11 @@ FLAGS = Flags(
     device_type_flag(),
     "load",
     Flag("concurrency", "1,4,16,64", "closed-loop clients, a comma list of levels"),
-    Flag("requests_per_client", 3, "requests each client sends at each level (more at low concurrency: --min_requests)"),
+    Flag("requests_per_client", 4, "requests each client sends at each level (more at low concurrency: --min_requests)"),
     Flag("min_requests", 12, "requests per level at least (a lone client sends this many)"),
-    Flag("prompt_tokens", "8,32,128", "user message lengths in tokens, mixed (seeded)"),
-    Flag("max_tokens", "32,48,64", "tokens per reply, mixed (seeded; greedy, a reply may stop earlier at "
-         "<|assistant_end|>): mixed lengths keep closed-loop clients from arriving in lockstep"),
+    Flag("prompt_tokens", "8-128", "user message lengths in tokens: lo-hi (uniform) or a comma list (seeded)"),
+    Flag("max_tokens", "16-80", "tokens per reply, lo-hi or a comma list (seeded; greedy, a reply may stop earlier "
+         "at <|assistant_end|>): varied lengths keep closed-loop clients from arriving in lockstep"),
     Flag("baseline", True, "also measure the one-request-per-worker server (--batching=0)"),
     Flag("baseline_up_to", 0, "measure the baseline only up to this concurrency (0: every level)"),
     Flag("max_batch", 64, "the batching server's --max_batch"),
@@ -196,15 +196,25 @@ class Server:
 # clients
 
 
-def message_pool(tokenizer, lengths, n, seed):
-    """n user messages, each a WikiText excerpt of one of `lengths` tokens (chosen with a seeded RNG)."""
+def lengths(spec, n, seed):
+    """n lengths from "lo-hi" (uniform) or "a,b,c" (one of them), seeded."""
+    rng = random.Random(seed)
+    spec = str(spec)
+    if "-" in spec:
+        lo, hi = (int(x) for x in spec.split("-"))
+        return [rng.randint(lo, hi) for _ in range(n)]
+    choices = [int(x) for x in spec.split(",")]
+    return [rng.choice(choices) for _ in range(n)]
+
+
+def message_pool(tokenizer, sizes, seed):
+    """A user message of each size in tokens: WikiText excerpts from seeded positions."""
     path = next(p for p in TEXTS if p.exists())
     text = path.read_text(encoding="utf-8")[:400_000]
     ids = tokenizer.encode(text)
     rng = random.Random(seed)
     out = []
-    for _ in range(n):
-        k = rng.choice(lengths)
+    for k in sizes:
         start = rng.randrange(0, len(ids) - k)
         out.append(tokenizer.decode(ids[start:start + k]).strip() or "hello")
     return out
@@ -298,6 +308,7 @@ def main(argv=None):
     env = dict(os.environ, PYTHONUNBUFFERED="1", SERVE_BENCH_LOGS=str(work))
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
+        torch.set_num_threads(args.threads)  # this process trains the model and runs the clients
     if args.source:
         from nanochat.tokenizer import get_tokenizer
 
@@ -310,12 +321,9 @@ def main(argv=None):
         tokenizer = write_random_checkpoint(args, base)
         model_desc = (f"d{args.depth} (vocab {tokenizer.get_vocab_size()}, sequence_len {args.sequence_len}), random-init"
                       + (f" then {args.train_steps} quick training steps on WikiText-2" if args.train_steps else ""))
-    lengths = [int(x) for x in str(args.prompt_tokens).split(",")]
-    pool = message_pool(tokenizer, lengths, 512, seed=0)
-    rng = random.Random(2)
-    reply_lengths = [int(x) for x in str(args.max_tokens).split(",")]
-    max_tokens = [rng.choice(reply_lengths) for _ in range(512)]
-    turn_pool = message_pool(tokenizer, [args.turn_tokens], 256, seed=1)
+    pool = message_pool(tokenizer, lengths(args.prompt_tokens, 1024, seed=0), seed=0)
+    max_tokens = lengths(args.max_tokens, 1024, seed=2)
+    turn_pool = message_pool(tokenizer, [args.turn_tokens] * 256, seed=1)
 
     kv = (["--max_context", str(args.max_context)] if args.max_context else []) + \
         (["--kv_cache_gb", str(args.kv_cache_gb)] if args.kv_cache_gb else [])
@@ -368,7 +376,7 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work):
     threads = f"{args.threads} torch thread(s) per server" if args.threads else "torch's default threads"
     print(f"Serving, {model_desc} on {hw}, {threads}; {args.requests_per_client} requests per client (at least "
           f"{args.min_requests} per level), user "
-          f"messages of {args.prompt_tokens} tokens, replies of up to {args.max_tokens} tokens (mixed), greedy. "
+          f"messages of {args.prompt_tokens} tokens, replies of up to {args.max_tokens} tokens, greedy. "
           f"Load average {load_before[0]:.1f} before, {load_after[0]:.1f} after. Server logs: {work}")
     print()
     print("| concurrency | server | aggregate tok/s | speed-up | TTFT p50 / p99 (ms) | TTFT p99 after the first "

@@ -465,8 +465,9 @@ class Scheduler:
             dt = time.perf_counter() - request.submitted
             made = sum(len(t) for t in request.tokens)
             how = "failed" if error else ("stopped: cancelled" if request.cancelled else "done")
+            ttft = f"first after {request.first_token_at - request.submitted:.3f}s, " if request.first_token_at else ""
             logger.info(f"scheduler {self.name}: prompt {len(request.prompt)} tokens ({request.prefix_hit} cached), "
-                        f"{made} tokens over {request.num_samples} row(s) in {dt:.2f}s, {how}")
+                        f"{made} tokens over {request.num_samples} row(s) in {dt:.2f}s ({ttft}{how})")
         if error is not None:
             self.errors += 1
             self._emit(request, "error", error)

@@ -78,6 +78,8 @@ FLAGS = Flags(
     "output",
     Flag("startup_timeout", 300.0, "seconds to wait for a server's /health"),
     Flag("json_out", "", "also write the raw numbers here"),
+    Flag("work_dir", "", "keep the random-init model (and the server logs) here, and reuse a model found there "
+         "(empty: a new temporary directory)"),
     description=__doc__,
 )
 
@@ -252,8 +254,9 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-async def load_level(url, concurrency, messages, requests_per_client, max_tokens):
-    """`concurrency` closed-loop clients; request r of client c sends message and max_tokens number c*R + r."""
+async def load_level(url, concurrency, messages, requests_per_client, max_tokens, first=0):
+    """`concurrency` closed-loop clients; request r of client c sends message and max_tokens number first + c*R + r
+    (each level its own messages: a prompt seen before would be a prefix-cache hit only the batching server gets)."""
     import httpx
 
     # a new connection per request: a kept-alive one may be closed by the server (uvicorn's keep-alive timeout) just
@@ -263,7 +266,7 @@ async def load_level(url, concurrency, messages, requests_per_client, max_tokens
         async def one_client(c):
             out = []
             for r in range(requests_per_client):
-                i = c * requests_per_client + r
+                i = first + c * requests_per_client + r
                 out.append((r, *await chat(client, [{"role": "user", "content": messages[i % len(messages)]}],
                                            max_tokens[i % len(max_tokens)])))
             return out
@@ -280,15 +283,16 @@ async def load_level(url, concurrency, messages, requests_per_client, max_tokens
             "latency_p50_s": pct([r[5] for r in results], 50)}
 
 
-async def conversations(url, n, turns, messages, max_tokens):
-    """n conversations at once, `turns` turns each; returns TTFT per turn, one list per conversation."""
+async def conversations(url, n, turns, messages, max_tokens, first=0):
+    """n conversations at once, `turns` turns each (messages from number `first` on); TTFT per turn, one list per
+    conversation."""
     import httpx
 
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         async def one(c):
             history, ttfts = [], []
             for t in range(turns):
-                history.append({"role": "user", "content": messages[(c * turns + t) % len(messages)]})
+                history.append({"role": "user", "content": messages[(first + c * turns + t) % len(messages)]})
                 ttft, _, _, reply, _ = await chat(client, history, max_tokens)
                 history.append({"role": "assistant", "content": reply or "ok"})
                 ttfts.append(ttft)
@@ -304,7 +308,8 @@ def main(argv=None):
     args = FLAGS.parse_args(argv)
     levels = [int(x) for x in str(args.concurrency).split(",")]
     convs = [int(x) for x in str(args.conversations).split(",")] if args.turns else []
-    work = Path(tempfile.mkdtemp(prefix="serve_bench_"))
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="serve_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", SERVE_BENCH_LOGS=str(work))
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -318,11 +323,17 @@ def main(argv=None):
         base = Path(os.environ["NANOCHAT_BASE_DIR"]) if args.tokenizer == "base_dir" else work / "base"
         base.mkdir(parents=True, exist_ok=True)
         env["NANOCHAT_BASE_DIR"] = str(base)
-        tokenizer = write_random_checkpoint(args, base)
+        if (base / "chatsft_checkpoints" / "serve_bench").is_dir() and (base / "tokenizer").is_dir():
+            from nanochat.tokenizer import RustBPETokenizer
+
+            tokenizer = RustBPETokenizer.from_directory(str(base / "tokenizer"))
+            print(f"reusing the model in {base}", flush=True)
+        else:
+            tokenizer = write_random_checkpoint(args, base)
         model_desc = (f"d{args.depth} (vocab {tokenizer.get_vocab_size()}, sequence_len {args.sequence_len}), random-init"
                       + (f" then {args.train_steps} quick training steps on WikiText-2" if args.train_steps else ""))
-    pool = message_pool(tokenizer, lengths(args.prompt_tokens, 1024, seed=0), seed=0)
-    max_tokens = lengths(args.max_tokens, 1024, seed=2)
+    pool = message_pool(tokenizer, lengths(args.prompt_tokens, 2048, seed=0), seed=0)
+    max_tokens = lengths(args.max_tokens, 2048, seed=2)
     turn_pool = message_pool(tokenizer, [args.turn_tokens] * 256, seed=1)
 
     kv = (["--max_context", str(args.max_context)] if args.max_context else []) + \
@@ -339,21 +350,24 @@ def main(argv=None):
         for s in servers.values():
             s.wait_ready(args.startup_timeout)
         for s in servers.values():  # warm-up: first forwards, allocations, compiled steps of the small buckets
-            asyncio.run(load_level(s.url, 4, pool, 1, [8]))
+            asyncio.run(load_level(s.url, 4, pool, 1, [8], first=len(pool) - 4))
+        first = 0
         for i, c in enumerate(levels):
             names = ["batching"] + (["one per worker"] if args.baseline and (not args.baseline_up_to or c <= args.baseline_up_to) else [])
+            per_client = max(args.requests_per_client, -(-args.min_requests // c))
             for name in (names if i % 2 == 0 else names[::-1]):  # alternate which server goes first
-                per_client = max(args.requests_per_client, -(-args.min_requests // c))
-                row = asyncio.run(load_level(servers[name].url, c, pool, per_client, max_tokens))
+                row = asyncio.run(load_level(servers[name].url, c, pool, per_client, max_tokens, first))
                 row["server"] = name
                 rows.append(row)
                 print(f"{name:>16} c={c:<4} {row['tok_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_s'] * 1e3:7.1f} ms "
                       f"p99 {row['ttft_p99_s'] * 1e3:7.1f} ms  ITL p50 {row['itl_p50_s'] * 1e3:6.1f} ms "
                       f"p99 {row['itl_p99_s'] * 1e3:6.1f} ms  ({row['requests']} requests, {row['wall_s']:.1f} s)", flush=True)
+            first += c * per_client
         for i, n in enumerate(convs):
             names = ["batching", "batching, no prefix cache"]
             for name in (names if i % 2 == 0 else names[::-1]):
-                ttfts = asyncio.run(conversations(servers[name].url, n, args.turns, turn_pool, args.turn_max_tokens))
+                ttfts = asyncio.run(conversations(servers[name].url, n, args.turns, turn_pool, args.turn_max_tokens,
+                                                  first=sum(convs[:i]) * args.turns))
                 per_turn = [pct([t[k] for t in ttfts], 50) for k in range(args.turns)]
                 turns.append({"server": name, "conversations": n, "ttft_p50_per_turn_s": per_turn})
                 print(f"{name:>26} {n} conversation(s): TTFT p50 per turn "

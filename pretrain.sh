@@ -28,6 +28,7 @@
 #   --run=NAME              wandb run name (default $WANDB_RUN or "dummy" = wandb off)
 #   --nproc_per_node=N      processes per node (default: see above; or $NPROC_PER_NODE)
 #   --prepare=0             skip the data download and tokenizer step (data already in place, e.g. imported offline)
+#   --recipe=december|record  training recipe (default december); another one is passed to base_train as --recipe
 #   --save_every=N          every training stage saves a checkpoint every N steps (default 500, or $SAVE_EVERY;
 #                           -1: the final step only) and starts with --resume_from_step=auto: from its latest
 #                           complete checkpoint, fresh when there is none (another --model_tag starts over)
@@ -54,9 +55,10 @@
 #   TOK_MAX_CHARS           characters the tokenizer trains on (default 2000000000, as nanochat's speedrun)
 #   PYTHON, TORCHRUN        interpreter and launcher (default: python, torchrun or python -m torch.distributed.run)
 set -euo pipefail
-# The launcher itself is Python (scripts/launch.py: flags, the node's place in the job, presets, the stages), run by
-# the interpreter that runs the stages ($PYTHON, else python, else python3). `exec`: it is the process that gets the
-# scheduler's signals and passes them on.
+# The launcher itself is Python (scripts/launch.py reads the flags and the environment; nanochat/launch/ finds the
+# node's place in the job, builds the steps, its pretrain profile, and runs them), run by the interpreter that runs
+# the stages ($PYTHON, else python, else python3). `exec`: it is the process that gets the scheduler's signals and
+# passes them on.
 REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [[ -n "${PYTHON:-}" ]]; then
     read -r -a PY <<<"$PYTHON"

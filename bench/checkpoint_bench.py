@@ -1,6 +1,6 @@
 """
 Checkpoint save time and rank 0's peak memory on the FSDP path: today's gather-to-rank-0 single files
-(--checkpoint_format=single) against sharded checkpoints (every rank writes its shard; nanochat/sharded_checkpoint.py),
+(--checkpoint_format=single) against sharded checkpoints (every rank writes its shard; nanochat/checkpoint/sharded.py),
 synchronous and --async_save.
 
     torchrun --nproc_per_node=2 -m bench.checkpoint_bench --depth=20          # results: docs/benchmarks.md
@@ -35,8 +35,9 @@ if str(REPO) not in sys.path:
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit  # noqa: E402
 from nanochat.distributed.dist import compute_cleanup, compute_init  # noqa: E402
 from nanochat.gpt import GPT, config_for_depth  # noqa: E402
-from nanochat.distributed.parallel import FSDP  # noqa: E402
-from nanochat import sharded_checkpoint, training  # noqa: E402
+from nanochat.distributed.parallel import FSDP, parallel_from_config  # noqa: E402
+from nanochat.checkpoint import sharded  # noqa: E402
+from nanochat.checkpoint.train_state import save_train_state  # noqa: E402
 
 FLAGS = Flags(
     Flag("depth", 12, "model depth (nanochat's shapes)"),
@@ -104,7 +105,8 @@ def main(argv=None):
     out = os.path.join(root, f"checkpoint_bench_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
     meta = {"model_config": vars(config), "user_config": {"depth": cfg["depth"]}}
     results = {"depth": cfg["depth"], "params": n_params, "world": world, "fp32_model_GB": n_params * 4 / 1e9}
-    strategies = {"single": FSDP(sharded_checkpoint=False), "sharded": FSDP(), "async": FSDP(async_save=True)}
+    strategies = {fmt: parallel_from_config({"use_fsdp": True, **flags}, rank, world) for fmt, flags in
+                  (("single", {"checkpoint_format": "single"}), ("sharded", {}), ("async", {"async_save": True}))}
     for fmt in cfg["formats"].split(","):
         parallel = strategies[fmt]
         times, blocked, peaks = [], [], []
@@ -113,9 +115,9 @@ def main(argv=None):
             dist.barrier()
             with PeakRSS() as mem:
                 t0 = time.perf_counter()
-                training.save_train_state(d, i, model, opts, meta, None, parallel)
+                save_train_state(d, i, model, opts, meta, None, parallel)
                 t1 = time.perf_counter()
-                sharded_checkpoint.wait_for_pending_save()  # async: until rank 0 renamed the step into place
+                sharded.wait_for_pending_save()  # async: until rank 0 renamed the step into place
                 dist.barrier()
                 t2 = time.perf_counter()
             times.append(t2 - t0)

@@ -7,15 +7,22 @@ throughput under concurrent streaming load.
     python -m bench.infer_bench --skip_server                     # engine only
     python -m bench.infer_bench --depths=4 --skip_server --decode_compile=0,1 --threads=1   # eager vs compiled decode
 
-Models are random-init (speed does not depend on the weights' values) with nanochat's shapes for each depth. The
-tokenizer is trained on ../shared/data WikiText-2 at --vocab_size (or --tokenizer=base_dir uses
-$NANOCHAT_BASE_DIR/tokenizer). Prints a markdown section ready for docs/benchmarks.md.
+Models are random-init (speed does not depend on the weights' values) with nanochat's shapes for each depth, held in
+the dtype the chat scripts load them in (--weights_dtype=auto: bf16 on CUDA, fp32 elsewhere; the same loader code,
+nanochat.checkpoint_manager.model_from_state_dict) and run under the same bf16 autocast on CUDA. The tokenizer is
+trained on ../shared/data WikiText-2 at --vocab_size (or --tokenizer=base_dir uses $NANOCHAT_BASE_DIR/tokenizer).
+Prints each engine row as it finishes and a markdown section ready for docs/benchmarks.md at the end; --json_out is
+rewritten after every row, so a run stopped by a time limit (SIGINT) keeps every finished row.
 
 What is measured (median of --repeats runs after one warm-up):
 - TTFT: from calling Engine.generate to its first token column (batch-1 prefill of the prompt + copying the cache
   into the batch rows + sampling).
 - prefill tok/s: prompt tokens / prefill forward time (one batch-1 forward with a KV cache).
 - decode tok/s: tokens produced by all rows / time of the steps after the first (each step one forward of B tokens).
+- the bandwidth bound: B x peak memory bandwidth / the bytes of weights a decode step reads (decode_bytes: every
+  parameter in its dtype, but of an embedding table only the B rows looked up; the KV cache is not counted, so it is
+  an upper bound). Also per row: the SDPA kernel torch dispatches the step's attention to, and inductor's CUDA-graph
+  skips ("skipping cudagraphs": a graphed step that silently is not one).
 - server: uvicorn on 127.0.0.1 in this process, one worker, --server_concurrency clients streaming
   --server_requests requests in all; requests/s, generated tokens/s, per-request latency and time to first token.
 """
@@ -26,16 +33,22 @@ import os
 import platform
 import socket
 import statistics
+import sys
 import threading
 import time
+import traceback
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from bench.rows import cudagraph_skips, exit_now
+from nanochat.attention import masked_order, sdpa_kernel_for
+from nanochat.checkpoint_manager import WEIGHTS_DTYPES, model_from_state_dict, weights_dtype_for
 from nanochat.common import device_type_flag
 from nanochat.configurator import Flag, Flags
-from nanochat.engine import Engine, KVCache
+from nanochat.engine import Engine, KVCache, cache_capacity
 from nanochat.gpt import GPT, config_for_depth
 
 WIKITEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pretrain" / "wikitext-2" / "train.txt"
@@ -59,6 +72,10 @@ FLAGS = Flags(
     Flag("decode_compile", "auto", "the Engine's --decode_compile (auto|1|0), or a comma list such as 0,1 to compare "
          "the eager and the compiled (on CUDA: graphed) decode step"),
     Flag("attn", "auto", "attention kernel of the models (nanochat.attention)"),
+    Flag("weights_dtype", "auto", "dtype the weights are held in: auto = as the chat scripts load them "
+         "(checkpoint_manager.weights_dtype_for: bf16 on CUDA, fp32 elsewhere)", choices=list(WEIGHTS_DTYPES)),
+    Flag("peak_bandwidth", 0.0, "memory bandwidth in GB/s for the decode bound (0: the card's data sheet value from "
+         "PEAK_BANDWIDTH; none on CPU)"),
     "server (nanochat/serving's app, as scripts.chat_web serves it, in process)",
     Flag("skip_server", False, "skip the server benchmark"),
     Flag("server_depth", 4, "model depth of the served model"),
@@ -101,14 +118,48 @@ def get_tokenizer(args):
     return RustBPETokenizer.train_from_iterator(iter(text.split("\n \n")), args.vocab_size)
 
 
-def build_model(depth, vocab_size, device, attn="auto"):
+def build_model(depth, vocab_size, device, attn="auto", dtype=torch.float32):
+    """A random-init model as the chat scripts hold a loaded one: weights cast to `dtype` by the loader's code."""
     config = config_for_depth(depth, vocab_size, sequence_len=2048)
     with torch.device("meta"):
         model = GPT(config, attn=attn)
     model.to_empty(device=device)
     model.init_weights(scheme="nanochat")  # lm_head not zero: sampled tokens vary like a real model's
+    if dtype != torch.float32:
+        model = model_from_state_dict(model.state_dict(), config, device, dtype)
+        model.set_attn(attn)
     model.eval()
     return model
+
+
+def decode_bytes(model, batch):
+    """Bytes of weights one decode step of `batch` rows reads: every parameter once in its own dtype, except the
+    embedding tables (wte), of which the step reads the B rows it looks up."""
+    total, seen = 0, set()
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            n = min(batch, p.size(0)) * p[0].numel() if isinstance(module, nn.Embedding) else p.numel()
+            total += n * p.element_size()
+    return total
+
+
+def decode_kernel(model, batch, filled, fixed, dtype, device):
+    """The SDPA kernel the decode step's attention dispatches to (torch asked, nothing run): the compiled step attends
+    over its whole static cache with the filled slots masked, the eager one over the filled cache, unmasked."""
+    c = model.config
+    D, slots = c.n_embd // c.n_head, cache_capacity(filled, 1 << 30)
+    q = torch.zeros(batch, 1, c.n_head, D, device=device, dtype=dtype).transpose(1, 2)  # as the model makes it
+    kv = torch.zeros(batch, c.n_kv_head, slots, D, device=device, dtype=dtype)  # a layer of the cache
+    choice = model.attn_choice
+    if fixed:
+        mask = (torch.arange(slots, device=device) < filled).view(1, 1, 1, -1)
+        return sdpa_kernel_for(masked_order(choice.order, device.type), q, kv, kv, attn_mask=mask)
+    if choice.name == "flex":
+        return "flex"
+    return sdpa_kernel_for(choice.order, q, kv[:, :, :filled], kv[:, :, :filled])
 
 
 def sync(device):
@@ -154,38 +205,59 @@ def bench_engine(engine, tokens, batch, gen_tokens, device, autocast_ctx):
     return t_first - t0, prefill_s, decode_tps, steps
 
 
-def run_engine_benchmarks(args, tokenizer, device, autocast_ctx):
+def measure_engine(args, engine, label, tokens, batch, device, autocast_ctx, weights_dtype, bw, act_dtype):
+    """One row: a warm-up run (it compiles), then --repeats timed runs of `batch` rows."""
+    model = engine.model
+    skips = cudagraph_skips()
+    t0 = time.perf_counter()
+    bench_engine(engine, tokens, batch, min(8, args.gen_tokens), device, autocast_ctx)  # warm-up (compiles)
+    warm_s = time.perf_counter() - t0
+    runs = [bench_engine(engine, tokens, batch, args.gen_tokens, device, autocast_ctx) for _ in range(args.repeats)]
+    ttft = statistics.median(r[0] for r in runs)
+    prefill = statistics.median(r[1] for r in runs)
+    decode = statistics.median(r[2] for r in runs)
+    steps = min(r[3] for r in runs)
+    step_bytes = decode_bytes(model, batch)  # the memory bound: each step reads these bytes at least
+    kernel = decode_kernel(model, batch, len(tokens) + args.gen_tokens // 2, engine.decode_compiled, act_dtype, device)
+    row = dict(depth=model.config.n_layer, params_m=model.num_params() / 1e6, batch=batch, prompt=len(tokens),
+               steps=steps, decode=label, warmup_s=warm_s, ttft_ms=ttft * 1e3, prefill_tps=len(tokens) / prefill,
+               decode_tps=decode, weights_dtype=str(weights_dtype).removeprefix("torch."), bound_bytes=step_bytes,
+               bound_tps=batch * bw / step_bytes if bw else None, attn=model.attn_choice.describe(), sdpa_kernel=kernel,
+               cudagraph_skips=cudagraph_skips() - skips)
+    return row
+
+
+def row_line(r):
+    """The line printed when a row is kept."""
+    if "error" in r:
+        return f"d{r['depth']} batch {r['batch']} {r['decode']}: failed ({r['error']})"
+    return (f"d{r['depth']} batch {r['batch']} {r['decode']}: TTFT {r['ttft_ms']:.1f} ms, prefill {r['prefill_tps']:.0f} "
+            f"tok/s, decode {r['decode_tps']:.0f} tok/s ({r['steps']} steps; warm-up {r['warmup_s']:.1f} s; "
+            f"{r['weights_dtype']} weights, attention {r['sdpa_kernel']}"
+            + (f"; {r['cudagraph_skips']} cudagraph skip(s)" if r["cudagraph_skips"] else "") + ")")
+
+
+def run_engine_benchmarks(args, tokenizer, device, autocast_ctx, rows, on_row=lambda rows: None):
+    """Append one row per (depth, decode mode, batch) to `rows`, calling on_row(rows) after each."""
     tokens = prompt_tokens(tokenizer, args.prompt_len)
-    rows = []
     modes = [m.strip() for m in str(args.decode_compile).split(",") if m.strip()]
+    weights_dtype = weights_dtype_for(device.type, "eval", args.weights_dtype)
+    bw = args.peak_bandwidth * 1e9 or (peak_bandwidth_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
+    act_dtype = torch.bfloat16 if device.type == "cuda" else weights_dtype  # what attention sees (autocast on CUDA)
     for depth in [int(d) for d in args.depths.split(",")]:
-        model = build_model(depth, args.model_vocab or tokenizer.get_vocab_size(), device, args.attn)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        if device.type == "cuda":
-            weight_bytes //= 2  # read as bf16 under autocast
+        model = build_model(depth, args.model_vocab or tokenizer.get_vocab_size(), device, args.attn, weights_dtype)
         for mode in modes:
             engine = Engine(model, tokenizer, decode_compile=mode)
             label = "compiled" + (" (CUDA graph)" if device.type == "cuda" else "") if engine.decode_compiled else "eager"
             for batch in [int(b) for b in args.batch_sizes.split(",")]:
-                t0 = time.perf_counter()
-                bench_engine(engine, tokens, batch, min(8, args.gen_tokens), device, autocast_ctx)  # warm-up (compiles)
-                warm_s = time.perf_counter() - t0
-                runs = [bench_engine(engine, tokens, batch, args.gen_tokens, device, autocast_ctx) for _ in range(args.repeats)]
-                ttft = statistics.median(r[0] for r in runs)
-                prefill = statistics.median(r[1] for r in runs)
-                decode = statistics.median(r[2] for r in runs)
-                steps = min(r[3] for r in runs)
-                # the memory bound: every decode step reads all the weights once (the cache is small next to them)
-                bound = None
-                if device.type == "cuda":
-                    bw = peak_bandwidth_for(torch.cuda.get_device_name(device))
-                    bound = batch * bw / weight_bytes if bw else None
-                row = dict(depth=depth, params_m=model.num_params() / 1e6, batch=batch, prompt=len(tokens), steps=steps,
-                           decode=label, warmup_s=warm_s, ttft_ms=ttft * 1e3, prefill_tps=len(tokens) / prefill,
-                           decode_tps=decode, bound_tps=bound)
+                try:
+                    row = measure_engine(args, engine, label, tokens, batch, device, autocast_ctx, weights_dtype, bw, act_dtype)
+                except Exception as e:  # a failing mode or batch is its row: the next ones still run
+                    traceback.print_exc()
+                    row = dict(depth=depth, batch=batch, decode=label, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 rows.append(row)
-                print(f"d{depth} batch {batch} {label}: TTFT {row['ttft_ms']:.1f} ms, prefill {row['prefill_tps']:.0f} tok/s, "
-                      f"decode {row['decode_tps']:.0f} tok/s ({steps} steps; warm-up {warm_s:.1f} s)", flush=True)
+                on_row(rows)  # kept (--json_out) before it is printed: a row on the screen is a row in the file
+                print(row_line(row), flush=True)
             del engine
         del model
     return rows
@@ -255,6 +327,46 @@ def run_server_benchmark(args, tokenizer, device):
     return row
 
 
+def write_json(path, data):
+    """Write atomically: a reader (or a time limit) never sees half a file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+def print_section(args, device_type, hw, vocab, engine_rows, server_row):
+    print()
+    print("## Inference (Engine with KV cache, chat server)")
+    print()
+    failed = [r for r in engine_rows if "error" in r]
+    engine_rows = [r for r in engine_rows if "error" not in r]
+    dtypes = sorted({r["weights_dtype"] for r in engine_rows})
+    print(f"Device: {device_type} ({hw}); torch {torch.__version__}; random-init models, vocab {vocab}, "
+          f"prompt {args.prompt_len} tokens, {args.gen_tokens} decode steps, temperature 1.0, top-k 50; "
+          f"median of {args.repeats} runs; {'/'.join(dtypes) or '?'} weights"
+          + (", bf16 autocast." if device_type == "cuda" else "."))
+    print()
+    print("| device | model | params | batch | decode step | attention | TTFT (ms) | prefill tok/s | decode tok/s (all rows) | "
+          "of the bandwidth bound | first run (s, incl. compile) |")
+    print("|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|")
+    for r in engine_rows:
+        frac = f"{100 * r['decode_tps'] / r['bound_tps']:.0f}% of {r['bound_tps']:,.0f}" if r["bound_tps"] else "n/a"
+        print(f"| {hw} | d{r['depth']} | {r['params_m']:.1f}M | {r['batch']} | {r['decode']} | {r['sdpa_kernel']} | "
+              f"{r['ttft_ms']:.1f} | {r['prefill_tps']:,.0f} | {r['decode_tps']:,.0f} | {frac} | {r['warmup_s']:.1f} |")
+    for r in failed:
+        print(f"| {hw} | d{r['depth']} |  | {r['batch']} | {r['decode']} |  | failed: {r['error']} |  |  |  |  |")
+    if server_row:
+        r = server_row
+        print()
+        print(f"Server: `nanochat.serving` app under uvicorn on 127.0.0.1 in the benchmark process, 1 worker (d{r['depth']}), "
+              f"{r['requests']} streaming requests of up to {r['max_tokens']} tokens from {r['concurrency']} concurrent clients.")
+        print()
+        print("| requests/s | generated tok/s | latency p50 / p95 (s) | TTFT p50 / p95 (s) |")
+        print("|---:|---:|---:|---:|")
+        print(f"| {r['rps']:.2f} | {r['tokens_per_s']:.0f} | {r['latency_p50_s']:.2f} / {r['latency_p95_s']:.2f} | {r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} |")
+
+
 def main(argv=None):
     args = FLAGS.parse_args(argv)
     from nanochat.common import autodetect_device_type
@@ -269,36 +381,25 @@ def main(argv=None):
         hw = torch.cuda.get_device_name(device)
     else:
         hw = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, {os.cpu_count()} cores visible"
-    engine_rows = run_engine_benchmarks(args, tokenizer, device, autocast_ctx)
-    server_row = None if args.skip_server else run_server_benchmark(args, tokenizer, device)
+    vocab = args.model_vocab or tokenizer.get_vocab_size()
+    engine_rows, server_row = [], None
 
-    print()
-    print("## Inference (Engine with KV cache, chat server)")
-    print()
-    print(f"Device: {device_type} ({hw}); torch {torch.__version__}; random-init models, vocab {args.model_vocab or tokenizer.get_vocab_size()}, "
-          f"prompt {args.prompt_len} tokens, {args.gen_tokens} decode steps, temperature 1.0, top-k 50; "
-          f"median of {args.repeats} runs." + (" bf16 autocast." if device_type == "cuda" else " fp32."))
-    print()
-    print("| device | model | params | batch | decode step | TTFT (ms) | prefill tok/s | decode tok/s (all rows) | "
-          "of the bandwidth bound | first run (s, incl. compile) |")
-    print("|---|---|---:|---:|---|---:|---:|---:|---:|---:|")
-    for r in engine_rows:
-        frac = f"{100 * r['decode_tps'] / r['bound_tps']:.0f}% of {r['bound_tps']:,.0f}" if r["bound_tps"] else "n/a"
-        print(f"| {hw} | d{r['depth']} | {r['params_m']:.1f}M | {r['batch']} | {r['decode']} | {r['ttft_ms']:.1f} | "
-              f"{r['prefill_tps']:,.0f} | {r['decode_tps']:,.0f} | {frac} | {r['warmup_s']:.1f} |")
-    if server_row:
-        r = server_row
-        print()
-        print(f"Server: `nanochat.serving` app under uvicorn on 127.0.0.1 in the benchmark process, 1 worker (d{r['depth']}), "
-              f"{r['requests']} streaming requests of up to {r['max_tokens']} tokens from {r['concurrency']} concurrent clients.")
-        print()
-        print("| requests/s | generated tok/s | latency p50 / p95 (s) | TTFT p50 / p95 (s) |")
-        print("|---:|---:|---:|---:|")
-        print(f"| {r['rps']:.2f} | {r['tokens_per_s']:.0f} | {r['latency_p50_s']:.2f} / {r['latency_p95_s']:.2f} | {r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} |")
-    if args.json_out:
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump({"engine": engine_rows, "server": server_row, "device": device_type, "hardware": hw,
-                       "prompt": args.prompt_len, "gen_tokens": args.gen_tokens}, f, indent=2)
+    def save(interrupted=False):
+        if args.json_out:
+            write_json(args.json_out, {"engine": engine_rows, "server": server_row, "device": device_type, "hardware": hw,
+                                       "prompt": args.prompt_len, "gen_tokens": args.gen_tokens, "interrupted": interrupted})
+
+    try:
+        run_engine_benchmarks(args, tokenizer, device, autocast_ctx, engine_rows, on_row=lambda rows: save())
+        server_row = None if args.skip_server else run_server_benchmark(args, tokenizer, device)
+    except KeyboardInterrupt:  # the suite's time limit (timeout --signal=INT): keep and show what finished
+        print(f"interrupted: {len(engine_rows)} engine row(s) finished" + (f", kept in {args.json_out}" if args.json_out else ""),
+              file=sys.stderr, flush=True)
+        save(interrupted=True)
+        print_section(args, device_type, hw, vocab, engine_rows, server_row)
+        exit_now(130)
+    save()
+    print_section(args, device_type, hw, vocab, engine_rows, server_row)
 
 
 if __name__ == "__main__":

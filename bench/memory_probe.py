@@ -26,7 +26,7 @@ from nanochat.compile import maybe_compile, parse_compile_flag  # noqa: E402
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit  # noqa: E402
 from nanochat.distributed.dist import compute_init  # noqa: E402
 from nanochat.gpt import config_for_depth  # noqa: E402
-from nanochat.training import autocast_ctx, build_model, dtype_flag, resolve_dtype, train_step  # noqa: E402
+from nanochat.training import autocast_ctx, dtype_flag, init_model, resolve_dtype, train_step  # noqa: E402
 
 FLAGS = Flags(
     "probe",
@@ -46,7 +46,7 @@ def probe_depth(cfg, depth, device):
     dtype = resolve_dtype(cfg["dtype"], device.type)
     autocast = lambda: autocast_ctx(device.type, dtype)  # noqa: E731
     L = cfg["max_seq_len"]
-    model = build_model(config_for_depth(depth, cfg["vocab_size"], L), device, "normal", "sdpa")
+    model = init_model(config_for_depth(depth, cfg["vocab_size"], L), device, "normal", "sdpa")
     model.set_activation_checkpointing(cfg["activation_checkpointing"], 2)
     optimizers = model.setup_optimizers()
     n_params = model.num_params()

@@ -9,7 +9,12 @@ grad clip + optimizer step), timed after warmup, on synthetic tokens (no data or
 It builds the model and optimizers exactly as scripts.base_train does (nanochat.training), so the figures are the
 training loop's. MFU = estimate_flops() per token x tokens/s / peak bf16 FLOPS of the GPU (nanochat.common's
 table, matched by device name); there is no MFU on CPU. `--attn` takes a comma list to compare backends in one run;
-each result is printed as a markdown table row plus one JSON line. --activation_checkpointing/--ac_every and
+each result is printed as soon as it is measured, as a markdown table row plus one JSON line, so a run stopped by a
+time limit (SIGINT: `timeout --signal=INT`) keeps every finished row; a backend that fails or cannot run gives a JSON
+line with its error and the next one runs. Each row also records the SDPA kernel torch dispatches its training call
+to and torch's own kernel order (nanochat.attention.sdpa_kernel_for, torch_sdpa_order), the CUDA graphs inductor
+skipped, and losses that were not finite. --profile_steps=N traces N more steps of the first backend with
+torch.profiler and prints where their time went (bench/profile_step.py). --activation_checkpointing/--ac_every and
 --fp8/--fp8_recipe are base_train's (the parallel plan's prepare, nanochat/distributed/parallel.py): the MFU counts the
 model's FLOPs only, so AC's recompute shows as lower MFU, and FP8 is divided by the bf16 peak as well (speedup = the
 ratio of the rows).
@@ -17,9 +22,11 @@ ratio of the rows).
 
 import gc
 import json
+import math
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -28,13 +35,16 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from nanochat.training import autocast_ctx, build_model, check_model_options, dtype_flag, resolve_dtype, train_step  # noqa: E402
+from nanochat.training import autocast_ctx, check_model_options, dtype_flag, init_model, resolve_dtype, train_step  # noqa: E402
+from nanochat.attention import ATTN_CHOICES, sdpa_kernel_for, torch_sdpa_order  # noqa: E402
+from bench.profile_step import describe as describe_profile, profile_steps  # noqa: E402
+from bench.rows import cudagraph_skips, emit, exit_now, suspect_notes  # noqa: E402
 from nanochat.common import autodetect_device_type, device_type_flag, peak_flops_for  # noqa: E402
 from nanochat.distributed.dist import compute_cleanup, compute_init, dist_world_size, is_ddp_initialized  # noqa: E402
 from nanochat.distributed.parallel import parallel_from_config  # noqa: E402
 from nanochat.compile import compile_flag, resolve_compile  # noqa: E402
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit  # noqa: E402
-from nanochat.fp8 import FP8_FILTER_HELP  # noqa: E402
+from nanochat.fp8 import FP8_FILTER_HELP, FP8_IMPL_HELP, FP8_IMPLS  # noqa: E402
 from nanochat.gpt import config_for_depth  # noqa: E402
 
 FLAGS = Flags(
@@ -49,6 +59,8 @@ FLAGS = Flags(
     "timing",
     Flag("steps", 10, "timed steps"),
     Flag("warmup", 3, "untimed steps first (compilation, allocator, optimizer state)"),
+    Flag("profile_steps", 0, "after the first backend's timed steps, trace this many more with torch.profiler and "
+         "print the shares of attention, matmuls, optimizer, cross-entropy and the rest (0: no trace)"),
     "training",
     compile_flag(),
     dtype_flag(),
@@ -59,8 +71,9 @@ FLAGS = Flags(
     Flag("activation_checkpointing", "none", "recompute block activations in the backward (as base_train)",
          choices=["none", "full", "selective"]),
     Flag("ac_every", 2, "selective activation checkpointing: every ac_every-th block"),
-    Flag("fp8", False, "FP8 block matmuls (torchao; CUDA with compute capability >= 8.9), as base_train"),
+    Flag("fp8", False, "FP8 block matmuls (CUDA with compute capability >= 8.9), as base_train"),
     Flag("fp8_recipe", "tensorwise", "FP8 scaling granularity", choices=["tensorwise", "rowwise"]),
+    Flag("fp8_impl", "torchao", FP8_IMPL_HELP, choices=list(FP8_IMPLS)),
     Flag("fp8_filter", "auto", FP8_FILTER_HELP),
     "systems",
     device_type_flag(),
@@ -90,12 +103,27 @@ def synthetic_batches(cfg, device, n=4):
     return batches
 
 
-def bench_one(cfg, attn, device, parallel):
+def sdpa_kernels(model, cfg, dtype, device):
+    """(kernel the model's choice runs for the training call, kernel torch's own order picks for it): torch is asked
+    about q/k/v of the training shape, dtype and layout ((B, T, H, D) transposed, as the model makes them), causal,
+    needing grad; one row of the batch (the batch size does not change the pick). fa3/fa4/flex do not go
+    through SDPA: their name."""
+    c = model.config
+    D, T = c.n_embd // c.n_head, cfg["max_seq_len"]
+    q, k, v = (torch.zeros(1, T, H, D, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+               for H in (c.n_head, c.n_kv_head, c.n_kv_head))
+    choice = model.attn_choice
+    ran = sdpa_kernel_for(choice.order, q, k, v, is_causal=True) if choice.name.startswith("sdpa") else choice.name
+    return ran, sdpa_kernel_for(None, q, k, v, is_causal=True)
+
+
+def bench_one(cfg, attn, device, parallel, torch_order=(), profile=0, on_row=None):
+    """Time one backend; on_row(row) as soon as its row is measured, then the --profile_steps trace (row['profile'])."""
     device_type = device.type
     torch.manual_seed(cfg["seed"])
     dtype = resolve_dtype(cfg["dtype"], device_type)
     model_config = config_for_depth(cfg["depth"], cfg["vocab_size"], cfg["max_seq_len"])
-    model = build_model(model_config, device, cfg["init"], attn)
+    model = init_model(model_config, device, cfg["init"], attn)
     autocast = lambda: autocast_ctx(device_type, dtype)  # noqa: E731
     # --activation_checkpointing, --fp8, the layout and compile: the plan's one call, as in base_train
     model, orig_model = parallel.prepare(model, cfg, device, autocast)
@@ -111,6 +139,7 @@ def bench_one(cfg, attn, device, parallel):
 
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    skips_before = cudagraph_skips()
     times, losses = [], []
     for step in range(cfg["warmup"] + cfg["steps"]):
         sync(device)
@@ -121,6 +150,7 @@ def bench_one(cfg, attn, device, parallel):
         losses.append(loss)
         if step >= cfg["warmup"]:
             times.append(dt)
+    ran, torch_pick = sdpa_kernels(orig_model, cfg, dtype, device)  # dtype: what autocast gives attention
 
     flops_per_token = orig_model.estimate_flops()
     tokens = B * L
@@ -128,7 +158,8 @@ def bench_one(cfg, attn, device, parallel):
     tok_s = tokens / dt_med
     peak = peak_flops_for(device)
     mfu = 100 * flops_per_token * tok_s / peak if peak else None
-    return {
+    row = {
+        "status": "ok",
         "device": torch.cuda.get_device_name(device) if device_type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
         "depth": cfg["depth"],
         "params": orig_model.num_params(),
@@ -141,7 +172,7 @@ def bench_one(cfg, attn, device, parallel):
         "optimizer": "AdamW+Muon" if cfg["use_muon"] else "AdamW",
         "parallel": f"{parallel.name} x{dist_world_size()}" if is_ddp_initialized() else "one process",
         "activation_checkpointing": cfg["activation_checkpointing"] + (f" (every {cfg['ac_every']})" if cfg["activation_checkpointing"] == "selective" else ""),
-        "fp8": f"{cfg['fp8_recipe']} ({cfg['fp8_filter']})" if cfg["fp8"] else "off",
+        "fp8": f"{cfg['fp8_recipe']} {cfg['fp8_impl']} ({cfg['fp8_filter']})" if cfg["fp8"] else "off",
         "step_ms_median": 1000 * dt_med,
         "step_ms_mean": 1000 * statistics.mean(times),
         "step_ms_min": 1000 * min(times),
@@ -152,13 +183,28 @@ def bench_one(cfg, attn, device, parallel):
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device_type == "cuda" else None,
         "first_loss": losses[0],
         "last_loss": losses[-1],
+        "nonfinite_losses": sum(not math.isfinite(x) for x in losses),
+        "steps_run": len(losses),
+        "cudagraph_skips": cudagraph_skips() - skips_before,
+        "sdpa_kernel": ran,  # what the row's attention runs for the training call
+        "sdpa_torch_kernel": torch_pick,  # what torch's own order would run for it
+        "sdpa_torch_order": " > ".join(torch_order),
     }
+    if on_row:
+        on_row(row)
+    if profile:  # a trace that fails is said in its record; the row stands
+        try:
+            row["profile"] = profile_steps(lambda opts: train_step(model, opts, next_batch, 1, cfg["grad_clip"], autocast),
+                                           optimizers, profile, device, lambda: sync(device))
+        except Exception as e:
+            row["profile"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    return row
 
 
 HEADER = (
-    "| device | model | B x T | dtype | compile | attn | optimizer | parallel | AC | FP8 | step (ms, median) | tok/s "
-    "| TFLOP/s | MFU | peak GiB |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| device | model | B x T | dtype | compile | attn | SDPA kernel | optimizer | parallel | AC | FP8 | step (ms, median) "
+    "| tok/s | TFLOP/s | MFU | peak GiB | notes |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -167,9 +213,10 @@ def markdown_row(r):
     peak = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
     return (
         f"| {r['device']} | d{r['depth']} ({r['params'] / 1e6:.1f}M) | {r['batch']} x {r['seq_len']} | {r['dtype']} | "
-        f"{'yes' if r['compile'] else 'no'} | {r['attn_kernels']} | {r['optimizer']} | {r['parallel']} | "
-        f"{r['activation_checkpointing']} | "
-        f"{r['fp8']} | {r['step_ms_median']:.1f} | {r['tok_per_s']:,.0f} | {r['achieved_tflops']:.3g} | {mfu} | {peak} |"
+        f"{'yes' if r['compile'] else 'no'} | {r['attn_kernels']} | {r['sdpa_kernel']} (torch's order: "
+        f"{r['sdpa_torch_kernel']}) | {r['optimizer']} | {r['parallel']} | {r['activation_checkpointing']} | "
+        f"{r['fp8']} | {r['step_ms_median']:.1f} | {r['tok_per_s']:,.0f} | {r['achieved_tflops']:.3g} | {mfu} | {peak} "
+        f"| {suspect_notes(r)} |"
     )
 
 
@@ -191,32 +238,60 @@ def main(argv=None):
     if cfg["use_fsdp"] and not is_ddp_initialized():
         print("error: --use_fsdp=1 needs torchrun (torchrun --nproc_per_node=1 -m bench.train_bench ...)", file=sys.stderr)
         sys.exit(2)
+    attns = [a.strip() for a in cfg["attn"].split(",") if a.strip()]
+    unknown = [a for a in attns if a not in ATTN_CHOICES]
+    if unknown or not attns:
+        print(f"error: --attn takes a comma list of {'|'.join(ATTN_CHOICES)}, got {cfg['attn']!r}", file=sys.stderr)
+        sys.exit(2)
     try:
-        check_model_options(cfg, device)  # --fp8=1 without FP8 hardware, a bad --activation_checkpointing: say so now
+        # --fp8=1 without FP8 hardware, a bad NANOCHAT_COMPILE: say so now. Not --attn: a kernel that cannot run
+        # here is that backend's failure row, and the others still run.
+        check_model_options({k: v for k, v in cfg.items() if k != "attn"}, device)
     except (RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    attns = [a.strip() for a in cfg["attn"].split(",") if a.strip()]
-    results = []
-    for attn in attns:
-        try:
-            results.append(bench_one(cfg, attn, device, parallel))
-        except (RuntimeError, ValueError, NotImplementedError) as e:  # NotImplementedError: e.g. flex's CPU backward
-            if len(attns) == 1:
-                print(f"error: {e}", file=sys.stderr)
-                sys.exit(1)
-            print(f"attn={attn}: skipped ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)
-        # the next backend's model gets the memory: drop the compiled graphs (they hold this model) and cached blocks
-        gc.collect()
-        torch._dynamo.reset()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    say = emit if rank == 0 else (lambda *lines: None)
+    torch_order = torch_sdpa_order(device)  # before any model runs (torch settles its default at the first call)
     if rank == 0:
-        print(HEADER)
-        for r in results:
-            print(markdown_row(r))
-        for r in results:
-            print(json.dumps(r))
+        print(f"torch's own SDPA kernel order here, after a call: {' > '.join(torch_order)}", file=sys.stderr, flush=True)
+    finished, profile = [], cfg["profile_steps"]
+
+    def on_row(r):
+        finished.append(r["attn"])
+        say(*([HEADER] if len(finished) == 1 else []), markdown_row(r), json.dumps(r))
+
+    try:
+        for attn in attns:
+            try:
+                r = bench_one(cfg, attn, device, parallel, torch_order, profile, on_row)
+            except Exception as e:  # any backend's failure is its row: the next backends still run
+                # refusals (a kernel that cannot load or run here, flex's CPU backward) are skips; anything else is a
+                # failure, with its traceback in the log
+                how = "skipped" if isinstance(e, (RuntimeError, ValueError, NotImplementedError)) else "failed"
+                if how == "failed":
+                    traceback.print_exc()
+                if len(attns) == 1:
+                    print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+                    sys.exit(1)
+                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                print(f"attn={attn}: {how} ({why})", file=sys.stderr, flush=True)
+                say(json.dumps({"attn": attn, "status": how, "error": why}))
+            else:
+                if "profile" in r:
+                    p = r["profile"]
+                    say(f"profile attn={r['attn']}, {profile} steps: " + (p["error"] if "error" in p else describe_profile(p)),
+                        json.dumps({"attn": r["attn"], "status": "profile", "device": r["device"], "depth": r["depth"],
+                                    "profile": p}))
+                    profile = 0  # the first backend that ran only
+            # the next backend's model gets the memory: drop the compiled graphs (they hold this model), cached blocks
+            gc.collect()
+            torch._dynamo.reset()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    except KeyboardInterrupt:  # the suite's time limit (timeout --signal=INT): the finished rows are printed already
+        print(f"interrupted: {len(finished)} of {len(attns)} backend(s) finished ({', '.join(finished) or 'none'}), "
+              "their rows are above", file=sys.stderr, flush=True)
+        exit_now(130)
     compute_cleanup()
 
 

@@ -17,8 +17,6 @@ The tasks themselves (which split, which data) are built in tasks/suites.py; the
 import torch
 import torch.distributed as dist
 
-from nanochat.distributed.dist import process_data_ranks
-
 TASK_NAMES = ["ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee"]
 BASELINES = {"ARC-Easy": 0.25, "ARC-Challenge": 0.25, "MMLU": 0.25, "GSM8K": 0.0, "HumanEval": 0.0, "SpellingBee": 0.0}
 
@@ -48,13 +46,13 @@ def _max_positions(model):
 
 
 @torch.no_grad()
-def run_categorical_eval(task, tokenizer, model, batch_size, max_problems=None, lockstep=False, ranks=None):
+def run_categorical_eval(task, tokenizer, model, batch_size, max_problems=None, lockstep=False, *, ranks):
     """
-    Accuracy by letter logits at the position after <|assistant_start|>. Problems are strided over ranks.
+    Accuracy by letter logits at the position after <|assistant_start|>. Problems are strided over data ranks
+    (`ranks`, DataRanks: the plan's under TP, where the tp ranks of a group run the same problems).
     lockstep: every rank runs the same number of forwards, for a model whose forward is a collective (FSDP, TP): a
     rank with fewer problems than data rank 0 runs one-token forwards whose output it ignores.
     """
-    ranks = ranks or process_data_ranks()  # the plan's under TP: the tp ranks of a group run the same problems
     rank, world = ranks.rank, ranks.world
     device = model.get_device()
     bos = tokenizer.get_bos_token_id()
@@ -93,15 +91,15 @@ def run_categorical_eval(task, tokenizer, model, batch_size, max_problems=None, 
 
 
 def run_generative_eval(task, tokenizer, model, engine, num_samples, max_new_tokens, temperature, top_k,
-                        max_problems=None, ranks=None, batch_size=1):
+                        max_problems=None, *, ranks, batch_size=1):
     """
-    Fraction of problems where any of num_samples sampled completions is right. Problems are strided over ranks.
+    Fraction of problems where any of num_samples sampled completions is right. Problems are strided over data
+    ranks (`ranks`, DataRanks).
     batch_size > 1: this rank's problems go through the continuous-batching scheduler (nanochat/serving/scheduler.py)
     with up to batch_size sequences decoding together, whatever problem they belong to; each problem keeps the
     Engine's seed, so at temperature 0 the answers are the ones of one problem at a time (up to float rounding:
     the batched decode step rounds differently from the Engine's batch-1 step).
     """
-    ranks = ranks or process_data_ranks()  # the plan's under TP: the tp ranks of a group run the same problems
     rank, world = ranks.rank, ranks.world
     device = model.get_device()
     max_len = _max_positions(model)
@@ -145,20 +143,21 @@ def run_generative_eval(task, tokenizer, model, engine, num_samples, max_new_tok
 
 
 def evaluate_task(task, model, tokenizer, engine, batch_size=1, num_samples=1, max_new_tokens=512,
-                  temperature=0.0, top_k=50, max_problems=None, lockstep=False, ranks=None):
+                  temperature=0.0, top_k=50, max_problems=None, lockstep=False, *, ranks):
     """Accuracy of the model on one task, by the task's eval_type. Used by scripts.chat_eval and by chat_sft's periodic
     evals. Under torchrun every rank must call it for the same tasks in the same order (the counts are summed across
     ranks). lockstep: the model's forward is a collective (FSDP, TP; see run_categorical_eval). ranks: how problems are
-    split (DataRanks; the parallel plan's `data_ranks` under TP), default the process group's ranks."""
+    split (DataRanks: the parallel plan's `data_ranks` in training, dist.process_data_ranks() in a script without
+    tensor parallelism); required, as the process's rank is the wrong split under TP."""
     if task.eval_type == "categorical":
-        return run_categorical_eval(task, tokenizer, model, batch_size, max_problems, lockstep, ranks)
+        return run_categorical_eval(task, tokenizer, model, batch_size, max_problems, lockstep, ranks=ranks)
     if lockstep:
         raise ValueError(f"{type(task).__name__} is generative: its samples stop at different lengths on each rank, so "
                          f"it cannot run on a model whose forward is a collective (FSDP, TP); evaluate the saved "
                          f"model with scripts.chat_eval")
     if task.eval_type == "generative":
         return run_generative_eval(task, tokenizer, model, engine, num_samples, max_new_tokens, temperature, top_k,
-                                   max_problems, ranks, batch_size)
+                                   max_problems, ranks=ranks, batch_size=batch_size)
     raise ValueError(f"task {type(task).__name__} has unknown eval_type {task.eval_type!r}")
 
 

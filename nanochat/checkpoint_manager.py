@@ -4,8 +4,17 @@ Saving and loading checkpoints, in nanochat's layout so its checkpoints load her
     <base_dir>/<phase dir>/<model_tag>/model_{step:06d}.pt          model state dict (rank 0 writes)
                                        meta_{step:06d}.json         model_config, user_config, loop/loader state, val bpb
                                        optim_{step:06d}_rank{r}.pt  optimizer state, one file per rank (every rank writes)
-                                       sharded_{step:06d}/          or, from the FSDP path, one sharded step (every
-                                                                    rank writes its shard: nanochat/sharded_checkpoint.py)
+                                       sharded_{step:06d}/          or one sharded step (every rank writes its shard:
+                                                                    nanochat/checkpoint/sharded.py)
+
+This module is nanochat's front door (save_checkpoint, load_checkpoint, build_model, load_model, find_largest_model,
+find_last_step, with nanochat's signatures); the checkpoint package below it owns the rest:
+
+    nanochat/checkpoint/files.py        file names, atomic writes, stale temp files, the free-space check
+    nanochat/checkpoint/steps.py        step_format: which steps are complete, in which format (the one place)
+    nanochat/checkpoint/sharded.py      the sharded format (torch.distributed.checkpoint), resharding, consolidation
+    nanochat/checkpoint/train_state.py  a training run's state (model, optimizers, data position) saved and restored
+    nanochat/checkpoint/resume.py       --resume_from_step: which step, restored into the run
 
 Writes are atomic (temp file, fsync, rename) and meta is written last, after every rank has written its optimizer
 file, so a step "exists" only when it is complete. A crash mid-save leaves the previous step loadable; loading skips
@@ -18,15 +27,17 @@ file per rank that wrote it) and names every later step it skips and why, so a j
 middle of a save, or on a damaged disk, goes on from the previous good step by itself.
 """
 
-import glob
-import json
 import logging
 import os
 import re
 
 import torch
 
-from nanochat.atomic import atomic_write, short_error, torch_file_problem
+from nanochat.checkpoint.files import atomic_json_save, atomic_torch_save, step_paths
+from nanochat.checkpoint.steps import (
+    SHARDED, complete_steps, model_steps, move_aside_hint, read_meta, read_step_meta, require_step, step_format,
+    step_meta_path, torch_load_file
+)
 from nanochat.common import get_base_dir, setup_default_logging
 from nanochat.distributed.dist import barrier
 from nanochat.usage import BadValue, Missing
@@ -49,12 +60,9 @@ def checkpoint_root(source):
     return os.path.join(get_base_dir(), PHASE_DIRS[source])
 
 
-# -----------------------------------------------------------------------------
-# atomic writes
-
-
-def checkpoint_flags(source="sft", required=False):
-    """-i/--source, -g/--model_tag, -s/--step: which checkpoint a CLI loads (chat_cli, chat_web, chat_eval, export_hf)."""
+def checkpoint_flags(source="sft", required=False, weights=True):
+    """-i/--source, -g/--model_tag, -s/--step: which checkpoint a CLI loads (chat_cli, chat_web, chat_eval, export_hf),
+    and --weights_dtype, the dtype it loads the weights in (weights=False: a tool that loads no model)."""
     from nanochat.configurator import Flag
 
     return [
@@ -62,28 +70,21 @@ def checkpoint_flags(source="sft", required=False):
              choices=list(PHASE_DIRS), short="i", required=required),
         Flag("model_tag", None, "model tag, e.g. d20; auto = the largest model", type=str, short="g"),
         Flag("step", None, "checkpoint step; auto = the last", type=int, short="s"),
-    ]
+    ] + ([weights_dtype_flag()] if weights else [])
 
 
-def atomic_torch_save(obj, path):
-    atomic_write(path, lambda f: torch.save(obj, f))
+def weights_dtype_flag():
+    """--weights_dtype of the scripts that load a model to evaluate or serve it (weights_dtype_for); its default is
+    $NANOCHAT_WEIGHTS_DTYPE when set."""
+    from nanochat.configurator import Flag
 
-
-def atomic_json_save(obj, path):
-    data = json.dumps(obj, indent=2).encode("utf-8")
-    atomic_write(path, lambda f: f.write(data))
+    return Flag("weights_dtype", "auto", "dtype the loaded weights are held in: auto = bfloat16 for evaluation on CUDA "
+                "(autocast rounds to it anyway, at half the memory), float32 elsewhere", choices=list(WEIGHTS_DTYPES),
+                env="NANOCHAT_WEIGHTS_DTYPE")
 
 
 # -----------------------------------------------------------------------------
-# save / load one step
-
-
-def _paths(checkpoint_dir, step, rank=0):
-    return (
-        os.path.join(checkpoint_dir, f"model_{step:06d}.pt"),
-        os.path.join(checkpoint_dir, f"meta_{step:06d}.json"),
-        os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank:d}.pt"),
-    )
+# save / load one step (the single-file format; a sharded step loads through here too)
 
 
 def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data, rank=0):
@@ -94,7 +95,7 @@ def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data,
     """
     # every node creates the directory: on multi-node without a shared filesystem each node writes its own shards
     os.makedirs(checkpoint_dir, exist_ok=True)
-    model_path, meta_path, optim_path = _paths(checkpoint_dir, step, rank)
+    model_path, meta_path, optim_path = step_paths(checkpoint_dir, step, rank)
     if rank == 0:
         if model_data is None:
             raise ValueError("rank 0 must pass the model state dict to save_checkpoint")
@@ -108,73 +109,6 @@ def save_checkpoint(checkpoint_dir, step, model_data, optimizer_data, meta_data,
     barrier()
 
 
-def is_step_complete(checkpoint_dir, step):
-    model_path, meta_path, _ = _paths(checkpoint_dir, step)
-    return os.path.exists(model_path) and os.path.exists(meta_path)
-
-
-def _model_steps(checkpoint_dir):
-    """Every step with a model_<step>.pt in a checkpoint directory, complete or not."""
-    steps = set()
-    for path in glob.glob(os.path.join(checkpoint_dir, "model_*.pt")):
-        m = re.fullmatch(r"model_(\d+)\.pt", os.path.basename(path))
-        if m:
-            steps.add(int(m.group(1)))
-    return steps
-
-
-def complete_steps(checkpoint_dir):
-    """The complete steps (model and meta both present, or a complete sharded step) in a checkpoint directory, sorted."""
-    from nanochat.sharded_checkpoint import sharded_steps
-
-    single = {s for s in _model_steps(checkpoint_dir) if is_step_complete(checkpoint_dir, s)}
-    return sorted(single | set(sharded_steps(checkpoint_dir)))
-
-
-def _move_aside_hint(checkpoint_dir, step):
-    """What to do about a step whose files cannot be read: the earlier complete step, if there is one."""
-    files = f"model_{step:06d}.pt, meta_{step:06d}.json, optim_{step:06d}_rank*.pt"
-    earlier = [s for s in complete_steps(checkpoint_dir) if s < step]
-    if earlier:
-        return (
-            f"copy it again if it came from elsewhere; or, to go back to the previous complete step {earlier[-1]}, "
-            f"move step {step}'s files ({files}) out of {checkpoint_dir} and load step {earlier[-1]} "
-            f"(--resume_from_step={earlier[-1]} to resume training; loading without a step then takes it)"
-        )
-    return f"copy it again if it came from elsewhere; there is no earlier complete step in {checkpoint_dir} to fall back to"
-
-
-def _torch_load_file(path, what, checkpoint_dir, step, **kwargs):
-    """torch.load that names the file and the way out when it is truncated or not a torch file at all."""
-    try:
-        return torch.load(path, **kwargs)
-    except (PermissionError, IsADirectoryError, MemoryError):
-        raise
-    except Exception as e:
-        why = torch_file_problem(path) or f"cannot be read ({short_error(e)})"
-        also = (f" (the model of step {step} does not need it: later stages still load it)"
-                if what == "optimizer state" else "")
-        raise BadValue(f"checkpoint {what} {path} {why}: {_move_aside_hint(checkpoint_dir, step)}{also}") from e
-
-
-def read_meta(meta_path, checkpoint_dir, step):
-    """The meta dict of a step; a truncated or non-JSON file is named with the way out."""
-    try:
-        with open(meta_path, "r", encoding="utf-8") as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadValue(
-            f"checkpoint meta {meta_path} is truncated, empty or not JSON ({short_error(e)}): "
-            f"{_move_aside_hint(checkpoint_dir, step)}"
-        ) from e
-    if not isinstance(meta, dict):
-        raise BadValue(
-            f"checkpoint meta {meta_path} holds a JSON {type(meta).__name__}, not an object: "
-            f"{_move_aside_hint(checkpoint_dir, step)}"
-        )
-    return meta
-
-
 def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=0):
     """
     Returns (model_state_dict, optimizer_state_dict or None, meta_dict).
@@ -183,18 +117,16 @@ def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=0):
     rank that slices its rows out of each tensor reads only those rows. The optimizer state (per rank, small) goes
     to `device`. A file that is truncated or not what it should be raises a ValueError naming it and the way out.
     """
-    model_path, meta_path, optim_path = _paths(checkpoint_dir, step, rank)
-    from nanochat.sharded_checkpoint import is_sharded_step_complete
-
-    if not os.path.exists(model_path) and is_sharded_step_complete(checkpoint_dir, step):
+    if step_format(checkpoint_dir, step) == SHARDED:
         return _load_sharded_model(checkpoint_dir, step, load_optimizer)
     require_step(checkpoint_dir, step)
+    model_path, meta_path, optim_path = step_paths(checkpoint_dir, step, rank)
     meta_data = read_meta(meta_path, checkpoint_dir, step)
-    model_data = _torch_load_file(model_path, "model", checkpoint_dir, step, map_location="cpu", mmap=True,
-                                  weights_only=True)
+    model_data = torch_load_file(model_path, "model", checkpoint_dir, step, map_location="cpu", mmap=True,
+                                 weights_only=True)
     if not isinstance(model_data, dict):
         raise BadValue(f"checkpoint model {model_path} holds a {type(model_data).__name__}, not a state dict: "
-                         f"{_move_aside_hint(checkpoint_dir, step)}")
+                       f"{move_aside_hint(checkpoint_dir, step)}")
     optimizer_data = None
     if load_optimizer:
         if not os.path.exists(optim_path):
@@ -202,48 +134,21 @@ def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=0):
                 f"{optim_path} does not exist: optimizer state is saved per rank, so resume with the same number of "
                 f"ranks as the run that wrote step {step} (or pass the model only)"
             )
-        optimizer_data = _torch_load_file(optim_path, "optimizer state", checkpoint_dir, step, map_location=device,
-                                          weights_only=False)
+        optimizer_data = torch_load_file(optim_path, "optimizer state", checkpoint_dir, step, map_location=device,
+                                         weights_only=False)
     return model_data, optimizer_data, meta_data
 
 
 def _load_sharded_model(checkpoint_dir, step, load_optimizer):
-    """load_checkpoint for a sharded step (nanochat/sharded_checkpoint.py): the full model assembled in this process."""
-    from nanochat.sharded_checkpoint import META_FILE, read_model_state_dict, sharded_step_dir
+    """load_checkpoint for a sharded step (nanochat/checkpoint/sharded.py): the full model assembled in this process."""
+    from nanochat.checkpoint.files import sharded_step_dir
+    from nanochat.checkpoint.sharded import read_model_state_dict
 
-    step_dir = sharded_step_dir(checkpoint_dir, step)
     if load_optimizer:
         raise BadValue(f"step {step} in {checkpoint_dir} is a sharded checkpoint: its optimizer state resumes on the "
-                         f"FSDP path (--use_fsdp=1, any number of ranks), or consolidate it into per-rank files first "
-                         f"(python -m scripts.consolidate_checkpoint)")
-    meta = read_meta(os.path.join(step_dir, META_FILE.format(step=step)), checkpoint_dir, step)
-    return read_model_state_dict(step_dir), None, meta
-
-
-def _meta_path_of_step(checkpoint_dir, step):
-    """Where step's meta json is: in its sharded folder for a complete sharded step, beside model_<step>.pt else."""
-    from nanochat.sharded_checkpoint import META_FILE, is_sharded_step_complete, sharded_step_dir
-
-    model_path, meta_path, _ = _paths(checkpoint_dir, step)
-    if not os.path.exists(model_path) and is_sharded_step_complete(checkpoint_dir, step):
-        return os.path.join(sharded_step_dir(checkpoint_dir, step), META_FILE.format(step=step))
-    return meta_path
-
-
-def require_step(checkpoint_dir, step):
-    """Missing unless `step` is complete in checkpoint_dir, naming the steps there: a start-up check, run before
-    anything is built, compiled or downloaded. A complete sharded step (nanochat/sharded_checkpoint.py) counts."""
-    from nanochat.sharded_checkpoint import is_sharded_step_complete
-
-    if is_sharded_step_complete(checkpoint_dir, step):
-        return
-    for p in _paths(checkpoint_dir, step)[:2]:
-        if not os.path.exists(p):
-            steps = complete_steps(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
-            where = (f"complete steps in {checkpoint_dir}: {', '.join(map(str, steps))}" if steps
-                     else f"{checkpoint_dir} holds no complete step" if os.path.isdir(checkpoint_dir)
-                     else f"{checkpoint_dir} does not exist")
-            raise Missing(f"checkpoint step {step} is incomplete or missing: {p} does not exist ({where})")
+                       f"FSDP or tensor-parallel path (--use_fsdp=1 or --tp_size, any number of ranks), or consolidate "
+                       f"it into per-rank files first (python -m scripts.consolidate_checkpoint)")
+    return read_model_state_dict(sharded_step_dir(checkpoint_dir, step)), None, read_step_meta(checkpoint_dir, step)
 
 
 def resolve_checkpoint(source, model_tag=None, step=None):
@@ -265,8 +170,7 @@ def resolve_checkpoint(source, model_tag=None, step=None):
                       + (f": the tags there are {', '.join(tags)}" if tags else ": train that stage first"))
     step = find_last_step(checkpoint_dir) if step is None else step
     require_step(checkpoint_dir, step)
-    meta_path = _meta_path_of_step(checkpoint_dir, step)
-    vocab = (read_meta(meta_path, checkpoint_dir, step).get("model_config") or {}).get("vocab_size")
+    vocab = (read_step_meta(checkpoint_dir, step).get("model_config") or {}).get("vocab_size")
     tokenizer_vocab = get_tokenizer().get_vocab_size()
     if vocab is not None and tokenizer_vocab != vocab:
         raise BadValue(f"tokenizer vocab {tokenizer_vocab} != model vocab {vocab}: the tokenizer in "
@@ -291,70 +195,10 @@ def find_largest_model(checkpoints_dir):
     return max(tags, key=lambda t: os.path.getmtime(os.path.join(checkpoints_dir, t)))
 
 
-def step_problem(checkpoint_dir, step, with_optimizer=True):
-    """
-    What stops `step` from being resumed from, as a sentence, or None when it is complete. The one completeness check
-    of automatic resume: a layout with other files (e.g. sharded checkpoints) adds its checks here. Reads only the
-    meta and the ends of the torch files (their zip directory), not the tensors.
-    """
-    from nanochat.sharded_checkpoint import is_sharded_step_complete
-
-    model_path, meta_path, _ = _paths(checkpoint_dir, step)
-    if not os.path.exists(model_path) and is_sharded_step_complete(checkpoint_dir, step):
-        # a sharded step (FSDP) is renamed into place only once every rank's shard, DCP's index and the meta are
-        # written (nanochat/sharded_checkpoint.py): complete means resumable, model and optimizer state alike
-        return None
-    for path in (model_path, meta_path):
-        if not os.path.exists(path):
-            return f"{os.path.basename(path)} is missing (the save did not finish)"
-    try:
-        with open(meta_path, "r", encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        return f"{os.path.basename(meta_path)} cannot be read ({short_error(e)})"
-    if not isinstance(meta, dict):
-        return f"{os.path.basename(meta_path)} is not a JSON object"
-    paths = [model_path]
-    if with_optimizer:
-        world = meta.get("world_size", 1)
-        paths += [_paths(checkpoint_dir, step, r)[2] for r in range(world if isinstance(world, int) and world > 0 else 1)]
-    for path in paths:
-        if not os.path.exists(path):
-            return f"{os.path.basename(path)} is missing"
-        problem = torch_file_problem(path)
-        if problem:
-            return f"{os.path.basename(path)} {problem}"
-    return None
-
-
-def latest_resumable_step(checkpoint_dir, with_optimizer=True, log=None):
-    """
-    The latest step of checkpoint_dir that step_problem passes, or None when there is none (or no directory). Each
-    later step it passes over is reported through `log` (default: a logger warning) with its problem.
-    """
-    log = log or logger.warning
-    if not os.path.isdir(checkpoint_dir):
-        return None
-    from nanochat.sharded_checkpoint import sharded_steps
-
-    steps = set(_model_steps(checkpoint_dir)) | set(sharded_steps(checkpoint_dir))
-    for path in glob.glob(os.path.join(checkpoint_dir, "meta_*.json")):
-        m = re.fullmatch(r"meta_(\d+)\.json", os.path.basename(path))
-        if m:
-            steps.add(int(m.group(1)))
-    for step in sorted(steps, reverse=True):
-        problem = step_problem(checkpoint_dir, step, with_optimizer)
-        if problem is None:
-            return step
-        log(f"skipping checkpoint step {step} in {checkpoint_dir}: {problem}; trying the step before it")
-    return None
-
-
 def find_last_step(checkpoint_dir):
-    """Last complete step (model and meta both present). Incomplete steps are skipped with a warning."""
-    steps = _model_steps(checkpoint_dir)
+    """Last complete step (either format). Incomplete steps are skipped with a warning."""
     complete = complete_steps(checkpoint_dir)
-    for s in sorted(steps - set(complete)):
+    for s in sorted(model_steps(checkpoint_dir) - set(complete)):
         logger.warning(f"skipping incomplete checkpoint step {s} in {checkpoint_dir} (no meta_{s:06d}.json)")
     if not complete:
         raise Missing(f"no complete checkpoint in {checkpoint_dir}")
@@ -375,17 +219,18 @@ WEIGHTS_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat
 
 def weights_dtype_for(device_type, phase, requested=None):
     """
-    The dtype the weights of a loaded model are held in. requested: auto|bfloat16|float32, default the environment
-    variable NANOCHAT_WEIGHTS_DTYPE, else auto. auto = bf16 for evaluation/inference on CUDA, fp32 otherwise:
+    The dtype the weights of a loaded model are held in. requested: auto|bfloat16|float32 (the scripts' --weights_dtype,
+    whose default is $NANOCHAT_WEIGHTS_DTYPE), default auto. auto = bf16 for evaluation/inference on CUDA, fp32
+    otherwise:
     - CUDA eval: the matmuls run under bf16 autocast, which rounds fp32 weights to bf16 on every forward anyway, so
       bf16 weights give the same matmuls at half the memory (an fp32 d64 plus its autocast copies does not leave
       room to evaluate on one 80 GB GPU) and without the per-forward casts.
     - training keeps fp32 master weights (the optimizers need them); CPU/MPS compute in fp32 (bf16 matmuls on CPU are
       ~10x slower), so bf16 checkpoints written on a GPU are widened there.
     """
-    requested = requested or os.environ.get("NANOCHAT_WEIGHTS_DTYPE") or "auto"
+    requested = requested or "auto"
     if requested not in WEIGHTS_DTYPES:
-        raise BadValue(f"weights dtype must be one of {'|'.join(WEIGHTS_DTYPES)} (NANOCHAT_WEIGHTS_DTYPE), got {requested!r}")
+        raise BadValue(f"--weights_dtype must be one of {'|'.join(WEIGHTS_DTYPES)}, got {requested!r}")
     if WEIGHTS_DTYPES[requested] is not None:
         return WEIGHTS_DTYPES[requested]
     return torch.bfloat16 if device_type == "cuda" and phase == "eval" else torch.float32
@@ -393,17 +238,18 @@ def weights_dtype_for(device_type, phase, requested=None):
 
 def model_from_state_dict(model_data, config, device, dtype=torch.float32):
     """
-    A GPT holding `model_data` on `device`, built without a second copy of the weights: the modules are made on the
-    meta device (no memory), each checkpoint tensor is moved/cast once and assigned into place, and only the derived
-    buffers (rotary tables) are computed on the device. (to_empty() + init_weights() before loading would hold two
-    full copies on the device at once.) Floating tensors are cast to `dtype`.
+    The model `config` describes (GPT, or RecordGPT for a record-recipe config: nanochat/gpt.py make_model) holding
+    `model_data` on `device`, built without a second copy of the weights: the modules are made on the meta device (no
+    memory), each checkpoint tensor is moved/cast once and assigned into place, and only the derived buffers (rotary
+    tables) are computed on the device. (to_empty() + init_weights() before loading would hold two full copies on the
+    device at once.) Floating tensors are cast to `dtype`.
     """
-    from nanochat.gpt import GPT
+    from nanochat.gpt import make_model
 
     device = torch.device(device)
     state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in model_data.items()}
     with torch.device("meta"):
-        model = GPT(config)
+        model = make_model(config)
     model.load_state_dict(state, strict=True, assign=True)
     model.init_buffers()  # rotary tables on the device, attention backend for it
     return model
@@ -413,8 +259,9 @@ SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")  # the
 
 
 def model_config_from_meta(meta, meta_path):
-    """The GPTConfig a meta's model_config describes; a missing or foreign one names the file."""
-    from nanochat.gpt import GPTConfig
+    """The model config a meta's model_config describes (GPTConfig, or RecordConfig when it has the record model's
+    window_pattern: nanochat/gpt.py config_from_dict); a missing or foreign one names the file."""
+    from nanochat.gpt import config_from_dict
 
     cfg = meta.get("model_config")
     if not isinstance(cfg, dict):
@@ -423,9 +270,21 @@ def model_config_from_meta(meta, meta_path):
             f"be rebuilt: it was not written by nanochat's save_checkpoint; copy the meta of that step again"
         )
     try:
-        return GPTConfig(**cfg)
+        return config_from_dict(cfg)
     except TypeError as e:
         raise BadValue(f"the model_config in {meta_path} is not a GPTConfig ({e}): {cfg}") from e
+
+
+def checkpoint_model_config(source, model_tag, step):
+    """The GPTConfig a saved step was built with, from its meta alone (no tensor is read), checked: what the start-up
+    checks of a model's shape (sequence length, tensor parallelism) read before the model loads."""
+    from nanochat.gpt import check_config
+
+    checkpoint_dir = os.path.join(checkpoint_root(source), model_tag)
+    meta_path = step_meta_path(checkpoint_dir, step)
+    config = model_config_from_meta(read_meta(meta_path, checkpoint_dir, step), meta_path)
+    check_config(config)
+    return config
 
 
 def _describe_weights(state_dict):
@@ -440,16 +299,19 @@ def _describe_weights(state_dict):
 
 def check_weights_match_config(state_dict, config, model_path, meta_path):
     """Refuse weights that are not the model the meta's model_config describes, naming both files and both shapes."""
-    from nanochat.gpt import GPT
+    from nanochat.gpt import make_model
 
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in GPT(config).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in make_model(config).state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state_dict.items()}
     if expected == got:
         return
     missing, unexpected = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
     shapes = [k for k in expected if k in got and expected[k] != got[k]]
     detail = []
+    recipes = ["record" if "resid_lambdas" in keys else "december" for keys in (got, expected)]  # RecordGPT's own
+    if recipes[0] != recipes[1]:
+        detail.append(f"the weights are a {recipes[0]}-recipe model, the model_config a {recipes[1]}-recipe one")
     if missing:
         detail.append(f"{len(missing)} tensor(s) missing from the weights, e.g. {missing[0]}")
     if unexpected:
@@ -475,10 +337,10 @@ def build_model(checkpoint_dir, step, device, phase, weights_dtype=None):
     device = torch.device(device)
     dtype = weights_dtype_for(device.type, phase, weights_dtype)
     model_data, _, meta = load_checkpoint(checkpoint_dir, step, device, load_optimizer=False)
-    model_path, meta_path, _ = _paths(checkpoint_dir, step)
-    config = model_config_from_meta(meta, meta_path)
+    model_path, meta_file = step_paths(checkpoint_dir, step)[0], step_meta_path(checkpoint_dir, step)
+    config = model_config_from_meta(meta, meta_file)
     model_data = clean_state_dict(model_data)
-    check_weights_match_config(model_data, config, model_path, meta_path)
+    check_weights_match_config(model_data, config, model_path, meta_file)
     model = model_from_state_dict(model_data, config, device, dtype)
     del model_data
     model.train() if phase == "train" else model.eval()

@@ -12,7 +12,7 @@ import torch
 
 # torch.distributed setup lives in nanochat/distributed/dist.py; nanochat's scripts import these names from here
 from nanochat.distributed.dist import autodetect_device_type, compute_cleanup, compute_init, get_dist_info  # noqa: F401
-from nanochat.usage import BadValue
+from nanochat.usage import BadValue, CannotRun
 
 # -----------------------------------------------------------------------------
 # Logging: one format for every entrypoint, colours only on a terminal.
@@ -90,6 +90,17 @@ class DummyWandb:
 
     def finish(self):
         pass
+
+
+def check_wandb(run_name, master_process=None):
+    """The start-up check of --run: a wandb run needs a login (on the rank that logs, global rank 0), or the run would
+    fail once the model is built (nanochat.setup_check.wandb_problem: log in, log offline, or no wandb)."""
+    from nanochat.setup_check import wandb_problem
+
+    master_process = int(os.environ.get("RANK", 0)) == 0 if master_process is None else master_process
+    problem = wandb_problem(run_name) if master_process else None
+    if problem:
+        raise CannotRun(problem)
 
 
 def get_wandb(run_name, project, config, master_process):

@@ -4,7 +4,8 @@ torch.compile for the training scripts: whether to compile, what to compile, and
 - `--compile=auto|1|0` (old spellings True/False still work). auto = compile wherever torch.compile can run: CUDA
   with Triton, CPU with a C++ compiler (as nanochat, which compiles everywhere); MPS stays eager unless --compile=1. When the compiler is missing, auto
   prints one line and runs eager; --compile=1 stops with the reason. The environment variable NANOCHAT_COMPILE
-  (auto|1|0) replaces the flag's default `auto` (the test suite sets 0: compile time would dominate tiny runs).
+  (auto|1|0) is the flag's default when set (compile_flag; the test suite sets 0: compile time would dominate tiny
+  runs), so the run's recorded flags say what it did.
 - What is compiled: on the single-process/DDP path the whole model (one graph per forward). Under FSDP2 a whole-model
   compile breaks at FSDP's hooks and leaves parts eager, so (as torchtitan does) each Block's forward and the head
   (final norm, lm_head, softcap, cross-entropy: gpt.head) are compiled separately and FSDP's hooks run between them.
@@ -14,7 +15,6 @@ torch.compile for the training scripts: whether to compile, what to compile, and
   its cause, since a break silently costs speed. The model's weights and the data position are untouched.
 """
 
-import os
 import shutil
 import time
 import warnings
@@ -23,7 +23,7 @@ from collections import Counter
 import torch
 
 from nanochat.common import print0
-from nanochat.usage import BadValue
+from nanochat.usage import BadValue, CannotRun
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -64,8 +64,6 @@ def compiler_unavailable_reason(device_type):
 def resolve_compile(flag, device_type, log=print0):
     """True when the run should compile (see the module docstring). --compile=1 where it cannot run is an error."""
     choice = parse_compile_flag(flag)
-    if choice == "auto" and os.environ.get("NANOCHAT_COMPILE"):
-        choice = parse_compile_flag(os.environ["NANOCHAT_COMPILE"])
     if choice is False:
         return False
     if choice == "auto" and device_type not in ("cpu", "cuda"):
@@ -75,7 +73,7 @@ def resolve_compile(flag, device_type, log=print0):
     if reason is None:
         return True
     if choice is True:
-        raise RuntimeError(f"--compile=1 but torch.compile cannot run here: {reason}. Use --compile=0 (eager)")
+        raise CannotRun(f"--compile=1 but torch.compile cannot run here: {reason}. Use --compile=0 (eager)")
     log(f"Note: --compile=auto runs eager: {reason}")
     return False
 
@@ -167,6 +165,6 @@ def compile_flag():
     """--compile, as every training script and bench/train_bench.py declare it."""
     from nanochat.configurator import Flag
 
-    return Flag("compile", "auto", "torch.compile: auto = wherever it works (CUDA with Triton, CPU with a C++ compiler; "
-                "NANOCHAT_COMPILE=auto|1|0 replaces this default), 1 = always (stops with the reason when it cannot), "
-                "0 = eager", check=parse_compile_flag)
+    return Flag("compile", "auto", "torch.compile: auto = wherever it works (CUDA with Triton, CPU with a C++ compiler), "
+                "1 = always (stops with the reason when it cannot), 0 = eager", check=parse_compile_flag,
+                env="NANOCHAT_COMPILE")

@@ -15,7 +15,11 @@ Accepted forms: `--depth=20`, `--depth 20`, `--device-batch-size=32`, `--device_
 is declared (`-i sft`), and positional arguments where declared (import_hf's DIR). A flag's type is its default's, or
 `type=` when the default is None. None means "auto": the script works the value out (from the device, the model...),
 `--help` prints it as `auto`, and `--flag=auto` asks for it explicitly; a value the user passes always wins, even one
-equal to what auto would pick. Booleans take 1/0/true/false/yes/no/on/off, or nothing (`--fp8` = `--fp8=1`).
+equal to what auto would pick. Booleans take 1/0/true/false/yes/no/on/off, or nothing (`--fp8` = `--fp8=1`). A
+number flag may also take a few words, kept as the word (`words=["auto"]`: --resume_from_step is a step number or
+auto). An environment switch that changes what a run does is the default of a flag (`Flag(..., env="NANOCHAT_COMPILE")`):
+when the variable is set, its value is the flag's default, checked as a command-line value would be (an error names
+the variable), so the parsed flags a run records are what it ran with.
 `choices`, `min`/`max` (inclusive bounds of a number) and a `check` function are checked here, once, with an error
 that names the flag and the values it takes; relations between flags are declared beside them as Rule items
 (`Rule(("warmup_ratio", "warmdown_ratio"), lambda a, b: a + b <= 1, "...")`) and checked after parsing, before the
@@ -45,7 +49,7 @@ class Flag:
     """One flag: its name (a_b spelling), default, help text and optional choices / type / short alias."""
 
     def __init__(self, name, default, help, choices=None, type=None, short=None, positional=False, required=False,
-                 hidden=False, check=None, many=False, min=None, max=None):
+                 hidden=False, check=None, many=False, min=None, max=None, env=None, words=()):
         if not help or not help.strip():
             raise ValueError(f"flag --{name} needs a help text (what it does, what its values mean)")
         if type is None:
@@ -63,6 +67,11 @@ class Flag:
         # inclusive bounds of a number; a value that is not one passes them (e.g. --resume_from_step=auto)
         self.min, self.max = min, max
         self.many = many  # a list of one or more values (`--val_paths a b`, nanochat.dataset import's PATHS)
+        self.env = env  # an environment variable that, when set, replaces the default
+        if env:
+            self.help += f" Default: ${env} when set."
+        # words a number flag takes besides numbers, kept as the word: --resume_from_step is an int or `auto`
+        self.words = tuple(words)
         if many and default is not None:
             raise ValueError(f"flag --{name}: a flag of many values defaults to None (auto or none given)")
         if self.choices is not None and default is not None and default not in self.choices:
@@ -78,7 +87,9 @@ class Flag:
             if self.required:
                 raise FlagError(f"{name} is required: pass a value")
             return None
-        if self.type is bool:
+        if low in self.words:
+            value = low
+        elif self.type is bool:
             if low in _TRUE:
                 value = True
             elif low in _FALSE:
@@ -92,15 +103,15 @@ class Flag:
                 try:
                     f = float(raw)  # allow 1e6 style for integer flags when it is a whole number
                 except ValueError:
-                    raise FlagError(f"{name} expects an integer, got {raw!r}") from None
+                    raise FlagError(f"{name} expects an integer{self._or_words()}, got {raw!r}") from None
                 if f != int(f):
-                    raise FlagError(f"{name} expects an integer, got {raw!r}")
+                    raise FlagError(f"{name} expects an integer{self._or_words()}, got {raw!r}")
                 value = int(f)
         elif self.type is float:
             try:
                 value = float(raw)
             except ValueError:
-                raise FlagError(f"{name} expects a number, got {raw!r}") from None
+                raise FlagError(f"{name} expects a number{self._or_words()}, got {raw!r}") from None
         else:
             value = raw
         if self.choices is not None and value not in self.choices:
@@ -112,6 +123,20 @@ class Flag:
             except ValueError as e:
                 raise FlagError(str(e)) from None
         return value
+
+    def initial(self):
+        """The value before the command line: $env when set (converted and checked like a command-line value, an
+        error naming the variable), else the default."""
+        raw = os.environ.get(self.env, "").strip() if self.env else ""
+        if not raw:
+            return self.default
+        try:
+            return self.convert(raw)
+        except FlagError as e:
+            raise FlagError(f"{self.env}={raw} (the default of --{self.name}): {e}") from None
+
+    def _or_words(self):
+        return "".join(f" or {w}" for w in self.words)
 
     def check_range(self, value, raw):
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -142,7 +167,7 @@ class Flag:
             auto = ["auto"] if self.default is None and not self.required else []
             kind = " | ".join(auto + [format_value(c) for c in self.choices])
         else:
-            kind = _TYPE_NAMES[self.type] + self.range_text()
+            kind = _TYPE_NAMES[self.type] + self.range_text() + "".join(f" | {w}" for w in self.words)
         lines = [f"{head}  [{kind}{' ...' if self.many else ''}]"]
         lines += textwrap.wrap(self.help, width=width, initial_indent=" " * 6, subsequent_indent=" " * 6)
         return lines
@@ -291,7 +316,7 @@ class Flags:
         argv = list(sys.argv[1:] if argv is None else argv)
         config = Config()
         for f in self.flags():
-            config[f.name] = f.default
+            config[f.name] = f.initial()
         positionals = [f for f in self.flags() if f.positional]
         given = set()
         i = 0

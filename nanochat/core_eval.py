@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nanochat.distributed.dist import process_data_ranks
 from nanochat.usage import BadValue, Missing
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
@@ -294,14 +293,14 @@ def evaluate_example(idx, model, tokenizer, data, device, task_meta):
     return pred == item["gold"]
 
 
-def evaluate_task(model, tokenizer, data, device, task_meta, ranks=None):
+def evaluate_task(model, tokenizer, data, device, task_meta, *, ranks):
     """
     Accuracy on one task. Under torchrun each data rank takes every data_world-th example; counts are all-reduced.
     Every rank runs the same number of forward passes (a rank short of examples re-runs one and discards it):
     a model sharded with FSDP all-gathers its weights inside forward, which every rank must join.
     """
     # by data rank (DataRanks; the parallel plan's under TP: the tp ranks of a group run the same examples together)
-    rank, world, tp_rank = ranks or process_data_ranks()
+    rank, world, tp_rank = ranks
     correct = torch.zeros(len(data), dtype=torch.float32, device=device)
     for step in range(-(-len(data) // world)):
         idx = rank + step * world
@@ -323,7 +322,7 @@ def prepare_task_data(data, max_per_task=-1):
     return data[:max_per_task] if max_per_task > 0 else data
 
 
-def evaluate_model(model, tokenizer, device, max_per_task=-1, bundle_dir=None, log=print, ranks=None):
+def evaluate_model(model, tokenizer, device, max_per_task=-1, bundle_dir=None, log=print, *, ranks):
     """
     CORE of `model`. Returns {"results": {label: accuracy}, "centered_results": {label: centered},
     "core_metric": mean centered accuracy over the tasks that ran, "partial": bool, "missing": [labels whose file
@@ -331,7 +330,8 @@ def evaluate_model(model, tokenizer, device, max_per_task=-1, bundle_dir=None, l
     Call it on every rank under torchrun (the bundle is fetched by rank 0 while the others wait). Raises
     FileNotFoundError, naming where it looked, when there is no bundle at all: callers that train for hours should
     call get_bundle_dir() up front instead of finding out at the first CORE evaluation. ranks: how examples are split
-    (DataRanks; the parallel plan's `data_ranks` under TP), default the process group's ranks.
+    (DataRanks: the parallel plan's `data_ranks` in training, dist.process_data_ranks() in a script without tensor
+    parallelism); required, as the process's rank is the wrong split under TP.
     """
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     resolved = get_bundle_dir(bundle_dir)
@@ -345,7 +345,7 @@ def evaluate_model(model, tokenizer, device, max_per_task=-1, bundle_dir=None, l
     for task in tasks:
         label = task["label"]
         if label not in baselines:
-            raise ValueError(f"CORE task {label!r} has no random baseline in {resolved}/eval_meta_data.csv")
+            raise BadValue(f"CORE task {label!r} has no random baseline in {resolved}/eval_meta_data.csv")
         path = Path(resolved) / "eval_data" / task["dataset_uri"]
         if not path.is_file():
             missing.append(label)
@@ -356,7 +356,7 @@ def evaluate_model(model, tokenizer, device, max_per_task=-1, bundle_dir=None, l
         if meta["num_fewshot"] > len(data) - 1:
             verbose(f"CORE: {label}: only {len(data)} examples, using {len(data) - 1}-shot instead of {meta['num_fewshot']}-shot")
             meta["num_fewshot"] = len(data) - 1
-        accuracy = evaluate_task(model, tokenizer, data, device, meta, ranks)
+        accuracy = evaluate_task(model, tokenizer, data, device, meta, ranks=ranks)
         results[label] = accuracy
         centered[label] = centered_accuracy(accuracy, baselines[label])
         verbose(f"CORE: {label:<35} ({task['num_fewshot']}-shot, {task['task_type']}, {len(data)} ex) "

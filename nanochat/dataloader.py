@@ -11,6 +11,12 @@ Exact resume: each yielded state dict names the next token this rank will use (p
 index inside it, token offset inside that document's tokens). Tokenization is per document, so the stream does not
 depend on how documents were batched for the tokenizer, and a loader started from a state dict continues exactly
 where the saved one would have. The state is per rank (training saves one per rank).
+
+That is the December recipe's packing, `packing="concat"`. The record recipe packs with `packing="bestfit"`
+(nanochat/data/bestfit.py, nanochat 92d63d4's BOS-aligned best-fit packing, equal batches): every row starts at a
+document start, and documents are packed whole where they fit, cropped where none does. Both go through the one
+entry point below and keep their own state dict (a best-fit state has `"packing": "bestfit"`; the concat state
+keeps the keys it always had, so checkpoints stay as they were).
 """
 
 from collections import deque
@@ -18,8 +24,23 @@ from collections import deque
 import numpy as np
 import torch
 
+from nanochat.data.bestfit import (bestfit_batches, check_loader_state, cropped_fraction,  # noqa: F401 (base_train)
+                                   states_for_world)
 from nanochat.distributed.dist import process_data_ranks
 from nanochat.dataset import shard_fix, open_shard, read_texts, split_parquet_files
+from nanochat.usage import BadValue
+
+PACKINGS = ("concat", "bestfit")  # the December recipe's, the record recipe's
+STATE_KEYS = ("split", "rank", "world_size", "num_row_groups", "epoch", "row_group", "doc", "token")  # concat's
+
+
+def resolve_packing(packing, recipe_packing="concat"):
+    """base_train's --packing: None (auto) takes the recipe's (the December recipe: concat, the record recipe:
+    bestfit), an explicit value wins."""
+    chosen = recipe_packing if packing is None else packing
+    if chosen not in PACKINGS:
+        raise BadValue(f"--packing must be one of {', '.join(PACKINGS)} (or auto), got {chosen!r}")
+    return chosen
 
 
 def _row_group_index(split, data_dir):
@@ -71,21 +92,7 @@ def _start_position(resume_state_dict, split, rank, world_size, num_row_groups):
     if resume_state_dict is None:
         return rank, 0, 0
     state = resume_state_dict
-    missing = {"split", "rank", "world_size", "num_row_groups", "epoch", "row_group", "doc", "token"} - set(state)
-    if missing:
-        raise ValueError(f"not a loader state dict from nanochat.dataloader (missing {sorted(missing)}): {state}")
-    if state["split"] != split:
-        raise ValueError(f"the state dict belongs to the {state['split']!r} split, this loader reads {split!r}")
-    if (state["rank"], state["world_size"]) != (rank, world_size):
-        raise ValueError(
-            f"the state dict was saved by rank {state['rank']} of {state['world_size']}, this is rank {rank} of "
-            f"{world_size}: give every rank its own saved state, and resume with the same world size"
-        )
-    if state["num_row_groups"] != num_row_groups:
-        raise ValueError(
-            f"the {split} split now has {num_row_groups} row groups, the state was saved with "
-            f"{state['num_row_groups']}: exact resume needs the same shards (were shards added or removed?)"
-        )
+    check_loader_state(state, "concat", STATE_KEYS, split, rank, world_size, num_row_groups)
     pos = state["epoch"] * num_row_groups + state["row_group"]
     if pos % world_size != rank or state["doc"] < 0 or state["token"] < 0:
         raise ValueError(f"inconsistent loader state dict for rank {rank} of {world_size}: {state}")
@@ -105,6 +112,8 @@ def loader_states_for_world(states, world_size, log=None):
     states = list(states)
     if len(states) == world_size or any(s is None for s in states):
         return states if len(states) == world_size else [None] * world_size
+    if any(s.get("packing", "concat") != "concat" for s in states):
+        return states_for_world(states, world_size, log)  # best-fit states (nanochat/data/bestfit.py)
     n = states[0]["num_row_groups"]
     furthest = max(s["epoch"] * n + s["row_group"] for s in states)
     start = -(-(furthest + 1) // world_size) * world_size
@@ -128,12 +137,16 @@ def tokenizing_distributed_data_loader(
     data_dir=None,
     rank=None,
     world_size=None,
+    packing="concat",
+    buffer_size=1000,
 ):
     """
     Infinite iterator of (inputs, targets, state_dict): int64 tensors of shape (B, T) on `device` (targets are the
     inputs shifted by one token) and the small JSON-able dict that resumes this rank right after this batch.
-    Consecutive batches are consecutive windows of the token stream. rank/world_size default to the process group's; under tensor
-    parallelism pass the plan's data rank and world (parallel.data_rank, parallel.data_world).
+    packing="concat": consecutive batches are consecutive windows of the token stream. packing="bestfit": every row
+    starts at a document's BOS, documents packed by best fit from a buffer of `buffer_size` (nanochat/data/bestfit.py).
+    rank/world_size default to the process group's; under tensor parallelism pass the plan's data rank and world
+    (parallel.data_rank, parallel.data_world).
     """
     if B < 1 or T < 1:
         raise ValueError(f"B and T must be >= 1, got B={B}, T={T}")
@@ -141,6 +154,10 @@ def tokenizing_distributed_data_loader(
         raise ValueError(f"tokenizer_batch_size and tokenizer_threads must be >= 1, got {tokenizer_batch_size}, {tokenizer_threads}")
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if packing not in PACKINGS:
+        raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
+    if buffer_size < 1:
+        raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
     if rank is None or world_size is None:
         # the process's rank and world; under tensor parallelism the caller passes the plan's data rank and world
         dist_rank, dist_world_size, _ = process_data_ranks()
@@ -153,8 +170,11 @@ def tokenizing_distributed_data_loader(
 
         tokenizer = get_tokenizer()
     row_groups = _row_group_index(split, data_dir)
-    start = _start_position(resume_state_dict, split, rank, world_size, len(row_groups))
     device = torch.device(device)
+    if packing == "bestfit":
+        return bestfit_batches(B, T, split, tokenizer, tokenizer_threads, tokenizer_batch_size, buffer_size, device,
+                               row_groups, rank, world_size, resume_state_dict)
+    start = _start_position(resume_state_dict, split, rank, world_size, len(row_groups))
     resumed = resume_state_dict is not None
     return _batches(B, T, split, tokenizer, tokenizer_threads, tokenizer_batch_size, device, row_groups, rank, world_size,
                     start, resumed)
@@ -162,6 +182,21 @@ def tokenizing_distributed_data_loader(
 
 # nanochat has a second name for the loader that also yields the state dict; here there is only one loader
 tokenizing_distributed_data_loader_with_state = tokenizing_distributed_data_loader
+
+
+def tokenizing_distributed_data_loader_with_state_bos_bestfit(tokenizer, B, T, split, tokenizer_threads=4,
+                                                              tokenizer_batch_size=128, device="cuda",
+                                                              resume_state_dict=None, buffer_size=1000, **kwargs):
+    """nanochat 92d63d4's name and argument order for the best-fit loader (kwargs: data_dir, rank, world_size)."""
+    return tokenizing_distributed_data_loader(B, T, split, tokenizer_threads, tokenizer_batch_size, device,
+                                              resume_state_dict, tokenizer, packing="bestfit",
+                                              buffer_size=buffer_size, **kwargs)
+
+
+def tokenizing_distributed_data_loader_bos_bestfit(*args, **kwargs):
+    """nanochat 92d63d4's best-fit loader without the state dicts: (inputs, targets) batches."""
+    for inputs, targets, _ in tokenizing_distributed_data_loader_with_state_bos_bestfit(*args, **kwargs):
+        yield inputs, targets
 
 
 def _batches(B, T, split, tokenizer, threads, batch_size, device, row_groups, rank, world_size, start, resumed):

@@ -2,11 +2,14 @@
 The pretraining data: parquet shards with a `text` column, one document per row.
 
 Layout (nanochat's): `$NANOCHAT_BASE_DIR/base_data/shard_{i:05d}.parquet`. The shards are read in sorted order;
-the LAST one is the validation split and all the others are the train split.
+the LAST one is the validation split and all the others are the train split. Each web source has its own directory
+(SOURCES): FineWeb-Edu 100B, what nanochat's December recipe trains on, in `base_data/`; ClimbMix 400B, what its record
+recipe (nanochat 92d63d4) trains on, in `base_data_climbmix/`, the directory 92d63d4 reads.
 
-Two ways to fill that directory:
-    python -m nanochat.dataset -n 8 -w 4          # download FineWeb-Edu 100B shards 0..7 (nanochat's command)
-    python -m nanochat.dataset import PATH ...    # import local .txt / .jsonl / .json / .parquet text (offline)
+Two ways to fill a directory:
+    python -m nanochat.dataset -n 8 -w 4                    # download FineWeb-Edu 100B shards 0..7 (nanochat's command)
+    python -m nanochat.dataset --data=climbmix -n 170       # ClimbMix train shards 0..169 + its validation shard
+    python -m nanochat.dataset import PATH ... [--data=...] # import local .txt / .jsonl / .json / .parquet text (offline)
 
 This module is the bottom of the data layers: the layout and the readers `list_parquet_files()` and
 `parquets_iter_batched(split, start, step)` (documents one row group at a time). The layers above it live in
@@ -16,36 +19,75 @@ nanochat/dataloader.py.
 """
 
 import os
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.atomic import short_error
-from nanochat.usage import Missing, run_main
+from nanochat.usage import BadValue, Missing, run_main
 
 # -----------------------------------------------------------------------------
 # Where the shards live
 
 BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"  # the web shards' home
 MAX_SHARD = 1822  # the last shard index of FineWeb-Edu 100B shuffled (1823 shards, ~100 MB each)
+CLIMBMIX_URL = "https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main"
+CLIMBMIX_MAX_SHARD = 6542  # ClimbMix 400B shuffled: shards 0..6542; 92d63d4 always fetches the last as validation
 IMPORT_INFO = "import_info.json"  # written by `import` so the downloader never mixes web shards into a local corpus
+
+
+class DataSource(NamedTuple):
+    """A web source of shards: its directory under $NANOCHAT_BASE_DIR, its name in messages, where it downloads from
+    (and the environment variable naming a mirror), its last shard index, and the shard always fetched as the
+    validation split (None: the last of the shards fetched is)."""
+
+    dir_name: str
+    title: str
+    base_url: str
+    url_env: str
+    max_shard: int
+    val_shard: int | None
+
+
+SOURCES = {
+    "fineweb_edu": DataSource("base_data", "FineWeb-Edu 100B", BASE_URL, "NANOCHAT_DATA_URL", MAX_SHARD, None),
+    "climbmix": DataSource("base_data_climbmix", "ClimbMix 400B", CLIMBMIX_URL, "NANOCHAT_CLIMBMIX_URL",
+                           CLIMBMIX_MAX_SHARD, CLIMBMIX_MAX_SHARD),
+}
+DEFAULT_SOURCE = "fineweb_edu"  # nanochat's December data, and `base_data/` where nanochat's tools look
 
 
 def index_to_filename(index):
     return f"shard_{index:05d}.parquet"
 
 
-def base_data_dir(data_dir=None):
-    """The shard dir: `data_dir` if given, else $NANOCHAT_BASE_DIR/base_data (created)."""
+def resolve_source(data, recipe_source=DEFAULT_SOURCE):
+    """base_train's --data: None (auto) takes the recipe's source (the December recipe: fineweb_edu, the record
+    recipe: climbmix), an explicit value wins."""
+    chosen = recipe_source if data is None else data
+    if chosen not in SOURCES:
+        raise BadValue(f"--data must be one of {', '.join(SOURCES)} (or auto), got {chosen!r}")
+    return chosen
+
+
+def base_data_dir(data_dir=None, source=DEFAULT_SOURCE):
+    """The shard dir: `data_dir` if given, else the source's directory under $NANOCHAT_BASE_DIR (created)."""
     if data_dir is not None:
         return os.fspath(data_dir)
     # imported here, not at module top: nanochat.common imports torch, which download workers and the
     # import command do not need (it costs seconds per spawned worker on macOS)
     from nanochat.common import get_base_dir
 
-    path = os.path.join(get_base_dir(), "base_data")
+    path = os.path.join(get_base_dir(), SOURCES[resolve_source(source)].dir_name)
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def data_flag(data_dir):
+    """` --data=NAME` for a source's directory other than the default one ('' otherwise): commands in messages."""
+    name = os.path.basename(os.path.normpath(data_dir))
+    return next((f" --data={n}" for n, s in SOURCES.items() if s.dir_name == name and n != DEFAULT_SOURCE), "")
 
 
 def list_parquet_files(data_dir=None):
@@ -57,10 +99,12 @@ def list_parquet_files(data_dir=None):
     return [os.path.join(data_dir, f) for f in names]
 
 
-def _fill_hint():
+def _fill_hint(where):
+    flag = data_flag(where)
+    title = SOURCES[flag.partition("=")[2] or DEFAULT_SOURCE].title
     return (
-        "fill it with `python -m nanochat.dataset -n 8` (downloads FineWeb-Edu shards) or, offline, "
-        "`python -m nanochat.dataset import PATH` (imports local .txt/.jsonl/.json/.parquet text)"
+        f"fill it with `python -m nanochat.dataset{flag} -n 8` (downloads {title} shards) or, offline, "
+        f"`python -m nanochat.dataset import PATH{flag}` (imports local .txt/.jsonl/.json/.parquet text)"
     )
 
 
@@ -71,11 +115,11 @@ def split_parquet_files(split, data_dir=None):
     paths = list_parquet_files(data_dir)
     where = base_data_dir(data_dir)
     if not paths:
-        raise Missing(f"no parquet shards in {where}: {_fill_hint()}")
+        raise Missing(f"no parquet shards in {where}: {_fill_hint(where)}")
     if len(paths) == 1:
         raise Missing(
             f"only one shard in {where} ({os.path.basename(paths[0])}); the last shard is the validation split, "
-            f"so at least 2 are needed: {_fill_hint()}"
+            f"so at least 2 are needed: {_fill_hint(where)}"
         )
     return paths[:-1] if split == "train" else paths[-1:]
 
@@ -108,9 +152,9 @@ def shard_fix(path):
     data_dir = os.path.dirname(os.path.abspath(path))
     if os.path.exists(os.path.join(data_dir, IMPORT_INFO)):
         return (f"this corpus was imported ({IMPORT_INFO} there lists its sources): import it again with "
-                f"`python -m nanochat.dataset import ... --overwrite`")
-    return (f"move {os.path.basename(path)} out of {data_dir} and run `python -m nanochat.dataset -n N` again (it "
-            f"downloads only the shards that are missing, so the file comes back whole)")
+                f"`python -m nanochat.dataset import ...{data_flag(data_dir)} --overwrite`")
+    return (f"move {os.path.basename(path)} out of {data_dir} and run `python -m nanochat.dataset{data_flag(data_dir)} "
+            f"-n N` again (it downloads only the shards that are missing, so the file comes back whole)")
 
 
 def open_shard(path):

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from nanochat.calculator import use_calculator
+from nanochat.usage import BadValue
 
 # -----------------------------------------------------------------------------
 # KV cache
@@ -38,7 +39,9 @@ class KVCache:
     Storage is one tensor of shape (num_layers, 2, batch_size, num_heads, capacity, head_dim), allocated on the first
     insert (so it takes the dtype and device of the keys the model actually produces, e.g. bf16 under autocast) and
     grown when a sequence outgrows it. `pos` counts the tokens already cached; the model reads it for the rotary
-    offset, and it advances after the last layer's insert of a forward pass.
+    offset, and it advances after the last layer's insert of a forward pass. The record model (nanochat/gpt.py
+    RecordGPT) also keeps its previous token's embedding here (exchange_prev_embedding: smear), and its windowed
+    layers attend only the last window + 1 positions (attention's window; attn_mask_for in the fixed-shape step).
     """
 
     def __init__(self, batch_size, num_heads, seq_len, head_dim, num_layers):
@@ -56,13 +59,16 @@ class KVCache:
         self.pos = 0
         self.fixed = False  # fixed-shape decode (start_fixed_shape): positions and mask come from device tensors
         self.pos_t = None
+        self.prev_embedding = None  # (B, 1, C): the last token's embedding, for a model that smears (RecordGPT)
 
     def fixed_shape_storage(self):
-        """New storage for start_fixed_shape: one (2, B, H, S, D) tensor per layer, the position, the slot indices."""
+        """New storage for start_fixed_shape: one (2, B, H, S, D) tensor per layer, the position, the slot indices,
+        and a buffer for the previous token's embedding (None when the model keeps none)."""
         device, dtype = self.kv_cache.device, self.kv_cache.dtype
         # zeros, not empty: the slots not filled yet are masked, but a masked NaN still poisons the output (0 * NaN)
         layers = [torch.zeros(self.kv_shape[1:], dtype=dtype, device=device) for _ in range(self.num_layers)]
-        return layers, torch.zeros(1, dtype=torch.long, device=device), torch.arange(self.seq_len, device=device)
+        prev = None if self.prev_embedding is None else torch.zeros_like(self.prev_embedding)
+        return layers, torch.zeros(1, dtype=torch.long, device=device), torch.arange(self.seq_len, device=device), prev
 
     def start_fixed_shape(self, storage=None):
         """
@@ -76,10 +82,12 @@ class KVCache:
         """
         if self.kv_cache is None:
             raise ValueError("start_fixed_shape() needs an allocated cache (prefill it first)")
-        self.layers, self.pos_t, self.slots = storage or self.fixed_shape_storage()
+        self.layers, self.pos_t, self.slots, prev = storage or self.fixed_shape_storage()
         for i, layer in enumerate(self.layers):  # the filled slots only (the rest of kv_cache is uninitialised)
             layer[..., : self.pos, :].copy_(self.kv_cache[i, ..., : self.pos, :])
         self.pos_t.fill_(self.pos)
+        if self.prev_embedding is not None:  # from here on updated in place (exchange_prev_embedding)
+            self.prev_embedding = prev.copy_(self.prev_embedding)
         self.kv_cache = None
         self.fixed = True
 
@@ -87,6 +95,8 @@ class KVCache:
         """Back to one growable tensor (a reply that outgrows the fixed cache goes on eagerly)."""
         self.kv_cache = torch.stack(self.layers)
         self.layers, self.fixed = None, False
+        if self.prev_embedding is not None:
+            self.prev_embedding = self.prev_embedding.clone()  # the fixed storage may serve the next reply
 
     @property
     def positions(self):
@@ -94,7 +104,29 @@ class KVCache:
 
     @property
     def attn_mask(self):
-        return (self.slots <= self.pos_t).view(1, 1, 1, -1) if self.fixed else None
+        return self.attn_mask_for(None)
+
+    def attn_mask_for(self, window=None):
+        """The fixed-shape step's attention mask (1, 1, 1, S): the filled slots, and with a sliding window only the
+        last window + 1 of them (None outside the fixed-shape step)."""
+        if not self.fixed:
+            return None
+        mask = self.slots <= self.pos_t
+        if window is not None:
+            mask = mask & (self.slots >= self.pos_t - window)
+        return mask.view(1, 1, 1, -1)
+
+    def exchange_prev_embedding(self, x_last):
+        """The previous forward's last token embedding (B, 1, C), or None at the start; x_last is kept for the next
+        forward (a model that smears calls this once per forward). In the fixed-shape step the buffer is updated in
+        place, so a compiled or graphed step reads and writes the same tensor every time."""
+        prev = self.prev_embedding
+        if self.fixed:
+            prev = prev.clone()
+            self.prev_embedding.copy_(x_last)
+        else:
+            self.prev_embedding = x_last
+        return prev
 
     def advance(self, n=1):
         """After a fixed-shape step: the host count and the device position move on (no host-device sync)."""
@@ -108,6 +140,7 @@ class KVCache:
     def reset(self):
         """Forget the cached tokens (the storage is kept for reuse)."""
         self.pos = 0
+        self.prev_embedding = None
 
     def get_pos(self):
         return self.pos
@@ -173,6 +206,8 @@ class KVCache:
             self._grow(other.pos)
         self.kv_cache[:, :, :, :, : other.pos] = other.kv_cache[:, :, :, :, : other.pos]
         self.pos = other.pos
+        if other.prev_embedding is not None:
+            self.prev_embedding = other.prev_embedding.expand(self.batch_size, -1, -1).clone()
 
 
 # -----------------------------------------------------------------------------
@@ -267,7 +302,7 @@ def resolve_decode_compile(value, model):
     """
     value = str(value).strip().lower()
     if value not in DECODE_COMPILE_CHOICES:
-        raise ValueError(f"--decode_compile must be auto, 1 or 0, got {value!r}")
+        raise BadValue(f"--decode_compile must be auto, 1 or 0, got {value!r}")
     from nanochat.gpt import GPT
 
     if value == "0" or not isinstance(model, GPT):
@@ -276,7 +311,7 @@ def resolve_decode_compile(value, model):
 
     if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP/TP: the forward runs collectives in hooks
         if value == "1":
-            raise ValueError("--decode_compile=1 needs an unsharded model, but this one is sharded (FSDP/TP); use --decode_compile=0")
+            raise BadValue("--decode_compile=1 needs an unsharded model, but this one is sharded (FSDP/TP); use --decode_compile=0")
         return False
     return value == "1" or model.get_device().type == "cuda"
 
@@ -322,8 +357,9 @@ class Engine:
         storage = self._storage.pop(key, None)
         if storage is None:
             storage = cache.fixed_shape_storage()
-            for t in (*storage[0], storage[1], storage[2]):
-                torch._dynamo.mark_static_address(t)
+            for t in (*storage[0], *storage[1:]):
+                if t is not None:  # no smear buffer for a model that keeps none
+                    torch._dynamo.mark_static_address(t)
         self._storage[key] = storage  # most recently used last; a few shapes are kept
         while len(self._storage) > STATIC_CACHES_KEPT:
             del self._storage[next(iter(self._storage))]

@@ -1,5 +1,5 @@
 """
-FP8 training of the transformer blocks with torchao's float8 training (`--fp8=1`, `--fp8_recipe=tensorwise|rowwise`).
+FP8 training of the transformer blocks (`--fp8=1`, `--fp8_recipe=tensorwise|rowwise`, `--fp8_impl=torchao|native`).
 
 What: the Linear layers inside the blocks (attention c_q/c_k/c_v/c_proj, MLP c_fc/c_proj) become torchao Float8Linear:
 their matmuls (forward and both backward matmuls) run on FP8 tensor cores with dynamic scales computed on the fly;
@@ -23,10 +23,19 @@ default `auto` converts the block Linears past torchao's break-even for the reci
 bf16; `all` converts every one; a comma list of name parts picks by hand. The log lists each layer kind, its
 decision and why. torch._scaled_mm also needs both dims of a weight divisible by 16: Linears that are not stay bf16.
 
+Two implementations (`--fp8_impl`), the same layers (fp8_plan) and the same tensorwise numerics:
+- torchao (the default): torchao's Float8Linear, a tensor subclass whose casts torch.compile sees and fuses with the
+  neighbouring ops; both recipes; FP8 all-gather under FSDP2. torchao is the optional extra `fp8`
+  (pip install -e '.[fp8]').
+- native: this file's Float8Linear (nanochat 92d63d4 dropped torchao for its own, about 3% faster in its log): one
+  autograd.Function around torch._scaled_mm that casts its operands itself (one scale per tensor: e4m3 for inputs
+  and weights, e5m2 for output gradients), opaque to torch.compile. Tensorwise only; under FSDP2 the weights are
+  gathered in the compute dtype and cast after. No dependency beyond torch.
+Which one is faster is measured by `bash bench/gpu_suite.sh fp8impl` (docs/gpu.md); torchao stays the default until a
+GPU has measured it.
+
 Limits: needs CUDA and compute capability >= 8.9 (H100, L4, RTX 4090...); `check_fp8_supported` refuses anything else
-with the fix (--fp8=0). Use it with torch.compile,
-eager FP8 is slower than bf16 (the casts are separate kernels). torchao is the optional extra `fp8`
-(pip install -e '.[fp8]').
+with the fix (--fp8=0). Use it with torch.compile, eager FP8 is slower than bf16 (the casts are separate kernels).
 """
 
 import dataclasses
@@ -38,13 +47,24 @@ import torch.nn as nn
 from nanochat.usage import BadValue, CannotRun
 
 FP8_RECIPES = ("tensorwise", "rowwise")
+FP8_IMPLS = ("torchao", "native")
 MIN_CAPABILITY = (8, 9)
 
 
-def check_fp8_supported(device, recipe="tensorwise"):
-    """Raise RuntimeError naming the device and the fix when FP8 training cannot run on `device`."""
+def check_fp8_options(recipe="tensorwise", impl="torchao"):
+    """Refuse an unknown recipe or implementation, and the pair that does not exist (native rowwise)."""
     if recipe not in FP8_RECIPES:
         raise BadValue(f"--fp8_recipe must be one of {'|'.join(FP8_RECIPES)}, got {recipe!r}")
+    if impl not in FP8_IMPLS:
+        raise BadValue(f"--fp8_impl must be one of {'|'.join(FP8_IMPLS)}, got {impl!r}")
+    if impl == "native" and recipe != "tensorwise":
+        raise BadValue(f"--fp8_impl=native scales tensorwise only, not {recipe}: use --fp8_recipe=tensorwise, or "
+                       f"--fp8_impl=torchao for {recipe}")
+
+
+def check_fp8_supported(device, recipe="tensorwise", impl="torchao"):
+    """Raise RuntimeError naming the device and the fix when FP8 training cannot run on `device`."""
+    check_fp8_options(recipe, impl)
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise CannotRun(f"--fp8=1 needs an NVIDIA GPU of compute capability >= 8.9 (Hopper/Ada), but this run is on "
@@ -78,6 +98,8 @@ def fp8_config(recipe, fsdp=False, emulate=False):
     return dataclasses.replace(float8.Float8LinearConfig.from_recipe_name("rowwise"), emulate=emulate)
 
 
+FP8_IMPL_HELP = ("whose FP8 Linear: torchao's (both recipes, FP8 all-gather under FSDP2) or native, nanochat's own "
+                 "tensorwise one (92d63d4's choice; no torchao needed); bench/gpu_suite.sh fp8impl measures both")
 FP8_FILTER_HELP = ("which block Linears run in FP8: auto = those whose GEMM shape gains by torchao's H100 tables "
                    "(the rule in nanochat/fp8.py), all = every one, or a comma list of name parts (e.g. mlp.c_fc,mlp.c_proj)")
 
@@ -107,12 +129,12 @@ def fp8_plan(model, recipe="tensorwise", filter="auto"):
     fp8_gains, 'all' = every one, else a comma list of name parts (a Linear whose name contains one is converted).
     """
     if recipe not in FP8_RECIPES:
-        raise ValueError(f"--fp8_recipe must be one of {'|'.join(FP8_RECIPES)}, got {recipe!r}")
+        raise BadValue(f"--fp8_recipe must be one of {'|'.join(FP8_RECIPES)}, got {recipe!r}")
     parts = None
     if filter not in ("auto", "all"):
         parts = [p.strip() for p in str(filter).split(",") if p.strip()]
         if not parts:
-            raise ValueError(f"--fp8_filter must be auto, all or a comma list of layer name parts, got {filter!r}")
+            raise BadValue(f"--fp8_filter must be auto, all or a comma list of layer name parts, got {filter!r}")
     plan = []
     for name, m in model.named_modules():
         if not isinstance(m, nn.Linear) or not name.startswith("transformer.h."):
@@ -127,21 +149,28 @@ def fp8_plan(model, recipe="tensorwise", filter="auto"):
             hit = next((p for p in parts if p in name), None)
             plan.append((name, hit is not None, f"--fp8_filter names {hit!r}" if hit else "not named by --fp8_filter"))
     if parts is not None and not any(convert for _, convert, _ in plan):
-        raise ValueError(f"--fp8_filter={filter} matches no block Linear (names look like transformer.h.0.mlp.c_fc)")
+        raise BadValue(f"--fp8_filter={filter} matches no block Linear (names look like transformer.h.0.mlp.c_fc)")
     return plan
 
 
-def convert_to_fp8(model, recipe="tensorwise", fsdp=False, emulate=False, filter="auto"):
+def convert_to_fp8(model, recipe="tensorwise", fsdp=False, emulate=False, filter="auto", impl="torchao"):
     """
     Swap the block Linears of `model` that fp8_plan picks (a GPT, before FSDP wrapping and compile; any device, meta
-    included) for Float8Linear in place. Runs nothing. Returns (converted names, names left in bf16, plan).
-    emulate: see fp8_config (tests only).
+    included) for torchao's Float8Linear, or this file's (impl="native"), in place. Runs nothing. Returns
+    (converted names, names left in bf16, plan). emulate: see fp8_config (tests only; torchao's).
     """
-    float8 = _import_torchao()
-    config = fp8_config(recipe, fsdp, emulate)
+    check_fp8_options(recipe, impl)
     plan = fp8_plan(model, recipe, filter)
     chosen = {name for name, convert, _ in plan if convert}
-    float8.convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn in chosen, config=config)
+    if impl == "native":
+        for name in chosen:
+            parent, _, attr = name.rpartition(".")
+            owner = model.get_submodule(parent)
+            setattr(owner, attr, Float8Linear.from_float(getattr(owner, attr)))
+    else:
+        float8 = _import_torchao()
+        config = fp8_config(recipe, fsdp, emulate)
+        float8.convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn in chosen, config=config)
     converted = [name for name, convert, _ in plan if convert]
     skipped = [name for name, convert, _ in plan if not convert]
     return converted, skipped, plan
@@ -156,13 +185,13 @@ def describe_plan(plan):
     return [f"  {kind}: {'FP8' if convert else 'bf16'} x{len(names)} ({why})" for (kind, convert, why), names in groups.items()]
 
 
-def apply_fp8(model, recipe, device, fsdp=False, log=print, filter="auto"):
+def apply_fp8(model, recipe, device, fsdp=False, log=print, filter="auto", impl="torchao"):
     """The scripts' call for --fp8=1: refuse unsupported hardware, convert, and say which layers and why."""
-    check_fp8_supported(device, recipe)
-    converted, skipped, plan = convert_to_fp8(model, recipe, fsdp, filter=filter)
-    gather = " (FP8 all-gather under FSDP2)" if fsdp and recipe == "tensorwise" else ""
-    log(f"FP8 ({recipe}{gather}, --fp8_filter={filter}): {len(converted)} of {len(plan)} block Linear layers "
-        "converted; lm_head and wte stay bf16")
+    check_fp8_supported(device, recipe, impl)
+    converted, skipped, plan = convert_to_fp8(model, recipe, fsdp, filter=filter, impl=impl)
+    gather = " (FP8 all-gather under FSDP2)" if fsdp and recipe == "tensorwise" and impl == "torchao" else ""
+    log(f"FP8 ({recipe}{gather}, --fp8_impl={impl}, --fp8_filter={filter}): {len(converted)} of {len(plan)} block "
+        "Linear layers converted; lm_head and wte stay bf16")
     for line in describe_plan(plan):
         log(line)
     if not converted:
@@ -189,3 +218,75 @@ def precompute_fp8_scales(model):
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+# -----------------------------------------------------------------------------
+# nanochat's own tensorwise FP8 Linear (--fp8_impl=native)
+#
+# A Linear does three matmuls: out = x W^T forward, grad_x = grad_out W and grad_W = grad_out^T x backward. Each runs
+# as torch._scaled_mm on FP8 operands: every operand is scaled so that its largest magnitude lands on the FP8 format's
+# largest finite value (one scale per tensor, from the current values: "dynamic tensorwise"), cast with saturation,
+# and the matmul multiplies the result back by the two inverse scales. Inputs and weights use e4m3 (more mantissa),
+# output gradients e5m2 (more range). The FP8 copies of x and W are what the backward keeps (half of bf16's memory).
+
+
+@torch.no_grad()
+def to_fp8(x, fp8_dtype):
+    """(x in `fp8_dtype`, the inverse scale) with one dynamic scale for the whole tensor: the largest |x| maps to the
+    format's largest finite value, out-of-range values saturate. The scale is divided out in float64 and rounded to
+    float32 once (torchao does the same: compiled and eager code then agree)."""
+    fp8_max = torch.finfo(fp8_dtype).max
+    amax = x.float().abs().max()
+    scale = (fp8_max / amax.double().clamp(min=1e-12)).float()
+    x_fp8 = (x.float() * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)  # a plain cast would overflow, not saturate
+    return x_fp8, scale.reciprocal()
+
+
+def _scaled_matmul(a, b, a_inv, b_inv, out_dtype, fast_accum):
+    """a @ b on FP8 operands with their inverse scales. cuBLAS wants a row-major and b column-major."""
+    if not b.t().is_contiguous():
+        b = b.t().contiguous().t()
+    return torch._scaled_mm(a.contiguous(), b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+@torch._dynamo.allow_in_graph  # one opaque node for torch.compile (the casts are not traced and re-fused)
+class _Float8Matmul(torch.autograd.Function):
+    """out = x @ W^T with the three matmuls in FP8 (see above). x is 2-D, in the compute dtype (the output's)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        x_fp8, x_inv = to_fp8(x, torch.float8_e4m3fn)
+        w_fp8, w_inv = to_fp8(weight, torch.float8_e4m3fn)
+        ctx.save_for_backward(x_fp8, x_inv, w_fp8, w_inv)
+        # the forward accumulates in cuBLAS's faster, less precise mode (the usual choice); the backward does not
+        return _scaled_matmul(x_fp8, w_fp8.t(), x_inv, w_inv, x.dtype, fast_accum=True)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_fp8, x_inv, w_fp8, w_inv = ctx.saved_tensors
+        g_fp8, g_inv = to_fp8(grad_out, torch.float8_e5m2)
+        grad_x = _scaled_matmul(g_fp8, w_fp8, g_inv, w_inv, grad_out.dtype, fast_accum=False)
+        grad_w = _scaled_matmul(g_fp8.t(), x_fp8, g_inv, x_inv, grad_out.dtype, fast_accum=False)
+        return grad_x, grad_w
+
+
+class Float8Linear(nn.Linear):
+    """
+    nn.Linear whose matmuls run in FP8 (tensorwise, _Float8Matmul). The weight (and bias) stay the Linear's own
+    parameters, same names, shapes and dtypes: checkpoints are the plain model's. The compute dtype is autocast's when
+    autocast is on for the input's device, else the input's (as the rest of the model computes, nanochat/gpt.py).
+    """
+
+    def forward(self, x):
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        out = _Float8Matmul.apply(x.to(dtype).reshape(-1, x.size(-1)), self.weight)
+        out = out.reshape(*x.shape[:-1], out.size(-1))
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    @classmethod
+    def from_float(cls, linear):
+        """The same parameters (shared, not copied) in a Float8Linear; works on the meta device."""
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=False)
+        new.weight, new.bias = linear.weight, linear.bias
+        return new

@@ -11,6 +11,8 @@ Notable features:
 - attention through nanochat.attention (--attn: SDPA with the GPU's kernel order, FlexAttention, FA3, FA4), KV-cache
   aware for inference
 - optional activation checkpointing of all or every k-th block (GPT.set_activation_checkpointing)
+The record recipe's model (nanochat 92d63d4's: sliding windows, value embeddings, smear, backout, per-layer scalars)
+is RecordGPT at the end of this file; config_from_dict tells from a checkpoint's model_config which of the two it is.
 
 Dtype policy (explicit, because autocast alone does not give it):
 - Parameters are fp32 for training (master weights for the optimizers; FSDP gathers them in bf16 on CUDA). A model
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from nanochat.attention import attention, resolve_attn
+from nanochat.usage import BadValue
 
 
 AC_MODES = ("none", "full", "selective")  # --activation_checkpointing (GPT.set_activation_checkpointing)
@@ -55,27 +58,34 @@ class GPTConfig:
 def config_for_depth(depth, vocab_size, sequence_len):
     """nanochat's depth -> shape rule: width 64*depth, head dim 128 (fewer heads at small widths)."""
     if depth < 1:
-        raise ValueError(f"depth must be >= 1, got {depth}")
+        raise BadValue(f"--depth must be >= 1, got {depth}")
     n_embd = 64 * depth
     n_head = max(1, math.ceil(n_embd / 128))
     if n_embd % n_head != 0:
         ok = [d for d in range(max(1, depth - 3), depth + 4) if (64 * d) % max(1, math.ceil(64 * d / 128)) == 0]
-        raise ValueError(
+        raise BadValue(
             f"--depth={depth} gives n_embd={n_embd} which does not split into {n_head} heads; "
             f"pick a depth such as {', '.join(map(str, ok))}"
         )
     return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head, n_kv_head=n_head, n_embd=n_embd)
 
 
-def _validate_config(c):
+def check_config(c):
+    """A usage error (BadValue) for a shape GPT cannot build: checked before anything is built (a config from --depth,
+    a checkpoint's meta, an imported config.json) and again by GPT itself."""
     if c.vocab_size < 1 or c.sequence_len < 1 or c.n_layer < 1 or c.n_head < 1 or c.n_kv_head < 1 or c.n_embd < 1:
-        raise ValueError(f"every GPTConfig field must be >= 1, got {c}")
+        raise BadValue(f"every GPTConfig field must be >= 1, got {c}")
     if c.n_embd % c.n_head != 0:
-        raise ValueError(f"n_embd={c.n_embd} must be divisible by n_head={c.n_head}")
+        raise BadValue(f"n_embd={c.n_embd} must be divisible by n_head={c.n_head}")
     if (c.n_embd // c.n_head) % 2 != 0:
-        raise ValueError(f"head dim n_embd/n_head={c.n_embd // c.n_head} must be even for rotary embeddings")
+        raise BadValue(f"head dim n_embd/n_head={c.n_embd // c.n_head} must be even for rotary embeddings")
     if c.n_kv_head > c.n_head or c.n_head % c.n_kv_head != 0:
-        raise ValueError(f"n_kv_head={c.n_kv_head} must divide n_head={c.n_head} (and be <= it) for grouped-query attention")
+        raise BadValue(f"n_kv_head={c.n_kv_head} must divide n_head={c.n_head} (and be <= it) for grouped-query attention")
+
+
+def rotary_positions(config):
+    """Positions the rotary table covers: 10x the training length, so generation can run past sequence_len."""
+    return config.sequence_len * 10
 
 
 def norm(x):
@@ -196,19 +206,22 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    attention_class = CausalSelfAttention  # the record model's block swaps in its own (RecordBlock)
+
     def __init__(self, config, layer_idx):
         super().__init__()
-        self.attn = CausalSelfAttention(config, layer_idx)
+        self.attn = self.attention_class(config, layer_idx)
         self.mlp = MLP(config)
         self.checkpointed = False  # activation checkpointing, set by GPT.set_activation_checkpointing
 
-    def forward(self, x, cos_sin, kv_cache, backend):
+    def forward(self, x, *args):
+        # args: what _forward takes after x (this block's: cos_sin, kv_cache, backend).
         # Checkpointed: keep only the block's input, recompute its activations in the backward. The checkpoint sits
         # inside forward (not around the module call) so FSDP's hooks stay outside it and the per-block compile of
         # nanochat.compile traces it; only when gradients are on (evaluation and sampling have nothing to save).
         if self.checkpointed and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos_sin, kv_cache, backend, use_reentrant=False)
-        return self._forward(x, cos_sin, kv_cache, backend)
+            return checkpoint(self._forward, x, *args, use_reentrant=False)
+        return self._forward(x, *args)
 
     def _forward(self, x, cos_sin, kv_cache, backend):
         x = x + self.attn(norm(x), cos_sin, kv_cache, backend)
@@ -217,12 +230,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    block_class = Block  # what the blocks are, and the rotary base: the record model (RecordGPT) changes both
+    rope_base = 10000
+
     def __init__(self, config, attn="auto"):
         """Builds the modules only (no data-dependent ops), so it works under `with torch.device("meta")`.
         Call init_weights() afterwards (after to_empty() when built on meta), or load a state dict with assign=True
         and call init_buffers()."""
         super().__init__()
-        _validate_config(config)
+        check_config(config)
         self.config = config
         self.attn = attn  # as asked (--attn); attn_choice is what runs on this device
         # Resolved again in init_buffers() once the real device is known (the model is often built on meta).
@@ -233,19 +249,19 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(
             {
                 "wte": nn.Embedding(self.padded_vocab_size, config.n_embd),
-                "h": nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+                "h": nn.ModuleList([self.block_class(config, i) for i in range(config.n_layer)]),
             }
         )
         self.lm_head = nn.Linear(config.n_embd, self.padded_vocab_size, bias=False)
         self.head = head  # nanochat.compile replaces it by a compiled copy on the FSDP path
-        # Rotary table for 10x the training length so generation can run past sequence_len.
-        self.rotary_seq_len = config.sequence_len * 10
+        self.rotary_seq_len = rotary_positions(config)
         cos, sin = self._precompute_rotary_embeddings(self.rotary_seq_len, config.n_embd // config.n_head)
         # Non-persistent: derived data, not part of the checkpoint (nanochat's state dict has no rotary keys).
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def _precompute_rotary_embeddings(self, seq_len, head_dim, base=10000, device=None):
+    def _precompute_rotary_embeddings(self, seq_len, head_dim, base=None, device=None):
+        base = self.rope_base if base is None else base
         if device is None:
             device = self.transformer.wte.weight.device
         channel_range = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
@@ -342,7 +358,6 @@ class GPT(nn.Module):
         """AdamW for lm_head and wte (LR scaled by (n_embd/768)^-0.5), Muon for the 2-D block matrices
         (or AdamW for them too with use_muon=False). Returns a list of optimizers; every group has 'initial_lr'."""
         model_dim = self.config.n_embd
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         matrix_params = list(self.transformer.h.parameters())
         embedding_params = list(self.transformer.wte.parameters())
         lm_head_params = list(self.lm_head.parameters())
@@ -359,6 +374,13 @@ class GPT(nn.Module):
         if not use_muon:
             adam_groups.append(dict(params=matrix_params, lr=matrix_lr * dmodel_lr_scale, weight_decay=weight_decay))
         adamw_kwargs = dict(lr=adam_groups[0]["lr"], betas=(0.8, 0.95), eps=1e-10, weight_decay=weight_decay)
+        muon = (matrix_params, dict(lr=matrix_lr, momentum=0.95)) if use_muon else None
+        return self.build_optimizers(adam_groups, adamw_kwargs, muon)
+
+    def build_optimizers(self, adam_groups, adamw_kwargs, muon=None):
+        """[AdamW over adam_groups (defaults adamw_kwargs), Muon over muon = (params or groups, defaults) when given]:
+        torch's AdamW and Muon in one process, DistAdamW and DistMuon under torchrun. Every group gets 'initial_lr'."""
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if distributed:
             from nanochat.adamw import DistAdamW
 
@@ -371,17 +393,18 @@ class GPT(nn.Module):
             fused = self.get_device().type == "cuda"
             adamw = torch.optim.AdamW(adam_groups, fused=fused, **adamw_kwargs)
         optimizers = [adamw]
-        if use_muon:
+        if muon is not None:
             from nanochat.muon import DistMuon, Muon  # imported here: muon.py is optional for AdamW-only use
 
             MuonFactory = DistMuon if distributed else Muon
-            optimizers.append(MuonFactory(matrix_params, lr=matrix_lr, momentum=0.95))
+            optimizers.append(MuonFactory(muon[0], **muon[1]))
         for opt in optimizers:
             for group in opt.param_groups:
                 group["initial_lr"] = group["lr"]
         return optimizers
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+    def rotary_tables(self, idx, kv_cache):
+        """full_rotary_tables for the positions of idx: after what kv_cache holds (0 without one)."""
         T = idx.size(1)
         # the engine's fixed-shape decode step: a device tensor, (1,) or one position per row (B, 1) for the serving
         # scheduler's batch of sequences at different lengths (nanochat/serving/kv_slots.py)
@@ -394,12 +417,14 @@ class GPT(nn.Module):
             )
         if self.cos.device != idx.device:
             raise RuntimeError(f"rotary tables are on {self.cos.device} but the input is on {idx.device}; call init_weights() after moving the model")
-        backend = self.attn_choice
         if positions is None:
-            cos_sin = full_rotary_tables(self.cos[:, pos : pos + T], self.sin[:, pos : pos + T])
-        else:  # read from the tensor, so a compiled/graphed step does not change (and recompile) with every position
-            cos_sin = full_rotary_tables(self.cos[0, positions], self.sin[0, positions])
+            return full_rotary_tables(self.cos[:, pos : pos + T], self.sin[:, pos : pos + T])
+        # read from the tensor, so a compiled/graphed step does not change (and recompile) with every position
+        return full_rotary_tables(self.cos[0, positions], self.sin[0, positions])
 
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+        cos_sin = self.rotary_tables(idx, kv_cache)
+        backend = self.attn_choice
         x = self.transformer.wte(idx)
         x = norm(x.to(compute_dtype(x)))  # the residual stream runs in the compute dtype (see the top)
         for block in self.transformer.h:
@@ -435,3 +460,265 @@ class GPT(nn.Module):
                 next_id = torch.argmax(logits, dim=-1, keepdim=True)
             ids = torch.cat((ids, next_id), dim=1)
             yield next_id.item()
+
+
+# -----------------------------------------------------------------------------
+# The record model: nanochat 92d63d4's GPT (the time-to-GPT-2 record recipe, --recipe=record)
+#
+# The December model above with, as 92d63d4 has them (its parameter names, so its checkpoints load by name):
+# - sliding-window attention: a pattern of S (short: a quarter of the context, rounded up to FlashAttention's tile of
+#   128) and L (the whole context) tiled over the layers, the last layer always L (window_sizes)
+# - value embeddings (ResFormer): on alternating layers, the last one always included (has_ve), a per-token embedding
+#   of the kv width added to v through a per-head gate 3 * sigmoid(ve_gate(x[:12]))
+# - smear: each token's embedding gets the previous token's, through a gate smear_lambda * sigmoid(smear_gate(x[:24]))
+# - backout: the residual stream of the middle layer, times backout_lambda, is subtracted before the final norm
+# - per-layer scalars: x = resid_lambdas[i] * x + x0_lambdas[i] * x0 before each block (x0: the smeared embedding)
+# - QK norm times 1.2, rotary base 100,000, its own init (RecordGPT.init_weights), its optimizer groups
+# Its model_config is GPTConfig's plus window_pattern (RecordConfig): what 92d63d4 writes, and how a checkpoint says
+# which model it holds (config_from_dict).
+
+
+@dataclass
+class RecordConfig(GPTConfig):
+    # nanochat 92d63d4's GPTConfig: these fields exactly (its checkpoints' model_config, and ours load there)
+    window_pattern: str = "SSSL"  # tiled over the layers; S = short window, L = the whole context; last layer L
+
+
+QK_SCALE = 1.2  # queries and keys after QK norm: sharper attention than unit vectors give
+VE_GATE_CHANNELS = 12  # the value-embedding gate reads this many channels of the block input
+SMEAR_CHANNELS = 24  # the smear gate reads this many channels of the embedding
+WINDOW_TILE = 128  # short windows are rounded up to FlashAttention's tile
+
+
+def config_from_dict(cfg):
+    """The config a checkpoint's model_config describes: RecordConfig when it has a window_pattern (what nanochat
+    92d63d4 writes), else GPTConfig (the December model). The one place that tells the two apart; model_class then
+    says which model class builds it."""
+    return (RecordConfig if "window_pattern" in cfg else GPTConfig)(**cfg)
+
+
+def model_class(config):
+    return RecordGPT if isinstance(config, RecordConfig) else GPT
+
+
+def make_model(config, attn="auto"):
+    """GPT or RecordGPT for `config` (modules only: see GPT.__init__ for the meta device and init)."""
+    return model_class(config)(config, attn=attn)
+
+
+def record_config_for_depth(depth, vocab_size, sequence_len, aspect_ratio=64, head_dim=128, window_pattern="SSSL"):
+    """92d63d4's depth -> shape rule: width depth * aspect_ratio rounded up to a multiple of head_dim, so every head
+    is exactly head_dim wide (n_head = width / head_dim)."""
+    if depth < 1 or aspect_ratio < 1:
+        raise ValueError(f"--depth and --aspect_ratio must be >= 1, got {depth} and {aspect_ratio}")
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"--head_dim must be an even number >= 2 (rotary embeddings rotate pairs), got {head_dim}")
+    n_embd = -(-depth * aspect_ratio // head_dim) * head_dim
+    n_head = n_embd // head_dim
+    config = RecordConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
+                          n_kv_head=n_head, n_embd=n_embd, window_pattern=window_pattern)
+    window_sizes(config)  # a bad pattern stops here
+    return config
+
+
+def window_sizes(config):
+    """The left window of each layer (FlashAttention's convention: a query attends itself and the `window` keys before
+    it). L layers get sequence_len, so they see the whole training context and slide only past it in generation."""
+    pattern = str(config.window_pattern).upper()
+    if not pattern or set(pattern) - set("SL"):
+        raise ValueError(f"window_pattern must be a non-empty string of S (short window) and L (whole context), "
+                         f"e.g. SSSL or L, got {config.window_pattern!r}")
+    long = config.sequence_len
+    short = -(-long // 4 // WINDOW_TILE) * WINDOW_TILE  # a quarter of the context, rounded up to the tile (as 92d63d4)
+    windows = [long if pattern[i % len(pattern)] == "L" else short for i in range(config.n_layer)]
+    windows[-1] = long
+    return windows
+
+
+def has_ve(layer_idx, n_layer):
+    """Whether a layer has a value embedding: every other layer, the last one always."""
+    return layer_idx % 2 == (n_layer - 1) % 2
+
+
+class RecordAttention(CausalSelfAttention):
+    """Attention with a sliding window, a gated value embedding (ve_gate on the layers has_ve picks) and QK norm x 1.2."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.ve_gate = nn.Linear(VE_GATE_CHANNELS, self.n_kv_head, bias=False) if has_ve(layer_idx, config.n_layer) else None
+
+    def forward(self, x, ve, cos_sin, window, kv_cache, backend):
+        B, T, C = x.size()
+        q = self.c_q(x).view(B, T, -1, self.head_dim)  # -1 heads: this rank's under tensor parallelism
+        k = self.c_k(x).view(B, T, -1, self.head_dim)
+        v = self.c_v(x).view(B, T, -1, self.head_dim)
+        if ve is not None:  # value residual: the token's value embedding, through a gate per kv head in (0, 3)
+            gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
+            v = v + gate.unsqueeze(-1) * ve.view(B, T, -1, self.head_dim)
+        q, k = rotate(q, *cos_sin), rotate(k, *cos_sin)
+        q, k = norm(q) * QK_SCALE, norm(k) * QK_SCALE
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        mask = None
+        if kv_cache is not None:
+            k, v = kv_cache.insert_kv(self.layer_idx, k, v)
+            if getattr(kv_cache, "positions", None) is not None:  # fixed-shape decode: filled slots in the window
+                mask = kv_cache.attn_mask_for(window)
+        y = attention(q, k, v, backend, mask, window)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
+        return self.c_proj(y)
+
+
+class RecordBlock(Block):
+    attention_class = RecordAttention
+
+    def _forward(self, x, ve, cos_sin, window, kv_cache, backend):
+        x = x + self.attn(norm(x), ve, cos_sin, window, kv_cache, backend)
+        x = x + self.mlp(norm(x))
+        return x
+
+
+class RecordGPT(GPT):
+    """nanochat 92d63d4's model (see the section above); built, loaded and prepared like GPT."""
+
+    block_class = RecordBlock
+    rope_base = 100000
+
+    def __init__(self, config, attn="auto"):
+        super().__init__(config, attn)
+        self.windows = window_sizes(config)
+        n, kv_dim = config.n_layer, config.n_kv_head * (config.n_embd // config.n_head)
+        # placeholder values (the model is often built on meta): init_weights sets them
+        self.resid_lambdas = nn.Parameter(torch.ones(n))
+        self.x0_lambdas = nn.Parameter(torch.zeros(n))
+        self.smear_gate = nn.Linear(SMEAR_CHANNELS, 1, bias=False)
+        self.smear_lambda = nn.Parameter(torch.zeros(1))
+        self.backout_lambda = nn.Parameter(0.2 * torch.ones(1))
+        self.value_embeds = nn.ModuleDict(
+            {str(i): nn.Embedding(self.padded_vocab_size, kv_dim) for i in range(n) if has_ve(i, n)})
+
+    @torch.no_grad()
+    def init_weights(self, scheme="record"):
+        """92d63d4's init, drawing from the generator in its order (the same seed gives the same weights there):
+        wte N(0, 0.8), lm_head N(0, 0.001); per block q/k/v uniform +-s (s = sqrt(3/n_embd): std 1/sqrt(n_embd)),
+        c_fc +-0.4s, both projections zero; resid_lambdas 1.15 -> 1.05 and x0_lambdas 0.20 -> 0.05 from the first layer
+        to the last; smear 0, backout 0.2, smear gate U(0, 0.02); value embeddings +-s; value gates U(0, 0.02)."""
+        if scheme != "record":
+            raise ValueError(f"the record model has one init (92d63d4's), not {scheme!r}")
+        s = 3**0.5 * self.config.n_embd**-0.5
+        torch.nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=0.8)
+        torch.nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
+        for block in self.transformer.h:
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v):
+                torch.nn.init.uniform_(lin.weight, -s, s)
+            torch.nn.init.zeros_(block.attn.c_proj.weight)
+            torch.nn.init.uniform_(block.mlp.c_fc.weight, -s * 0.4, s * 0.4)
+            torch.nn.init.zeros_(block.mlp.c_proj.weight)
+        n = self.config.n_layer
+        for i in range(n):
+            self.resid_lambdas[i] = 1.15 - (0.10 * i / max(n - 1, 1))
+            self.x0_lambdas[i] = 0.20 - (0.15 * i / max(n - 1, 1))
+        torch.nn.init.zeros_(self.smear_lambda)
+        torch.nn.init.constant_(self.backout_lambda, 0.2)
+        torch.nn.init.uniform_(self.smear_gate.weight, 0.0, 0.02)
+        for ve in self.value_embeds.values():
+            torch.nn.init.uniform_(ve.weight, -s, s)
+        for block in self.transformer.h:
+            if block.attn.ve_gate is not None:
+                torch.nn.init.uniform_(block.attn.ve_gate.weight, 0.0, 0.02)
+        self.init_buffers()
+
+    def matmul_params(self):
+        """Parameters that multiply the token stream (every Linear: blocks, gates, lm_head), 2 FLOPs each forward;
+        the embeddings are lookups and the scalars elementwise."""
+        return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+
+    def estimate_flops(self):
+        """FLOPs per token for forward+backward (92d63d4's count): 6 per matmul parameter, plus attention over the
+        tokens each layer's window lets it see."""
+        h, q, t = self.config.n_head, self.config.n_embd // self.config.n_head, self.config.sequence_len
+        return 6 * self.matmul_params() + sum(12 * h * q * min(w, t) for w in self.windows)
+
+    def scaling_params(self):
+        """The parameter count the record recipe's horizon and batch size scale with: block matrices and lm_head
+        (92d63d4's choice, dev/LOG.md there: the cleanest scaling laws)."""
+        return sum(p.numel() for p in self.transformer.h.parameters()) + self.lm_head.weight.numel()
+
+    def optimizer_groups(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, scalar_lr=0.5):
+        """
+        92d63d4's parameter groups, every hyperparameter explicit (`kind` says which optimizer takes the group):
+        AdamW (eps 1e-10) for lm_head (betas 0.8/0.96, decay 0.01), wte (0.8/0.995, 0.001), the value embeddings (half
+        the embedding lr, 0.8/0.995, 0.01), resid_lambdas (scalar_lr / 100, 0.8/0.95, 0.05), x0_lambdas (scalar_lr,
+        0.96/0.95, none), smear/backout (0.2, 0.8/0.95, none); the lm_head and embedding lrs scaled by
+        (n_embd/768)^-0.5. Muon for the block matrices (lr matrix_lr, momentum 0.95, weight_decay the cautious decay
+        the training loop schedules) with the record options of nanochat/muon.py: Polar Express, MuonEq, Muon+,
+        NorMuon (beta2 0.9).
+        """
+        scale = (self.config.n_embd / 768) ** -0.5
+        adamw = dict(kind="adamw", eps=1e-10)
+        groups = [
+            dict(adamw, params=[self.lm_head.weight], lr=unembedding_lr * scale, betas=(0.8, 0.96), weight_decay=0.01),
+            dict(adamw, params=[self.transformer.wte.weight], lr=embedding_lr * scale, betas=(0.8, 0.995), weight_decay=0.001),
+            dict(adamw, params=list(self.value_embeds.parameters()), lr=embedding_lr * scale * 0.5, betas=(0.8, 0.995),
+                 weight_decay=0.01),
+            dict(adamw, params=[self.resid_lambdas], lr=scalar_lr * 0.01, betas=(0.8, 0.95), weight_decay=0.05),
+            dict(adamw, params=[self.x0_lambdas], lr=scalar_lr, betas=(0.96, 0.95), weight_decay=0.0),
+            dict(adamw, params=[self.smear_gate.weight, self.smear_lambda, self.backout_lambda], lr=0.2,
+                 betas=(0.8, 0.95), weight_decay=0.0),
+            dict(RECORD_MUON_GROUP, params=list(self.transformer.h.parameters()), lr=matrix_lr,
+                 weight_decay=weight_decay),
+        ]
+        grouped = [p for g in groups for p in g["params"]]
+        if len(grouped) != len(list(self.parameters())) or len(set(map(id, grouped))) != len(grouped):
+            raise RuntimeError("the record model's optimizer groups do not hold every parameter exactly once")
+        return groups
+
+    def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, scalar_lr=0.5,
+                         use_muon=True):
+        """[AdamW, Muon] over optimizer_groups (DistAdamW/DistMuon under torchrun); every group has 'initial_lr'."""
+        if not use_muon:
+            raise ValueError("the record recipe trains its block matrices with Muon: --use_muon=0 is December's option")
+        groups = self.optimizer_groups(unembedding_lr, embedding_lr, matrix_lr, weight_decay, scalar_lr)
+        adam_groups = [g for g in groups if g["kind"] == "adamw"]
+        muon_groups = [g for g in groups if g["kind"] == "muon"]
+        first = adam_groups[0]
+        adamw_kwargs = dict(lr=first["lr"], betas=first["betas"], eps=first["eps"], weight_decay=first["weight_decay"])
+        return self.build_optimizers(adam_groups, adamw_kwargs, (muon_groups, {}))
+
+    def smear(self, x, kv_cache):
+        """x[t] += smear_lambda * sigmoid(smear_gate(x[t][:24])) * x[t-1]: the previous token's embedding mixed in.
+        With a KV cache the previous token of the first position is the last one of the cache's previous forward."""
+        prev = None if kv_cache is None else kv_cache.exchange_prev_embedding(x[:, -1:])
+        lam = self.smear_lambda.to(x.dtype)
+        if x.size(1) > 1:
+            gate = lam * torch.sigmoid(self.smear_gate(x[:, 1:, :SMEAR_CHANNELS]))
+            first = x[:, :1]
+            if prev is not None:  # a chunk after a cached prefix
+                first = first + lam * torch.sigmoid(self.smear_gate(first[..., :SMEAR_CHANNELS])) * prev
+            return torch.cat([first, x[:, 1:] + gate * x[:, :-1]], dim=1)
+        if prev is None:  # the first token of a sequence has no previous one
+            return x
+        gate = lam * torch.sigmoid(self.smear_gate(x[..., :SMEAR_CHANNELS]))
+        return x + gate * prev
+
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+        cos_sin = self.rotary_tables(idx, kv_cache)
+        backend = self.attn_choice
+        x = self.transformer.wte(idx)
+        x = norm(x.to(compute_dtype(x)))
+        x = self.smear(x, kv_cache)
+        x0 = x
+        backout_layer, x_backout = self.config.n_layer // 2, None
+        for i, block in enumerate(self.transformer.h):
+            x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
+            ve = self.value_embeds[str(i)](idx).to(x.dtype) if str(i) in self.value_embeds else None
+            x = block(x, ve, cos_sin, self.windows[i], kv_cache, backend)
+            if i == backout_layer:
+                x_backout = x
+        x = x - self.backout_lambda.to(x.dtype) * x_backout  # low-level features of the middle layer taken out
+        return self.head(x, self.lm_head.weight, self.config.vocab_size, targets, loss_reduction)
+
+
+# The record Muon groups' hyperparameters besides params, lr and weight_decay: nanochat 92d63d4's Muon (momentum 0.95,
+# scheduled by the training loop; 5 orthogonalisation steps) and the names nanochat/muon.py gives its options.
+RECORD_MUON_GROUP = dict(kind="muon", momentum=0.95, nesterov=True, ns_steps=5, ns="polar_express", row_equilibrate=True,
+                         renormalize=True, normuon=True, beta2=0.9, cautious_wd=True)

@@ -11,6 +11,9 @@ The two models compute the same function; only names and a few constants need tr
 - vocab padding: our wte / lm_head have rows up to a multiple of 64 that no token uses; they are dropped on export
   (so transformers' logits have exactly one column per token) and zero-filled on import
 
+The record recipe's model (nanochat/gpt.py RecordGPT) has modules transformers' NanoChat does not (hf_lacks): it is
+refused on export, with what is missing, rather than written as a model that computes something else.
+
 Nothing here imports transformers or safetensors: those are optional (the `hf` extra) and imported by the scripts.
 The tokenizer helpers import `tokenizers` lazily, inside the functions that need it.
 """
@@ -54,6 +57,15 @@ def padded_vocab_size(vocab_size):
 
 # -----------------------------------------------------------------------------
 # config
+
+
+def hf_lacks(config):
+    """What transformers' NanoChat model cannot express of a model with this config, as one phrase; None when it
+    expresses all of it (the December GPT)."""
+    if getattr(config, "window_pattern", None) is None:
+        return None
+    return ("sliding-window attention, value embeddings, smear, backout, the per-layer residual and x0 scalars and "
+            "the 1.2 QK-norm scale of the record recipe's model")
 
 
 def hf_config_dict(config, bos_token_id, eos_token_id, dtype="float32"):

@@ -32,6 +32,7 @@ import os
 
 from nanochat.atomic import atomic_write
 from nanochat.common import DummyWandb, print0
+from nanochat.usage import BadValue
 
 
 def read_metrics(path):
@@ -48,7 +49,7 @@ def read_metrics(path):
             else:
                 why = "is not a record with a 'step'"
             if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                raise ValueError(f"{path}:{lineno} {why}: {line.strip()[:80]!r}. Delete that line (the other records "
+                raise BadValue(f"{path}:{lineno} {why}: {line.strip()[:80]!r}. Delete that line (the other records "
                                  f"are kept) and run again")
             records.append(record)
     return records

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 from nanochat.batching import batch_arithmetic, sft_batch_arithmetic
-from nanochat.usage import report, run_main
+from nanochat.usage import BadValue, run_main
 
 
 @dataclass(frozen=True)
@@ -147,17 +147,17 @@ class Launch:
 def resolve(depth, num_shards=None, device_batch_size=None, use_fsdp=None, world_size=1, total_batch_size=TOTAL_BATCH_SIZE,
             max_seq_len=MAX_SEQ_LEN, mode="pretrain", max_shards=FINEWEB_SHARDS, activation_checkpointing=None,
             tp_size=None, ac_every=2):
-    """The settings of one launch; ValueError naming the flag to change when there are none that work."""
+    """The settings of one launch; a usage error (BadValue) naming the flag to change when there are none that work."""
     if mode not in ("pretrain", "posttrain", "fullrun"):
-        raise ValueError(f"mode must be pretrain, posttrain or fullrun, got {mode!r}")
+        raise BadValue(f"mode must be pretrain, posttrain or fullrun, got {mode!r}")
     notes = []
     preset = PRESETS.get(depth)
     if preset is None and (num_shards is None or device_batch_size is None):
-        raise ValueError(f"no preset for --depth={depth}. Presets: {' '.join(f'd{d}' for d in PRESETS)}\n"
+        raise BadValue(f"no preset for --depth={depth}. Presets: {' '.join(f'd{d}' for d in PRESETS)}\n"
                          f"  (or give both --num_shards=N and --device_batch_size=N to run another depth)")
     num_shards = preset.num_shards if num_shards is None else num_shards
     if num_shards < 2:
-        raise ValueError(f"--num_shards expects a whole number >= 2 (the last shard is validation), got {num_shards}")
+        raise BadValue(f"--num_shards expects a whole number >= 2 (the last shard is validation), got {num_shards}")
     if num_shards > max_shards:
         # the d44+ presets ask for more than FineWeb-Edu-100B has: download it all, the loader repeats data
         notes.append(f"{num_shards} shards asked for but the dataset has {max_shards} (NANOCHAT_MAX_SHARDS): "
@@ -166,19 +166,19 @@ def resolve(depth, num_shards=None, device_batch_size=None, use_fsdp=None, world
     dbs_given = device_batch_size is not None
     dbs = device_batch_size if dbs_given else preset.device_batch_size
     if dbs < 1:
-        raise ValueError(f"--device_batch_size expects a whole number >= 1, got {dbs}")
+        raise BadValue(f"--device_batch_size expects a whole number >= 1, got {dbs}")
     if use_fsdp is None:
         use_fsdp = preset.use_fsdp if preset else depth >= FSDP_FROM_DEPTH
     if world_size < 1:
-        raise ValueError(f"world size must be >= 1, got {world_size}")
+        raise BadValue(f"world size must be >= 1, got {world_size}")
     ac = activation_checkpointing or (preset.activation_checkpointing if preset else "none")
     if ac not in AC_MODES:
-        raise ValueError(f"--activation_checkpointing must be one of {'|'.join(AC_MODES)}, got {ac!r}")
+        raise BadValue(f"--activation_checkpointing must be one of {'|'.join(AC_MODES)}, got {ac!r}")
     if ac == "selective" and ac_every < 1:
-        raise ValueError(f"--ac_every must be a whole number >= 1 for --activation_checkpointing=selective, got {ac_every}")
+        raise BadValue(f"--ac_every must be a whole number >= 1 for --activation_checkpointing=selective, got {ac_every}")
     tp = tp_size if tp_size is not None else (preset.tp_size if preset else 1)
     if tp < 1 or world_size % tp != 0:
-        raise ValueError(f"--tp_size must be a whole number >= 1 that divides the world size {world_size}, got {tp}")
+        raise BadValue(f"--tp_size must be a whole number >= 1 that divides the world size {world_size}, got {tp}")
     # the tp ranks of one group read the same rows: the batch splits over the data-parallel ranks only
     dp_world = world_size // tp
 
@@ -199,7 +199,7 @@ def resolve(depth, num_shards=None, device_batch_size=None, use_fsdp=None, world
             # one row per rank is already more than the total: fewer data-parallel ranks (TP) or a bigger total
             tp_hint = next((t for t in (2, 4, 8) if world_size % t == 0 and t > tp
                             and dbs * max_seq_len * world_size // t <= total_batch_size), None)
-            raise ValueError(
+            raise BadValue(
                 f"one micro-step of {dbs} x {max_seq_len} tokens on each of {procs} is {dbs * max_seq_len * dp_world} "
                 f"tokens, more than --total_batch_size={total_batch_size}: use --total_batch_size="
                 f"{dbs * max_seq_len * dp_world}" + (f" or --tp_size={tp_hint} (tensor parallelism: {tp_hint} GPUs "
@@ -286,9 +286,9 @@ def _whole(name, text, minimum):
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"{name} expects a whole number, got {text!r}") from None
+        raise BadValue(f"{name} expects a whole number, got {text!r}") from None
     if value < minimum:
-        raise ValueError(f"{name} expects a whole number >= {minimum}, got {value}")
+        raise BadValue(f"{name} expects a whole number >= {minimum}, got {value}")
     return value
 
 
@@ -345,14 +345,10 @@ def main(argv=None):
         return 0
     if args.depth is None:
         flags.error("--depth is required (except with --format markdown)")
-    try:
-        launch = resolve_launch(args.depth, train_args, args.max_shards, num_shards=args.num_shards,
-                                device_batch_size=args.device_batch_size, use_fsdp=args.use_fsdp,
-                                world_size=args.world_size, mode=args.mode,
-                                activation_checkpointing=args.activation_checkpointing, tp_size=args.tp_size)
-    except ValueError as e:
-        report(e)
-        return 2
+    launch = resolve_launch(args.depth, train_args, args.max_shards, num_shards=args.num_shards,
+                            device_batch_size=args.device_batch_size, use_fsdp=args.use_fsdp,
+                            world_size=args.world_size, mode=args.mode,
+                            activation_checkpointing=args.activation_checkpointing, tp_size=args.tp_size)
     if args.format == "shell":
         print("\n".join(shell_lines(launch)))
     else:

@@ -1,5 +1,5 @@
 """
-Is this machine ready to run nanochat? The two questions the launch scripts ask before doing anything, answered here
+Is this machine ready to run nanochat? The questions the launch scripts ask before doing anything, answered here
 once so that runcpu.sh, speedrun.sh and pretrain.sh agree and a test can ask them too:
 
     python -m nanochat.setup_check installed [--extras dev]
@@ -8,7 +8,11 @@ once so that runcpu.sh, speedrun.sh and pretrain.sh agree and a test can ask the
     python -m nanochat.setup_check gpu
         exit 0 when torch can use the GPUs; otherwise exit 1 naming the torch build, its CUDA version and the fix.
         This is what keeps a GPU launcher from training on the CPU by accident (a CPU-only wheel, or a wheel built
-        for a newer CUDA than the driver supports, makes torch.cuda.is_available() False on a GPU node).
+        for a newer CUDA than the driver supports, makes torch.cuda.is_available() False on a GPU node). The
+        scripts' device autodetection (nanochat.distributed.dist.autodetect_device_type) asks the same.
+
+And, as functions: `quick_install_problem` (pretrain.sh's check of its interpreter, without importing torch) and
+`wandb_problem` (--run=NAME needs a wandb login: the training scripts' start-up check, pretrain.sh's too).
 
 "Installed" is read from the installed distribution's metadata, never from what happens to be importable: from the
 repository root `import nanochat` finds the source directory and `import rustbpe` finds the Rust crate directory
@@ -117,6 +121,71 @@ def install_problems(extras=()):
         except Exception as e:
             problems.append(f"rustbpe does not load as the compiled extension ({type(e).__name__}: {e})")
     return problems
+
+
+def quick_install_problem():
+    """The first reason this interpreter cannot run nanochat that shows without importing anything (what a launcher
+    asks on every start, in milliseconds): torch, the nanochat distribution, the compiled rustbpe. None when all are
+    there (install_problems checks them fully)."""
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed"
+    try:
+        metadata.distribution(DIST)
+    except metadata.PackageNotFoundError:
+        return f"the {DIST} distribution is not installed"
+    spec = importlib.util.find_spec("rustbpe")
+    if spec is None or spec.origin is None:
+        return "rustbpe (the compiled tokenizer extension) is not installed"
+    return None
+
+
+# -----------------------------------------------------------------------------
+# wandb login?
+
+
+def wandb_login_problem(env=None):
+    """Why wandb.init would have no credentials here, as a sentence, or None. Read the way wandb reads them, without
+    importing it or going online: WANDB_API_KEY / WANDB_IDENTITY_TOKEN_FILE, the netrc entry for the wandb host
+    (what `wandb login` writes), an api_key in wandb's settings files; WANDB_MODE=offline|disabled needs none."""
+    import netrc
+    from urllib.parse import urlsplit
+
+    env = os.environ if env is None else env
+    if (env.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
+            or env.get("WANDB_DISABLED", "").lower() in ("1", "true")):
+        return None
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urlsplit(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    home = os.path.expanduser("~")
+    netrc_path = env.get("NETRC") or next((p for p in (os.path.join(home, ".netrc"), os.path.join(home, "_netrc"))
+                                           if os.path.exists(p)), os.path.join(home, ".netrc"))
+    try:
+        if netrc.netrc(netrc_path).authenticators(host):
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    config_dir = (env.get("WANDB_CONFIG_DIR")
+                  or os.path.join(env.get("XDG_CONFIG_HOME") or os.path.join(home, ".config"), "wandb"))
+    for settings in (os.path.join(config_dir, "settings"), os.path.join(env.get("WANDB_DIR") or ".", "wandb", "settings")):
+        try:
+            with open(settings, encoding="utf-8") as f:
+                if any(line.split("=")[0].strip() == "api_key" for line in f):
+                    return None
+        except OSError:
+            pass
+    return f"no wandb login found (no WANDB_API_KEY, no {host} entry in {netrc_path})"
+
+
+def wandb_problem(run_name, env=None):
+    """The refusal of --run=NAME (a wandb run) without a wandb login, naming the three ways on, or None (also for
+    --run=dummy, no wandb). The training scripts ask it at start-up, pretrain.sh before its downloads."""
+    problem = None if run_name == "dummy" else wandb_login_problem(env)
+    if problem:
+        return (f"--run={run_name} logs to wandb, but {problem}: run `wandb login` (or set WANDB_API_KEY), or set "
+                f"WANDB_MODE=offline to log into ./wandb and upload later with `wandb sync`, or pass --run=dummy for "
+                f"no wandb")
+    return None
 
 
 # -----------------------------------------------------------------------------

@@ -5,7 +5,8 @@ nanochat/stage.py puts them together into the skeleton each stage's script runs 
 - `setup_run` -> `RunContext`: device, ranks and compute dtype of this process (its `autocast()` for forward).
 - `resolve_dtype` / `autocast_ctx`: bf16 autocast on CUDA, plain fp32 elsewhere.
 - `set_deterministic`: --deterministic, bit-for-bit reproducible runs (and resumes) under torch.compile too.
-- `build_model`: GPT from a config (meta device -> real device -> init); `check_model_options`: --fp8 refused early
+- `init_model`: a fresh GPT from a config (meta device -> real device -> init; checkpoint_manager.build_model rebuilds
+  one from a checkpoint); `check_model_options`: --fp8 refused early
   where it cannot run. The run's parallel plan (nanochat/distributed/parallel.py) then prepares the model (AC, FP8,
   sharding, compile) and owns its optimizers' layout and state dict format; collectives are in
   nanochat/distributed/dist.py.
@@ -15,11 +16,10 @@ nanochat/stage.py puts them together into the skeleton each stage's script runs 
   micro-batch after the previous backward has been queued; `round_robin_batches` reads several data ranks' loaders.
 - `ProgressMeter`: debiased EMA loss, step time, tok/s, MFU and ETA for the log line.
 - `every`: periodic actions, where a value <= 0 turns the action off entirely.
-- `save_train_state` / `load_train_state`: model + per-rank optimizer + per-rank loader + loop state, so a resumed
-  run continues exactly like an uninterrupted one; `save_stage_model`: the model and meta only (SFT, RL). On the
-  FSDP path both write sharded checkpoints (nanochat/sharded_checkpoint.py: every rank its shard, resumable on another
-  number of ranks) unless --checkpoint_format=single.
-- `resume_flag` / `resolve_resume_step`: --resume_from_step=N|auto|-1, the same answer on every rank.
+
+Checkpoints of a run (save_train_state, load_train_state, save_stage_model, --resume_from_step) are the checkpoint
+package's: nanochat/checkpoint/train_state.py and resume.py. `check_sequence_length`: a start-up check of a saved
+model's rotary table, before anything is built.
 """
 
 import contextlib
@@ -29,9 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.checkpoint_manager import SHAPE_FIELDS, latest_resumable_step, load_checkpoint, save_checkpoint, step_problem
 from nanochat.common import device_type_flag, peak_flops_for, print0
-from nanochat.distributed.dist import all_reduce_mean, compute_init, gather_objects, get_dist_info
+from nanochat.distributed.dist import all_reduce_mean, compute_init
 from nanochat.distributed.parallel import DataParallel
 from nanochat.usage import BadValue
 
@@ -121,34 +120,45 @@ def setup_run(config):
 # model and optimizers
 
 
-def build_model(config, device, init="normal", attn="auto"):
-    """A freshly initialised GPT on `device` (meta device -> to_empty -> init_weights). Returns the model; the
-    parallel plan prepares it afterwards (`parallel.prepare(model, config, device, autocast)`)."""
-    from nanochat.gpt import GPT
+def init_model(config, device, init="normal", attn="auto"):
+    """A freshly initialised GPT (RecordGPT for a record config: nanochat/gpt.py make_model) on `device` (meta device
+    -> to_empty -> init_weights). Returns the model; the parallel plan prepares it afterwards
+    (`parallel.prepare(model, config, device, autocast)`)."""
+    from nanochat.gpt import make_model
 
     with torch.device("meta"):
-        model = GPT(config, attn=attn)
+        model = make_model(config, attn=attn)
     model.to_empty(device=device)
     model.init_weights(init)
     return model
 
 
 def check_model_options(config, device):
-    """Early (before the tokenizer and the model): refuse --fp8=1 where it cannot run. (Values with a fixed set, such as
-    --activation_checkpointing, were checked by the flag parser: memory_flags' choices.)"""
+    """Early (before the tokenizer and the model): refuse --fp8=1, --compile=1 and an --attn kernel where they cannot
+    run, and a NANOCHAT_COMPILE that is not auto/1/0. (Values with a fixed set, such as --activation_checkpointing,
+    were checked by the flag parser: memory_flags' choices.)"""
+    if "attn" in config:
+        from nanochat.attention import resolve_attn
+
+        resolve_attn(config["attn"], device)
+    if "compile" in config:
+        from nanochat.compile import resolve_compile
+
+        resolve_compile(config["compile"], device.type, log=lambda *a: None)  # the notes come when it compiles
     if config.get("fp8"):
         from nanochat.fp8 import check_fp8_supported
 
-        check_fp8_supported(device, config.get("fp8_recipe", "tensorwise"))
+        check_fp8_supported(device, config.get("fp8_recipe", "tensorwise"), config.get("fp8_impl", "torchao"))
 
 
 # -----------------------------------------------------------------------------
 # schedules
 
 
-def lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=0.2, final_lr_frac=0.0):
-    """Linear warmup, constant, then linear warmdown to final_lr_frac over the last warmdown_ratio of the run."""
-    warmup_iters = round(warmup_ratio * num_iterations)
+def lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=0.2, final_lr_frac=0.0, warmup_steps=0):
+    """Linear warmup (over warmup_steps, else warmup_ratio of the run), constant, then linear warmdown to final_lr_frac
+    over the last warmdown_ratio of the run."""
+    warmup_iters = warmup_steps or round(warmup_ratio * num_iterations)
     warmdown_iters = round(warmdown_ratio * num_iterations)
     if warmup_iters > 0 and step < warmup_iters:
         return (step + 1) / warmup_iters
@@ -164,12 +174,16 @@ def muon_momentum(step, start=0.85, end=0.95, ramp_steps=300):
     return (1 - frac) * start + frac * end
 
 
-def apply_schedule(optimizers, lrm, momentum=None):
+def apply_schedule(optimizers, lrm, momentum=None, weight_decay=None):
+    """Every group's lr = initial_lr * lrm; the Muon groups' momentum and (the record recipe's) weight decay."""
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * lrm
-            if momentum is not None and "momentum" in group and not isinstance(opt, torch.optim.AdamW):
+            muon = "momentum" in group and not isinstance(opt, torch.optim.AdamW)
+            if momentum is not None and muon:
                 group["momentum"] = momentum
+            if weight_decay is not None and muon:
+                group["weight_decay"] = weight_decay
 
 
 def every(step, period, last_step=False, at_last=True):
@@ -247,8 +261,8 @@ def train_step(model, optimizers, batches, grad_accum_steps, grad_clip=1.0, auto
     (global mean loss as float, grad norm or None, last batch extras). `batches`: a MicroBatches kept across steps
     (prefetches the next step's first batch too), or a plain `next_batch()` callable (prefetches within this step
     only, so nothing is fetched that this step does not use). The distributed optimizers (DistAdamW/DistMuon/FSDP)
-    average gradients across ranks themselves; `parallel` (the run's strategy, nanochat/distributed/parallel.py; default the DDP
-    path) decides when gradients are synchronised.
+    average gradients across ranks themselves; `parallel` (the run's plan, nanochat/distributed/parallel.py; default the
+    DDP path) decides when gradients are synchronised and how their global norm is taken.
     """
     autocast = autocast or contextlib.nullcontext
     parallel = parallel or DataParallel()
@@ -271,34 +285,13 @@ def train_step(model, optimizers, batches, grad_accum_steps, grad_clip=1.0, auto
             batches.prefetch()  # while the backward just queued runs on the accelerator
     grad_norm = None
     if grad_clip > 0:
-        grad_norm = clip_grad_norm(model, grad_clip)
+        grad_norm = parallel.clip_grad_norm(model, grad_clip)
     for opt in optimizers:
         opt.step()
     parallel.after_optimizer_step(model)
     model.zero_grad(set_to_none=True)
     mean_loss = all_reduce_mean(loss_sum.item() / grad_accum_steps, device)
     return mean_loss, grad_norm, extras
-
-
-def clip_grad_norm(model, max_norm):
-    """
-    Clip by the global gradient norm. Under DistAdamW/DistMuon each rank still holds its own local gradient here
-    (the optimizers reduce later), so the norm is of the local gradient, as nanochat does; under FSDP the gradients are
-    sharded DTensors and torch computes the true global norm; under FSDP x TP they live on two meshes and
-    tensor_parallel.clip_grad_norm_ computes the global norm (equal to the unsharded model's).
-    """
-    params = [p for p in model.parameters() if p.grad is not None]
-    meshes = {p.grad.device_mesh for p in params if hasattr(p.grad, "device_mesh")}
-    if len(meshes) > 1 or any(m.ndim > 1 for m in meshes):
-        # tensor parallelism: block gradients on the 2-D (dp, tp) mesh, wte/lm_head on dp only; torch's clip cannot
-        # mix meshes, and a replicated mesh dim must not count twice (nanochat/distributed/tensor_parallel.py)
-        from nanochat.distributed.tensor_parallel import clip_grad_norm_
-
-        return clip_grad_norm_(params, max_norm).item()
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return norm.item()
 
 
 # -----------------------------------------------------------------------------
@@ -359,201 +352,15 @@ def format_duration(seconds):
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-# -----------------------------------------------------------------------------
-# checkpoints of a training run
+def check_sequence_length(flag, length, model_config, what):
+    """The start-up check of a sequence length a script runs `what` (a saved model) at, read from its checkpoint's
+    meta before loading it: rows longer than its rotary table (nanochat.gpt.rotary_positions) cannot be run."""
+    from nanochat.gpt import rotary_positions
 
-
-def save_train_state(checkpoint_dir, step, model, optimizers, meta, loader_state=None, parallel=None):
-    """
-    Save model (single file, rank 0), optimizer state (one file per rank) and meta with every rank's loader state
-    and the parallelism strategy's name; or, when the strategy checkpoints sharded (FSDP), one sharded step with the
-    same meta. Every rank must call it.
-    """
-    parallel = parallel or DataParallel()
-    _, rank, _, _ = get_dist_info()
-    loader_states = gather_objects(loader_state)
-    meta = dict(meta, step=step, loader_state=loader_states, world_size=len(loader_states), **parallel.resume_meta())
-    if loader_states and loader_states[0] is not None:
-        meta["dataloader_state_dict"] = loader_states[0]  # nanochat's key, for tools that read it
-    if parallel.sharded_checkpoint:  # FSDP: every rank writes its shard (nanochat/sharded_checkpoint.py)
-        from nanochat.sharded_checkpoint import save_sharded, train_state_dict
-
-        save_sharded(checkpoint_dir, step, train_state_dict(model, optimizers), meta, parallel.async_save)
-        return
-    model_sd = parallel.model_state_dict(model)
-    optim_sd = [opt.state_dict() for opt in optimizers]
-    save_checkpoint(checkpoint_dir, step, model_sd if rank == 0 else None, optim_sd, meta, rank=rank)
-
-
-def load_train_state(checkpoint_dir, step, model, optimizers, device, parallel=None):
-    """Restore model and optimizers in place; returns (meta, this rank's loader state or None)."""
-    parallel = parallel or DataParallel()
-    _, rank, _, world_size = get_dist_info()
-    from nanochat.sharded_checkpoint import is_sharded_step_complete
-
-    if parallel.reads_sharded_checkpoint and is_sharded_step_complete(checkpoint_dir, step):
-        return _load_sharded_train_state(checkpoint_dir, step, model, optimizers, parallel, rank, world_size)
-    model_sd, optim_sd, meta = load_checkpoint(checkpoint_dir, step, device, load_optimizer=True, rank=rank)
-    saved_world = meta.get("world_size", 1)
-    if saved_world != world_size:
-        raise BadValue(
-            f"step {step} was saved by {saved_world} rank(s) but this run has {world_size}: the optimizer state and "
-            f"data position are per rank, so resume with --nproc_per_node/--nnodes giving {saved_world} ranks"
-        )
-    parallel.check_resume(meta, step)
-    check_resume_model_config(meta, model, checkpoint_dir, step)
-    optim_path = os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank:d}.pt")
-    fix = _resume_fix(meta, step)
-    if len(optim_sd) != len(optimizers):
-        raise BadValue(f"{optim_path} holds {len(optim_sd)} optimizer states but this run built {len(optimizers)}: {fix}")
-    parallel.load_model_state_dict(model, model_sd)
-    for opt, sd in zip(optimizers, optim_sd):
-        try:
-            opt.load_state_dict(sd)
-        except (ValueError, KeyError) as e:  # torch: "loaded state dict contains a parameter group that doesn't match"
-            raise BadValue(f"{optim_path} does not fit this run's {type(opt).__name__} ({e}): {fix}") from e
-    loader_states = meta.get("loader_state") or [meta.get("dataloader_state_dict")]
-    return meta, loader_states[rank] if rank < len(loader_states) else None
-
-
-def _resume_fix(meta, step):
-    saved_muon = (meta.get("user_config") or {}).get("use_muon")
-    return (f"resume with the optimizer flags of the run that saved step {step}"
-            + (f" (--use_muon={int(saved_muon)})" if isinstance(saved_muon, bool) else ""))
-
-
-def _load_sharded_train_state(checkpoint_dir, step, model, optimizers, parallel, rank, world_size):
-    """load_train_state for a sharded step: resharded onto this run's ranks (any number), the data position too."""
-    from nanochat.checkpoint_manager import read_meta
-    from nanochat.dataloader import loader_states_for_world
-    from nanochat.sharded_checkpoint import META_FILE, load_sharded, sharded_step_dir
-
-    step_dir = sharded_step_dir(checkpoint_dir, step)
-    meta = read_meta(os.path.join(step_dir, META_FILE.format(step=step)), checkpoint_dir, step)
-    parallel.check_resume(meta, step)
-    check_resume_model_config(meta, model, checkpoint_dir, step)
-    load_sharded(step_dir, model, optimizers, fix=_resume_fix(meta, step))
-    # a single process that read the data as W ranks (base_train --data_world_size) keeps their states in loop_state
-    saved = ((meta.get("loop_state") or {}).get("data_loader_states") or meta.get("loader_state")
-             or [meta.get("dataloader_state_dict")])
-    if meta.get("world_size", world_size) != world_size:
-        print0(f"Note: step {step} was saved by {meta['world_size']} rank(s), this run has {world_size}: the model "
-               f"and optimizer state are resharded onto {world_size}, exactly")
-    # (one process reading as W data ranks, base_train --data_world_size, takes the states from loop_state itself)
-    states = loader_states_for_world(saved, world_size, log=print0 if world_size > 1 else None)
-    return meta, states[rank]
-
-
-def check_resume_model_config(meta, model, checkpoint_dir, step):
-    """Refuse to resume a step saved by another model shape (e.g. another --depth), naming both configs."""
-    saved, run_config = meta.get("model_config"), getattr(model, "config", None)
-    if not isinstance(saved, dict) or run_config is None:
-        return  # metas without a model_config (tests, old runs): the state dict load still checks the shapes
-    diff = [f for f in SHAPE_FIELDS if f in saved and saved[f] != getattr(run_config, f, None)]
-    if diff:
-        depth = (meta.get("user_config") or {}).get("depth")
-        raise BadValue(
-            f"step {step} in {checkpoint_dir} holds a model with "
-            f"{', '.join(f'{f}={saved[f]}' for f in diff)} but this run builds "
-            f"{', '.join(f'{f}={getattr(run_config, f, None)}' for f in diff)}: resume with the model flags of the run "
-            f"that saved it{f' (--depth={depth})' if depth is not None else ''}; they are in the user_config of "
-            f"meta_{step:06d}.json"
-        )
-
-
-def resume_loop_state(meta, checkpoint_dir, step, keys):
-    """meta["loop_state"], checked to hold `keys`: a step saved by another script or by nanochat cannot resume here."""
-    loop = meta.get("loop_state")
-    missing = sorted(set(keys) - set(loop)) if isinstance(loop, dict) else sorted(keys)
-    if missing:
-        raise BadValue(
-            f"{os.path.join(checkpoint_dir, f'meta_{step:06d}.json')} has no loop state to resume from (missing "
-            f"loop_state {', '.join(missing)}): step {step} was not saved by this repo's training script for that stage "
-            f"(a nanochat checkpoint, or a hand-edited meta), so the run cannot continue from it"
-            + (". Its model still loads for the later stages (mid_train, chat_cli, base_loss)"
-               if isinstance(meta.get("model_config"), dict) else "")
-        )
-    return loop
-
-
-def parse_resume_step(value):
-    """--resume_from_step: 'auto', or a step number (-1 = start fresh)."""
-    text = str(value).strip().lower()
-    if text == "auto":
-        return "auto"
-    try:
-        step = int(text)
-    except ValueError:
-        step = None
-    if step is None or step < -1:
-        raise ValueError(f"--resume_from_step must be a saved step number, auto (the latest complete step) or -1 "
-                         f"(start fresh), got {value!r}")
-    return step
-
-
-def resume_flag():
-    """--resume_from_step, as every training script declares it."""
-    from nanochat.configurator import Flag
-
-    return Flag("resume_from_step", "-1", "resume from this saved step of the run's checkpoint directory; auto = the "
-                "latest complete step (fresh when there is none; a damaged latest step is skipped, with a message, "
-                "for the one before), -1 = start fresh", type=str, check=parse_resume_step)
-
-
-def resolve_resume_step(value, checkpoint_dir, with_optimizer=True):
-    """
-    The step to resume from, or None for a fresh start. auto: rank 0 looks for the latest complete step
-    (checkpoint_manager.latest_resumable_step; resuming reads the checkpoint on every rank, so it sits on a filesystem
-    all nodes share) and every rank gets its answer, so all ranks load the same step.
-    """
-    choice = parse_resume_step(value)
-    if choice != "auto":
-        return None if choice < 0 else choice
-    _, rank, _, _ = get_dist_info()
-    found = latest_resumable_step(checkpoint_dir, with_optimizer, log=print) if rank == 0 else None
-    step = gather_objects(found)[0]
-    print0(f"--resume_from_step=auto: resuming from step {step} in {checkpoint_dir}" if step is not None
-           else f"--resume_from_step=auto: no complete checkpoint in {checkpoint_dir}, starting fresh")
-    return step
-
-
-def resume_run(config, checkpoint_dir, model, optimizers, device, parallel=None, keys=()):
-    """
-    --resume_from_step of mid_train, chat_sft and chat_rl: (start step, meta["loop_state"]) after restoring the model
-    and optimizers in place, or (0, None) for a fresh start. The scripts put their data source back where the saved
-    run had it by replaying it (re-rendering the batches before that step, training on none of them).
-    """
-    step = resolve_resume_step(config["resume_from_step"], checkpoint_dir)
-    if step is None:
-        return 0, None
-    meta, _ = load_train_state(checkpoint_dir, step, model, optimizers, device, parallel)
-    loop = resume_loop_state(meta, checkpoint_dir, step, keys)
-    print0(f"Resumed from step {step} in {checkpoint_dir}")
-    return step, loop
-
-
-def already_finished(config, checkpoint_dir, last_step):
-    """--resume_from_step=auto after the run's last step was saved (as the model alone, as SFT and RL save it): True,
-    with a message, so a restarted job does not train that stage again."""
-    if parse_resume_step(config["resume_from_step"]) != "auto":
-        return False
-    if step_problem(checkpoint_dir, last_step, with_optimizer=False) is not None:
-        return False
-    print0(f"Step {last_step} is the last and is already saved in {checkpoint_dir}: this stage is complete")
-    return True
-
-
-def save_stage_model(checkpoint_dir, step, model, meta, parallel=None):
-    """The model and meta only (nanochat's SFT/RL checkpoints carry no optimizer state). Every rank must call it."""
-    parallel = parallel or DataParallel()
-    rank = get_dist_info()[1]
-    if parallel.sharded_checkpoint:
-        from nanochat.sharded_checkpoint import save_sharded, train_state_dict
-
-        save_sharded(checkpoint_dir, step, train_state_dict(model), dict(meta, step=step), parallel.async_save)
-        return
-    state = parallel.model_state_dict(model)
-    save_checkpoint(checkpoint_dir, step, state if rank == 0 else None, None, dict(meta, step=step), rank=rank)
+    limit = rotary_positions(model_config)
+    if length is not None and length > limit:
+        raise BadValue(f"{flag}={length} is longer than {what} can take: its rotary table covers {limit} positions "
+                       f"(10 x its sequence_len {model_config.sequence_len}); use {flag} <= {limit}")
 
 
 # On CPU the default eval sizes mean hours of evaluation before the first training step.
@@ -601,7 +408,9 @@ def run_flags():
     from nanochat.configurator import Flag
 
     return [
-        Flag("run", "dummy", "wandb run name; dummy = no wandb logging"),
+        Flag("run", "dummy", "wandb run name; dummy = no wandb logging. A name needs a wandb login (`wandb login` or "
+             "WANDB_API_KEY), or WANDB_MODE=offline to log into ./wandb and `wandb sync` later: without either the run "
+             "stops at start-up with one line, before anything is built"),
         device_type_flag(),
         dtype_flag(),
         Flag("seed", 42, "random seed (model init, data order, sampling)"),
@@ -621,31 +430,6 @@ def optimizer_flags():
         Flag("matrix_lr", 0.02, "learning rate of the transformer's matrices (Muon; AdamW with --use_muon=0)",
              min=0.0),
         Flag("weight_decay", 0.0, "weight decay of the AdamW groups", min=0.0),
-    ]
-
-
-def memory_flags():
-    """Activation checkpointing and FSDP, for the scripts that train the whole model in place (base, mid, SFT)."""
-    from nanochat.configurator import Flag
-    from nanochat.gpt import AC_MODES
-
-    return [
-        Flag("activation_checkpointing", "none", "recompute block activations in the backward instead of keeping them "
-             "(less memory, ~1/3 more compute): none, full (every block) or selective (every --ac_every-th block)",
-             choices=list(AC_MODES)),
-        Flag("ac_every", 2, "selective activation checkpointing: checkpoint blocks 0, k, 2k, ... for k = ac_every",
-             min=1),
-        Flag("use_fsdp", False, "shard parameters, gradients and optimizer state over the ranks (FSDP2; "
-             "nanochat/distributed/parallel.py) instead of replicating the model on every rank"),
-        Flag("fsdp_reduce_dtype", "float32", "FSDP: dtype of the gradient reduce-scatter",
-             choices=["float32", "bfloat16"]),
-        Flag("tp_size", 1, "tensor parallelism over this many ranks (attention heads and the MLP split across them; "
-             "nanochat/distributed/tensor_parallel.py), FSDP over the rest; must divide the world size", min=1),
-        Flag("checkpoint_format", "auto", "auto = sharded with --use_fsdp=1 (single when NANOCHAT_SHARED_FS=0 on "
-             "several nodes), single otherwise; sharded = every rank writes its shard (torch.distributed.checkpoint; "
-             "resumes on any number of ranks; FSDP only); single = nanochat's files, the model gathered to rank 0",
-             choices=["auto", "sharded", "single"]),
-        Flag("async_save", False, "sharded checkpoints: write them in a background thread while training goes on"),
     ]
 
 

@@ -7,7 +7,9 @@ below with a message that names the flag or file and the fix:
     raise BadValue("--device_batch_size must be >= 1, got 0")         # a value or combination of flags, status 2
     raise Missing(f"no tokenizer in {tok_dir}: run python -m scripts.tok_train first")   # a file, status 2
     raise CannotRun("--device_type=cuda but torch sees no CUDA device; use --device_type=cpu")  # this machine, 2
+    raise BrokenSetup("nvidia-smi lists 8 GPU(s) but torch 2.9.0+cpu cannot use them ...")  # the install, status 1
     raise RunFailure("3 shard(s) failed to download: ...")            # the work itself failed, status 1
+    raise Interrupted("Stopped at step 40 on Ctrl-C: ...", signal.SIGINT)  # a stop signal (preemption.py), 128 + sig
 
 run_main prints `error: <message>` (one line) and exits with the status. Under torchrun every rank hits the same
 check (they run before any collective) and exits with the same status, but only global rank 0 prints, so the line
@@ -50,10 +52,33 @@ class CannotRun(UsageError, RuntimeError):
     """This machine cannot do what was asked (no CUDA device for --device_type=cuda, FP8 without Hopper...)."""
 
 
+class BrokenSetup(KnownError, RuntimeError):
+    """This machine's install cannot do its job (nvidia-smi lists GPUs but torch is a CPU-only build): status 1, as
+    `python -m nanochat.setup_check gpu` that the launchers run."""
+
+    status = 1
+
+
 class RunFailure(KnownError, RuntimeError):
     """The work was started and failed for a known reason (a download that keeps failing): status 1."""
 
     status = 1
+
+
+class Interrupted(BaseException):
+    """
+    A stop signal that ends the run where it stands (nanochat/preemption.py): Ctrl-C after the step it finished was
+    saved, a second Ctrl-C, or any stop signal during start-up (loading, compiling), before training began. Its
+    message is the one line (what happened, what was saved, how to continue), printed without "error: "; the status
+    is 128 + the signal (130 for Ctrl-C), what shells and schedulers read as "stopped by a signal, run again". A
+    BaseException, as KeyboardInterrupt: no `except Exception` on the way out may swallow it.
+    """
+
+    prefix = ""
+
+    def __init__(self, message, signum):
+        super().__init__(message)
+        self.status = 128 + int(signum)
 
 
 def one_line(message):
@@ -67,7 +92,7 @@ RANK0_HEAD_START_S = 5  # how long the other ranks of a torchrun job wait before
 def report(error):
     """Print `error: <message>` on stderr, on global rank 0 only (every rank of a torchrun job meets the same check)."""
     if _env_int("RANK") == 0:
-        print(f"error: {one_line(error)}", file=sys.stderr, flush=True)
+        print(_line(error), file=sys.stderr, flush=True)
 
 
 def exit_with(error):
@@ -79,8 +104,13 @@ def exit_with(error):
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if error_file and _env_int("LOCAL_RANK") == 0:  # torch's ErrorHandler format: a message, no traceback
             with open(error_file, "w", encoding="utf-8") as f:
-                json.dump({"message": f"error: {one_line(error)}", "timestamp": str(int(time.time()))}, f)
+                json.dump({"message": _line(error), "timestamp": str(int(time.time()))}, f)
     sys.exit(getattr(error, "status", 2))
+
+
+def _line(error):
+    """`error: <message>` on one line (an Interrupted run's line has no prefix)."""
+    return f"{getattr(error, 'prefix', 'error: ')}{one_line(error)}"
 
 
 def _env_int(name):
@@ -89,14 +119,15 @@ def _env_int(name):
 
 def run_main(main, argv=None):
     """
-    The `__main__` of every entry point: run main(argv); a KnownError becomes its one line and exit status, an int
-    returned is the exit status, anything else raised keeps its traceback (recorded for torchrun under torchrun).
+    The `__main__` of every entry point: run main(argv); a KnownError (or an Interrupted run) becomes its one line and
+    exit status, an int returned is the exit status, anything else raised keeps its traceback (recorded for torchrun
+    under torchrun).
     """
 
     def guarded():
         try:
             return main(argv)
-        except KnownError as e:
+        except (KnownError, Interrupted) as e:
             exit_with(e)
 
     if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: a bug's traceback goes into torchrun's failure summary

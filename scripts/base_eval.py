@@ -25,11 +25,13 @@ import torch
 
 from nanochat.atomic import atomic_write
 from nanochat.attention import attn_flag
+from nanochat.checkpoint_manager import weights_dtype_flag
 from nanochat.common import (
     autodetect_device_type, compute_cleanup, compute_init, device_type_flag, get_base_dir, print0
 )
 from nanochat.configurator import Flag, Flags
 from nanochat.core_eval import evaluate_model, get_bundle_dir
+from nanochat.distributed.dist import process_data_ranks
 from nanochat.usage import BadValue, CannotRun, Missing, run_main
 
 
@@ -124,6 +126,7 @@ FLAGS = Flags(
          "else <base_dir>/eval_bundle, else nanochat's eval_bundle.zip is downloaded there", type=str),
     device_type_flag(),
     Flag("dtype", "bfloat16", "autocast dtype on CUDA (CPU always runs float32)", choices=["bfloat16", "float32"]),
+    weights_dtype_flag(),
     attn_flag(),
     description=__doc__,
 )
@@ -151,13 +154,15 @@ def main(argv=None):
     if args.hf_path is not None:
         model, tokenizer, model_name = load_hf_model(args.hf_path, device)
     else:
-        model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=model_tag, step=step)
+        model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=model_tag, step=step,
+                                            weights_dtype=args.weights_dtype)
         model_name = f"base_model_{meta['step']:06d}" if "step" in meta else "base_model"
         print0(f"attention: {model.set_attn(args.attn).describe()}")
     autocast = (torch.amp.autocast(device_type="cuda", dtype=torch.bfloat16)
                 if device_type == "cuda" and args.dtype == "bfloat16" else contextlib.nullcontext())
     with autocast:
-        out = evaluate_model(model, tokenizer, device, max_per_task=args.max_per_task, bundle_dir=bundle_dir)
+        out = evaluate_model(model, tokenizer, device, max_per_task=args.max_per_task, bundle_dir=bundle_dir,
+                             ranks=process_data_ranks())  # no tensor parallelism here: the process group's ranks
 
     if rank == 0:
         print0("=" * 70)

@@ -6,7 +6,7 @@ Bits per byte of a saved base model on the train and val shards, plus a few gree
 """
 
 from nanochat.attention import attn_flag
-from nanochat.checkpoint_manager import PHASE_DIRS, load_model, resolve_checkpoint
+from nanochat.checkpoint_manager import PHASE_DIRS, checkpoint_model_config, load_model, resolve_checkpoint, weights_dtype_flag
 from nanochat.common import compute_cleanup, compute_init, device_type_flag, print0
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
 from nanochat.dataloader import tokenizing_distributed_data_loader
@@ -15,7 +15,8 @@ from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes
 from nanochat.training import (
-    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, autocast_ctx, dtype_flag, eval_steps_for, resolve_dtype, source_flags
+    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, autocast_ctx, check_sequence_length, dtype_flag, eval_steps_for, resolve_dtype,
+    source_flags
 )
 from nanochat.usage import run_main
 
@@ -24,6 +25,7 @@ FLAGS = Flags(
     dtype_flag(),
     attn_flag(),
     source_flags("base", list(PHASE_DIRS)),
+    weights_dtype_flag(),
     Flag("device_batch_size", 32, "rows per forward pass on each GPU", min=1),
     Flag("split_tokens", None, f"tokens evaluated per split; auto = {DEFAULT_EVAL_TOKENS:,} ({CPU_EVAL_STEPS} batches "
          f"on CPU, where that would take hours)", type=int, min=1),
@@ -47,10 +49,13 @@ def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     # start-up checks, before the model loads: the checkpoint and tokenizer, then the shards it is measured on
     model_tag, step = resolve_checkpoint(config["source"], config["model_tag"], config["model_step"])
+    model_config = checkpoint_model_config(config["source"], model_tag, step)
+    check_sequence_length("--max_seq_len", config["max_seq_len"], model_config, f"the {config['source']} model {model_tag}")
     split_parquet_files("train"), split_parquet_files("val")
     ddp, rank, local_rank, world_size, device = compute_init(config["device_type"] or None)
     dtype = resolve_dtype(config["dtype"], device.type)
-    model, tokenizer, meta = load_model(config["source"], device, phase="eval", model_tag=model_tag, step=step)
+    model, tokenizer, meta = load_model(config["source"], device, phase="eval", model_tag=model_tag, step=step,
+                                       weights_dtype=config["weights_dtype"])
     print0(f"attention: {model.set_attn(config['attn']).describe()}")
     T = config["max_seq_len"] or model.config.sequence_len  # auto: the model's
     B = config["device_batch_size"]

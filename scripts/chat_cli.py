@@ -103,7 +103,8 @@ def main(argv=None):
     model_tag, step = resolve_checkpoint(args.source, args.model_tag, args.step)  # start-up check: it exists
     device_type = args.device_type or autodetect_device_type()
     _, _, _, _, device = compute_init(device_type)
-    model, tokenizer, _ = load_model(args.source, device, phase="eval", model_tag=model_tag, step=step)
+    model, tokenizer, _ = load_model(args.source, device, phase="eval", model_tag=model_tag, step=step,
+                                  weights_dtype=args.weights_dtype)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     if device_type == "cuda" and dtype != torch.float32:
         autocast_ctx = lambda: torch.amp.autocast(device_type="cuda", dtype=dtype)  # noqa: E731

@@ -11,6 +11,7 @@ every rank found its data (the ranks agree before evaluating it, so their counts
 """
 
 import contextlib
+import os
 
 import torch
 
@@ -18,9 +19,10 @@ from nanochat.chat_eval import TASK_NAMES, chatcore, evaluate_task
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, device_type_flag, print0
 from nanochat.attention import attn_flag
 from nanochat.checkpoint_manager import checkpoint_flags, resolve_checkpoint
+from nanochat.distributed.dist import process_data_ranks
 from nanochat.configurator import Flag, Flags
 from nanochat.data.task_data import TaskDataNotFound
-from nanochat.usage import BadValue, CannotRun, run_main
+from nanochat.usage import BadValue, CannotRun, Missing, run_main
 from nanochat.engine import decode_compile_flag
 from tasks.suites import build_eval_task_on_every_rank
 
@@ -70,6 +72,9 @@ def main(argv=None):
             require_isolation(args.unsafe_sandbox)
         except SandboxUnavailable as e:
             raise CannotRun(str(e)) from None
+    if args.data_dir is not None and not os.path.isdir(args.data_dir):
+        raise Missing(f"--data_dir {args.data_dir} is not a directory: point it at the local task data (the layout "
+                      f"of docs/data.md), or leave it out to use $NANOCHAT_DATA_DIR and the Hugging Face cache")
     model_tag, step = resolve_checkpoint(args.source, args.model_tag, args.step)  # start-up check: it exists
 
     from nanochat.checkpoint_manager import load_model
@@ -79,22 +84,32 @@ def main(argv=None):
     ddp, rank, local_rank, world_size, device = compute_init(device_type)
     autocast = (torch.amp.autocast(device_type="cuda", dtype=torch.bfloat16)
                 if device_type == "cuda" and args.dtype == "bfloat16" else contextlib.nullcontext())
-    model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=model_tag, step=step)
-    print0(f"attention: {model.set_attn(args.attn).describe()}")
-    engine = Engine(model, tokenizer, args.decode_compile)
 
-    results, missing = {}, {}
+    # the tasks' data before the model: a task without data is skipped, and a run left with no task at all stops here
+    tasks, missing = {}, {}
     for name in task_names:
         try:
-            task = build_eval_task_on_every_rank(name, args.data_dir, args.unsafe_sandbox)
+            tasks[name] = build_eval_task_on_every_rank(name, args.data_dir, args.unsafe_sandbox)
         except TaskDataNotFound as e:
             missing[name] = "; ".join(e.looked)
             print0(f"Skipping {name}: {e}")
-            continue
+    if not tasks:
+        compute_cleanup()
+        raise Missing(f"no data for any task asked for ({', '.join(task_names)}): looked in "
+                      + "; ".join(f"{name}: {where}" for name, where in missing.items()))
+
+    model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=model_tag, step=step,
+                                        weights_dtype=args.weights_dtype)
+    print0(f"attention: {model.set_attn(args.attn).describe()}")
+    engine = Engine(model, tokenizer, args.decode_compile)
+
+    results = {}
+    for name, task in tasks.items():
         with autocast:
             acc = evaluate_task(task, model, tokenizer, engine, batch_size=args.batch_size,
                                 num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
-                                temperature=args.temperature, top_k=args.top_k, max_problems=args.max_problems)
+                                temperature=args.temperature, top_k=args.top_k, max_problems=args.max_problems,
+                                ranks=process_data_ranks())  # no tensor parallelism here: the process group's
         results[name] = acc
         print0(f"{name} accuracy: {100 * acc:.2f}%")
 

@@ -22,18 +22,19 @@ import time
 
 import torch
 
-from nanochat.checkpoint_manager import checkpoint_root
-from nanochat.common import compute_cleanup, print0, print_banner
+from nanochat.checkpoint.resume import already_finished, require_resume_step, resume_flag
+from nanochat.checkpoint.train_state import save_stage_model, save_train_state
+from nanochat.checkpoint_manager import checkpoint_model_config, checkpoint_root
+from nanochat.common import check_wandb, print0, print_banner
 from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
 from nanochat.data.conversations import check_stage_model, collate_sft, load_stage_model, scale_initial_lr
 from nanochat.distributed.dist import all_reduce_sum, dist_world_size, get_dist_info
+from nanochat.distributed.parallel import parallel_flags, parallel_from_config
 from nanochat.attention import attn_flag
 from nanochat.engine import Engine, decode_compile_flag
 from nanochat.stage import Stage
 from nanochat.training import (
-    already_finished, apply_schedule, assert_finite, lr_multiplier, memory_flags,
-    optimizer_flags, resume_flag, run_flags, save_stage_model, save_train_state, source_flags,
-    train_step
+    apply_schedule, assert_finite, lr_multiplier, optimizer_flags, run_flags, source_flags, train_step
 )
 from nanochat.usage import BadValue, run_main
 
@@ -63,7 +64,7 @@ FLAGS = Flags(
     Flag("init_lr_frac", 0.05, "train at this fraction of the learning rates above"),
     Rule(("init_lr_frac",), lambda frac: frac > 0, "--init_lr_frac must be > 0 (got {init_lr_frac})"),
     "memory (--tp_size is refused: sampling needs whole weights on each rank)",
-    memory_flags(),
+    parallel_flags(),
     "periodic actions (<= 0 turns one off)",
     Flag("eval_every", 60, "pass@k on GSM8K test every this many steps"),
     Flag("eval_examples", 400, "GSM8K test questions for pass@k", min=1),
@@ -212,24 +213,31 @@ def collect_rollouts(model, engine, tokenizer, task, questions, step, config, pa
 def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
-    # the DDP path or FSDP2 (nanochat/stage.py, nanochat/distributed/parallel.py); each rank samples alone, so a plan
-    # without full weights (tensor parallelism) is refused first, before any loading
-    stage = Stage(config, samples_alone="chat_rl")
-    parallel, device, autocast = stage.parallel, stage.device, stage.autocast
-    rank, world_size = stage.rank, stage.world_size
-    check_stage_model(config["source"], config["model_tag"], config["model_step"])  # start-up check: the model exists
-    print_banner()
-
+    # start-up checks, before anything is built: each rank samples alone, so a plan without full weights (tensor
+    # parallelism) is refused first; the model exists (its shape from its meta); the step to resume from exists;
+    # wandb has a login
+    parallel_from_config(config, samples_alone="chat_rl")
+    source_tag, source_step = check_stage_model(config["source"], config["model_tag"], config["model_step"])
+    model_config = checkpoint_model_config(config["source"], source_tag, source_step)
+    checkpoint_dir = os.path.join(checkpoint_root("rl"), config["model_tag"] or f"d{model_config.n_layer}")
+    require_resume_step(config, checkpoint_dir)
+    check_wandb(config["run"])
+    world_size = get_dist_info()[3]  # torchrun's, before the process group exists
     if config["examples_per_step"] % world_size != 0:
         raise BadValue(f"--examples_per_step={config['examples_per_step']} must be divisible by the {world_size} ranks")
     examples_per_rank = config["examples_per_step"] // world_size
+    print_banner()
+
+    # the DDP path or FSDP2 (nanochat/stage.py, nanochat/distributed/parallel.py)
+    stage = Stage(config, samples_alone="chat_rl", model_config=model_config)
+    parallel, device, autocast = stage.parallel, stage.device, stage.autocast
+    rank = stage.rank
     from tasks.gsm8k import GSM8K
 
     train_task = GSM8K(subset="main", split="train")  # before the model: missing data stops the run here
     val_task = GSM8K(subset="main", split="test")
 
-    model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
-    model_config = model.config
+    model, tokenizer, source_meta = load_stage_model(config["source"], device, source_tag, source_step)
     attn = model.set_attn(config["attn"]).describe()
     model, _ = stage.prepare(model)  # --activation_checkpointing, --fp8, the layout
     engine = Engine(model, tokenizer, config["decode_compile"])
@@ -248,8 +256,6 @@ def main(argv=None):
 
     sampling = dict(max_tokens=config["max_new_tokens"], temperature=config["temperature"], top_k=config["top_k"])
     example_indices = itertools.cycle(range(rank, len(train_task), world_size))  # this rank's questions
-    model_tag = config["model_tag"] or f"d{model_config.n_layer}"
-    checkpoint_dir = os.path.join(checkpoint_root("rl"), model_tag)
 
     def save(step, passk, final):
         meta = {"model_config": vars(model_config), "user_config": user_config, "pass_at_k": passk,
@@ -262,7 +268,7 @@ def main(argv=None):
         print0(f"Saved RL checkpoint step {step} to {checkpoint_dir}")
 
     if already_finished(config, checkpoint_dir, num_iterations):
-        compute_cleanup()
+        stage.close()
         return {"step": num_iterations, "pass_at_k": None, "rewards": [], "checkpoint_dir": checkpoint_dir}
     start_step, loop = stage.resume(checkpoint_dir, model, optimizers, ("pass_at_k",))
     for _ in range(start_step * examples_per_rank):  # the questions the saved run already trained on

@@ -20,16 +20,16 @@ import torch
 
 from nanochat.attention import attn_flag
 from nanochat.batching import sft_batch_arithmetic
-from nanochat.checkpoint_manager import checkpoint_root
-from nanochat.common import compute_cleanup, print0, print_banner
+from nanochat.checkpoint.resume import already_finished, require_resume_step, resume_flag
+from nanochat.checkpoint.train_state import save_stage_model, save_train_state
+from nanochat.checkpoint_manager import checkpoint_model_config, checkpoint_root
+from nanochat.common import check_wandb, print0, print_banner
 from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
 from nanochat.data.conversations import check_stage_model, load_stage_model, scale_initial_lr, sft_batches
 from nanochat.distributed.dist import all_reduce_mean
+from nanochat.distributed.parallel import parallel_flags
 from nanochat.stage import Stage
-from nanochat.training import (
-    MicroBatches, already_finished, apply_schedule, lr_multiplier, memory_flags, optimizer_flags, resume_flag, run_flags,
-    save_stage_model, save_train_state, source_flags
-)
+from nanochat.training import MicroBatches, apply_schedule, lr_multiplier, optimizer_flags, run_flags, source_flags
 from nanochat.usage import BadValue, run_main
 from tasks.suites import build_mixture, held_out_tasks
 
@@ -59,7 +59,7 @@ FLAGS = Flags(
     resume_flag(),
     "systems",
     attn_flag(),
-    memory_flags(),
+    parallel_flags(),
 )
 DEFAULTS = FLAGS.defaults()
 
@@ -85,7 +85,7 @@ def train_tasks():
     ]
 
 
-def chat_metrics(model, tokenizer, batch_size, max_problems, autocast, lockstep=False, ranks=None):
+def chat_metrics(model, tokenizer, batch_size, max_problems, autocast, lockstep, ranks):
     """{task: accuracy} for METRIC_TASKS (nanochat.chat_eval); a task whose data is missing is left out with a note.
     lockstep: the model's forward is a collective (FSDP, TP)."""
     from nanochat.chat_eval import evaluate_task
@@ -107,13 +107,25 @@ def chat_metrics(model, tokenizer, batch_size, max_problems, autocast, lockstep=
     return metrics
 
 
+def startup_checks(config):
+    """Before anything is built: the model exists (its shape from its meta), the step to resume from exists, wandb has
+    a login. Returns (the model's tag, its step, its GPTConfig, the output checkpoint dir)."""
+    source_tag, source_step = check_stage_model(config["source"], config["model_tag"], config["model_step"])
+    model_config = checkpoint_model_config(config["source"], source_tag, source_step)
+    checkpoint_dir = os.path.join(checkpoint_root("sft"), config["model_tag"] or f"d{model_config.n_layer}")
+    require_resume_step(config, checkpoint_dir)
+    check_wandb(config["run"])
+    return source_tag, source_step, model_config, checkpoint_dir
+
+
 def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
-    check_stage_model(config["source"], config["model_tag"], config["model_step"])  # start-up check: the model exists
+    source_tag, source_step, model_config, checkpoint_dir = startup_checks(config)
     print_banner()
 
-    stage = Stage(config)  # device, process group, the parallel plan (nanochat/stage.py)
+    # device, process group, the parallel plan (its layout checked against the model's shape first): nanochat/stage.py
+    stage = Stage(config, model_config=model_config)
     parallel, device = stage.parallel, stage.device
     data_rank, data_world = parallel.data_rank, parallel.data_world  # tp ranks of a group read the same data
 
@@ -124,8 +136,7 @@ def main(argv=None):
     train_ds, train_names = build_mixture(train_tasks(), "SFT data")
     val_ds, _ = build_mixture(held_out_tasks(), "SFT validation")
 
-    model, tokenizer, source_meta = load_stage_model(config["source"], device, config["model_tag"], config["model_step"])
-    model_config = model.config
+    model, tokenizer, source_meta = load_stage_model(config["source"], device, source_tag, source_step)
     attn = model.set_attn(config["attn"]).describe()
     model, _ = stage.prepare(model)  # --activation_checkpointing, --fp8, the layout
     print0(f"Fine-tuning the {config['source']} model (step {source_meta.get('step')}): {model_config} | attn {attn}")
@@ -147,10 +158,8 @@ def main(argv=None):
     optimizers = stage.optimizers(model)
     scale_initial_lr(optimizers, config["init_lr_frac"])
 
-    model_tag = config["model_tag"] or f"d{model_config.n_layer}"
-    checkpoint_dir = os.path.join(checkpoint_root("sft"), model_tag)
     if already_finished(config, checkpoint_dir, num_iterations):
-        compute_cleanup()
+        stage.close()
         return {"step": num_iterations, "checkpoint_dir": checkpoint_dir}
     start_step, loop = stage.resume(checkpoint_dir, model, optimizers, ("meter",))
     metrics_log = stage.open_log(checkpoint_dir, "nanochat-sft", start_step if loop is not None else None, user_config)

@@ -32,9 +32,11 @@ nanochat/serving/: app.py (the routes), workers.py (the pool), generation.py (th
 (what requests may hold) and ui.html (the page).
 """
 
+import errno
 import ipaddress
 import logging
 import os
+import socket
 from pathlib import Path
 
 import torch
@@ -43,7 +45,7 @@ from nanochat.common import setup_default_logging
 from nanochat.engine import Engine, decode_compile_flag
 from nanochat.serving.app import create_app, server_options
 from nanochat.serving.schema import MAX_MAX_TOKENS, MAX_TEMPERATURE, MAX_TOP_K, MIN_MAX_TOKENS, MIN_TEMPERATURE, MIN_TOP_K
-from nanochat.serving.workers import Worker
+from nanochat.serving.workers import Worker, check_kv_plans
 from nanochat.usage import run_main
 
 setup_default_logging()
@@ -118,6 +120,18 @@ def check_args(args):
     return errors
 
 
+def port_problems(host, port):
+    """The start-up check of --host/--port, before any model loads: the address can be bound now (uvicorn binds it the
+    same way, SO_REUSEADDR, once the replicas are loaded). [] or the sentence saying why not."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]  # IPv4 or IPv6, as --host is
+        with socket.create_server((host, port), family=family):
+            return []
+    except OSError as e:
+        why = "another process listens there" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+        return [f"cannot listen on {host}:{port} ({why}): stop what uses it or pass another --port (or --host)"]
+
+
 def resolve_api_key(flag_value, key_file=None):
     """--api_key, else the first line of --api_key_file, else $NANOCHAT_API_KEY; empty means no key."""
     if flag_value is not None and key_file is not None:
@@ -160,26 +174,13 @@ def load_workers(args, device_type):
     workers = []
     for gpu_id, device in enumerate(devices):
         logger.info(f"loading {args.source} model on {device}")
-        model, tokenizer, _ = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.step)
+        model, tokenizer, _ = load_model(args.source, device, phase="eval", model_tag=args.model_tag, step=args.step,
+                                      weights_dtype=args.weights_dtype)
         logger.info(f"attention: {model.set_attn(args.attn).describe()}")
         engine = Engine(model, tokenizer, args.decode_compile)
         logger.info(f"decode step: {'compiled' if engine.decode_compiled else 'eager'}")
         workers.append(Worker(engine, gpu_id=gpu_id, device=device, dtype=dtype))
     return workers
-
-
-def check_kv_plan(workers, args):
-    """The KV slots and prefix cache each replica's scheduler will allocate: a usage error now if they cannot fit."""
-    from nanochat.serving.kv_slots import plan_kv
-    from nanochat.usage import BadValue
-
-    budget = None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30)
-    for w in workers:
-        try:
-            plan_kv(w.engine.model.config, w.engine.max_positions(), args.max_batch, args.max_context, w.kv_dtype(),
-                    w.device, budget, args.prefix_cache)
-        except ValueError as e:
-            raise BadValue(str(e)) from None
 
 
 def main(argv=None):
@@ -202,13 +203,15 @@ def main(argv=None):
         api_key = resolve_api_key(args.api_key, args.api_key_file)
     except ValueError as e:
         errors.append(str(e))
+    if not errors:
+        errors += port_problems(args.host, args.port)
     if errors:
         parser.error("; ".join(errors))
     origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
 
     workers = load_workers(args, device_type)  # before serving: a missing checkpoint stops here with its message
     if args.batching:  # and a KV cache that cannot fit, with the setting to change
-        check_kv_plan(workers, args)
+        check_kv_plans(workers, args.max_batch, args.max_context, args.kv_cache_gb, args.prefix_cache)
     app = create_app(
         workers,
         model_name=args.model_name,

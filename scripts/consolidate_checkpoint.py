@@ -1,5 +1,5 @@
 """
-Turn a sharded checkpoint (what the FSDP path writes: <dir>/sharded_<step>/, nanochat/sharded_checkpoint.py) into
+Turn a sharded checkpoint (what the FSDP and TP paths write: <dir>/sharded_<step>/, nanochat/checkpoint/sharded.py) into
 nanochat's single-file checkpoint: model_<step>.pt, meta_<step>.json and one optim_<step>_rank<r>.pt per rank of the
 run that saved it, the same files, byte for byte, that --checkpoint_format=single writes. One process, no GPU.
 
@@ -12,12 +12,14 @@ them directly); it is for tools that read nanochat's files, or to copy one file 
 
 import os
 
-from nanochat.checkpoint_manager import checkpoint_flags, checkpoint_root, find_largest_model, is_step_complete
+from nanochat.checkpoint.files import sharded_step_dir
+from nanochat.checkpoint.sharded import consolidate
+from nanochat.checkpoint.steps import is_step_complete, sharded_steps
+from nanochat.checkpoint_manager import checkpoint_flags, checkpoint_root, find_largest_model
 from nanochat.configurator import Flag, Flags
-from nanochat.sharded_checkpoint import consolidate, sharded_step_dir, sharded_steps
 
 FLAGS = Flags(
-    checkpoint_flags("base"),
+    checkpoint_flags("base", weights=False),
     Flag("out", None, "directory for the files; auto = the checkpoint's own directory, beside sharded_<step>/",
          type=str, short="o"),
     Flag("optimizer", True, "write the per-rank optimizer files too (0: model and meta only, what post-training and "

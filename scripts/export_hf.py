@@ -21,8 +21,8 @@ import torch
 from nanochat.atomic import fsync_dir
 from nanochat.checkpoint_manager import checkpoint_flags
 from nanochat.configurator import Flag, Flags
-from nanochat.hf_format import CHAT_TEMPLATE, hf_config_dict, state_dict_to_hf, tokenizer_config_dict, tokenizer_json
-from nanochat.usage import CannotRun, run_main
+from nanochat.hf_format import CHAT_TEMPLATE, hf_config_dict, hf_lacks, state_dict_to_hf, tokenizer_config_dict, tokenizer_json
+from nanochat.usage import BadValue, CannotRun, run_main
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -54,10 +54,20 @@ def _require_hf():
 
 
 def _check_out_dir(out_dir):
+    """--out, before a model loads: a new or empty directory, in a place this process can write (the export is
+    written beside it and renamed into place)."""
     if os.path.isfile(out_dir):
         raise FileExistsError(f"--out {out_dir} is a file; pass a directory path")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f"--out {out_dir} exists and is not empty; pass a new directory (or remove this one)")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    while not os.path.exists(parent):  # the directories to be made: the nearest one that exists must take them
+        parent = os.path.dirname(parent)
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".nanochat-write-test-"))
+    except OSError as e:
+        raise CannotRun(f"--out {out_dir}: {parent} does not take new directories (mkdir there says: "
+                        f"{e.strerror or e}); pass a path in a directory you can write to") from None
 
 
 # What each stage is, the script that trains it, its section of the report, and the report sections that evaluate it
@@ -261,10 +271,18 @@ def model_card(config, n_params, source, model_tag, step, meta, dtype, license="
     return "\n".join(lines) + "\n"
 
 
+def check_exportable(config):
+    """BadValue (a usage error: one line, exit 2) for a model transformers' NanoChat class cannot hold."""
+    if hf_lacks(config):
+        raise BadValue(f"transformers' NanoChat model has no {hf_lacks(config)}: only December-recipe models export "
+                       f"(this checkpoint's model_config has window_pattern={config.window_pattern!r})")
+
+
 def export_model(model, tokenizer, out_dir, dtype="float32", card=None):
     """Write `model` (our GPT) and `tokenizer` (RustBPETokenizer) to out_dir in the transformers NanoChat format,
     plus `card` as README.md when given. Everything is written to a temporary sibling directory first and renamed
     into place at the end, so out_dir is either complete or absent. Returns out_dir."""
+    check_exportable(model.config)
     from safetensors.torch import save_file
     from transformers import GenerationConfig, NanoChatConfig
 
@@ -328,7 +346,9 @@ def main(argv=None):
         root = checkpoint_root(args.source)
         tag = args.model_tag or find_largest_model(root)
         step = args.step if args.step is not None else find_last_step(os.path.join(root, tag))
-        model, tokenizer, meta = load_model(args.source, "cpu", phase="eval", model_tag=tag, step=step)
+        model, tokenizer, meta = load_model(args.source, "cpu", phase="eval", model_tag=tag, step=step,
+                                           weights_dtype=args.weights_dtype)
+        check_exportable(model.config)
         padding_rows = model.padded_vocab_size - model.config.vocab_size  # in wte and lm_head, dropped on export
         n = sum(p.numel() for p in model.parameters()) - 2 * padding_rows * model.config.n_embd
         card = model_card(model.config, n, args.source, tag, step, meta, args.dtype, license=args.license,

@@ -17,7 +17,8 @@ import os
 
 import torch
 
-from nanochat.checkpoint_manager import PHASE_DIRS, checkpoint_root, is_step_complete, save_checkpoint
+from nanochat.checkpoint.steps import is_step_complete
+from nanochat.checkpoint_manager import PHASE_DIRS, checkpoint_root, save_checkpoint
 from nanochat.common import get_base_dir
 from nanochat.configurator import Flag, Flags
 from nanochat.hf_format import VARIED_TEXT, encoding_from_hf_tokenizer, gpt_config_from_hf, model_meta, state_dict_from_hf

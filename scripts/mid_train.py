@@ -17,18 +17,21 @@ import os
 
 from nanochat.attention import attn_flag
 from nanochat.batching import batch_arithmetic
-from nanochat.checkpoint_manager import checkpoint_root
-from nanochat.common import compute_cleanup, print0, print_banner
+from nanochat.checkpoint.resume import require_resume_step, resume_flag
+from nanochat.checkpoint.train_state import save_train_state
+from nanochat.checkpoint_manager import checkpoint_model_config, checkpoint_root
+from nanochat.common import check_wandb, print0, print_banner
 from nanochat.compile import compile_flag
 from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
 from nanochat.data.conversations import ConversationPacker, check_stage_model, load_stage_model, scale_initial_lr
 from nanochat.distributed.dist import all_reduce_mean, any_rank
+from nanochat.distributed.parallel import parallel_flags
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.stage import Stage
 from nanochat.tokenizer import get_token_bytes
 from nanochat.training import (
-    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, apply_schedule, eval_steps_for,
-    format_duration, memory_flags, muon_momentum, optimizer_flags, resume_flag, run_flags, save_train_state, source_flags
+    CPU_EVAL_STEPS, DEFAULT_EVAL_TOKENS, MicroBatches, apply_schedule, check_sequence_length, eval_steps_for,
+    format_duration, muon_momentum, optimizer_flags, run_flags, source_flags
 )
 from nanochat.usage import run_main
 from tasks.suites import build_mixture, held_out_tasks
@@ -60,7 +63,7 @@ FLAGS = Flags(
     "systems",
     compile_flag(),
     attn_flag(),
-    memory_flags(),
+    parallel_flags(),
 )
 DEFAULTS = FLAGS.defaults()
 
@@ -112,11 +115,21 @@ def trained_batches(loader):
 def main(argv=None):
     config = parse_flags_or_exit(FLAGS, argv, description=__doc__)
     user_config = dict(config)
-    check_stage_model("base", config["model_tag"], config["model_step"])  # start-up check: the model exists
+    dry_run = config["dry_run"]
+    # start-up checks, before anything is built: the base model exists, its shape (from its meta) takes
+    # --max_seq_len, the step to resume from exists, wandb has a login
+    base_tag, base_step = check_stage_model("base", config["model_tag"], config["model_step"])
+    model_config = checkpoint_model_config("base", base_tag, base_step)
+    check_sequence_length("--max_seq_len", config["max_seq_len"], model_config, f"the base model {base_tag}")
+    checkpoint_dir = os.path.join(checkpoint_root("mid"), config["model_tag"] or f"d{model_config.n_layer}")
+    if not dry_run:
+        require_resume_step(config, checkpoint_dir)
+        check_wandb(config["run"])
     print_banner()
 
-    stage = Stage(config)  # device, process group, the parallel plan (nanochat/stage.py)
-    parallel, device, dry_run = stage.parallel, stage.device, config["dry_run"]
+    # device, process group, the parallel plan (its layout checked against the model's shape first): nanochat/stage.py
+    stage = Stage(config, model_config=model_config)
+    parallel, device = stage.parallel, stage.device
     data_rank, data_world = parallel.data_rank, parallel.data_world  # tp ranks of a group read the same data
 
     # the batch and the data first: a batch that does not divide, or task data that is missing, stops the run before
@@ -128,8 +141,7 @@ def main(argv=None):
     val_ds, _ = build_mixture(held_out_tasks(), "mid-training validation")
 
     # the base model and its tokenizer
-    model, tokenizer, base_meta = load_stage_model("base", device, config["model_tag"], config["model_step"])
-    model_config = model.config
+    model, tokenizer, base_meta = load_stage_model("base", device, base_tag, base_step)
     print0(f"attention: {model.set_attn(config['attn']).describe()}")
     model, orig_model = stage.prepare(model)  # orig_model: uncompiled, for eval and saving
     token_bytes = get_token_bytes(device=device)
@@ -146,12 +158,11 @@ def main(argv=None):
     print0(f"Training for {num_iterations:,} steps = {num_iterations * total_batch:,} tokens" if num_iterations > 0
            else f"Training for one epoch of {len(train_ds):,} conversations")
 
-    checkpoint_dir = os.path.join(checkpoint_root("mid"), config["model_tag"] or f"d{model_config.n_layer}")
     start_step, loop = (0, None) if dry_run else stage.resume(
         checkpoint_dir, orig_model, optimizers, ("meter", "min_val_bpb", "finished"))
     if loop is not None and loop["finished"]:
         print0(f"Step {start_step} is the last and is already saved in {checkpoint_dir}: mid-training is complete")
-        compute_cleanup()
+        stage.close()
         return {"step": start_step, "checkpoint_dir": checkpoint_dir, "train_tasks": train_names}
     metrics = stage.open_log(None if dry_run else checkpoint_dir, "nanochat-mid",
                              start_step if loop is not None else None, user_config, run="dummy" if dry_run else None)

@@ -18,7 +18,7 @@ import time
 from nanochat.checkpoint_manager import PHASE_DIRS, checkpoint_root
 from nanochat.common import get_base_dir, print0
 from nanochat.configurator import Flag, Flags, parse_flags_or_exit
-from nanochat.dataset import list_parquet_files, parquets_iter_batched
+from nanochat.dataset import DEFAULT_SOURCE, SOURCES, base_data_dir, data_flag, list_parquet_files, parquets_iter_batched
 from nanochat.report import get_report
 from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, compute_token_bytes, save_token_bytes
 from nanochat.usage import BadValue, Missing, RunFailure, UsageError, run_main
@@ -27,6 +27,8 @@ FLAGS = Flags(
     Flag("max_chars", 10_000_000_000, "train on at most this many characters", min=1),
     Flag("doc_cap", 10_000, "characters kept from the start of each document", min=1),
     Flag("vocab_size", 65536, "tokens in the vocabulary, including the 9 special tokens", min=265),
+    Flag("data", DEFAULT_SOURCE, "which shards to train on: fineweb_edu (base_data/) or climbmix (base_data_climbmix/, "
+         "the record recipe's)", choices=list(SOURCES)),
     Flag("force", False, "replace the tokenizer even when checkpoints in the base dir were trained with it (they "
          "will no longer load with the new one)"),
     Flag("keep_existing", False, "keep a tokenizer already in the base dir that has this --vocab_size and train none "
@@ -62,10 +64,10 @@ def checkpoints_using(tokenizer_dir):
     return users
 
 
-def text_iterator(max_chars, doc_cap):
+def text_iterator(max_chars, doc_cap, data_dir=None):
     """Train-split documents, each cut to doc_cap chars, until max_chars chars have been given out."""
     nchars = 0
-    for batch in parquets_iter_batched(split="train"):
+    for batch in parquets_iter_batched(split="train", data_dir=data_dir):
         for doc in batch:
             text = doc[:doc_cap]
             nchars += len(text)
@@ -89,18 +91,20 @@ def main(argv=None):
                          f"anyway, or use another NANOCHAT_BASE_DIR")
     print0(f"max_chars: {max_chars:,}\ndoc_cap: {doc_cap:,}\nvocab_size: {vocab_size:,}")
 
-    shards = list_parquet_files()
+    data_dir = base_data_dir(source=config["data"])
+    shards = list_parquet_files(data_dir)
     if len(shards) < 2:
-        data_dir = os.path.join(get_base_dir(), "base_data")
+        flag = data_flag(data_dir)
         raise Missing(
             f"the tokenizer trains on the train shards in {data_dir}, which has {len(shards)} shard(s) (the last "
-            f"shard is validation, so at least 2 are needed). Get data first: `python -m nanochat.dataset -n 8` "
-            f"downloads FineWeb-Edu shards, `python -m nanochat.dataset import PATH` imports local text (offline)"
+            f"shard is validation, so at least 2 are needed). Get data first: `python -m nanochat.dataset{flag} -n 8` "
+            f"downloads {SOURCES[config['data']].title} shards, `python -m nanochat.dataset import PATH{flag}` "
+            f"imports local text (offline)"
         )
 
     t0 = time.time()
     try:
-        tokenizer = RustBPETokenizer.train_from_iterator(text_iterator(max_chars, doc_cap), vocab_size)
+        tokenizer = RustBPETokenizer.train_from_iterator(text_iterator(max_chars, doc_cap, data_dir), vocab_size)
     except ValueError as e:
         raise BadValue(str(e)) from None
     train_time = time.time() - t0

@@ -14,12 +14,10 @@ LIB_TAG=tests/run.sh
 source scripts/lib.sh
 VENV="${NANOCHAT_VENV:-.venv}"
 
-ensure_venv "$VENV"
-# Rust toolchain for the rustbpe extension (maturin calls cargo); installing one is speedrun.sh's business, not this.
-have_cargo || die "$(cargo_problem) to build rustbpe"
-"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-log "installing nanochat[dev] (builds rustbpe)"
-"$VENV/bin/python" -m pip install -q -e ".[dev]"
+# The venv and `pip install -e .[dev]` every time, as runcpu.sh and speedrun.sh set up theirs (nanochat/launch/
+# bootstrap.py, standard library only). A missing or broken cargo is named with its fix: installing Rust is
+# speedrun.sh's business, not this.
+python3 -m nanochat.launch.bootstrap install "$VENV" --extras=dev --reinstall --install_rust=0 --tag=tests/run.sh
 
 # The web UI test drives Debian's chromium through Playwright (no browser download).
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then

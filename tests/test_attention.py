@@ -1,7 +1,9 @@
 """
 Attention backends (nanochat/attention.py): the selection rule for every compute capability, the refusals of
 kernels that cannot load (no fallback), and every backend that runs on CPU against a float64 math reference,
-forward and gradients, alone and inside the GPT. FA4's custom-op wrapper is checked with a reference kernel pair.
+forward and gradients, alone and inside the GPT, with and without a sliding window (training, prefill, decode and a
+chunk after a cached prefix). FA4's custom-op wrapper is checked with a reference kernel pair, FA3's window argument
+with a stand-in kernel.
 """
 
 import math
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from nanochat import attention as A
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.gpt import GPT, GPTConfig, RecordConfig, RecordGPT
 
 # Every CUDA compute capability torch has shipped kernels for, and CPU (None).
 CAPABILITIES = [(3, 7), (5, 0), (5, 2), (6, 0), (6, 1), (7, 0), (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0),
@@ -131,14 +133,17 @@ def test_gpt_refuses_what_cannot_run_on_its_device():
 # numerics: every backend that runs on CPU against float64 math
 
 
-def reference(q, k, v, mask=None):
-    """softmax(q k^T / sqrt(D) + mask) v in float64, GQA by repeating kv heads, causal at offset Tk - Tq."""
+def reference(q, k, v, mask=None, window=None):
+    """softmax(q k^T / sqrt(D) + mask) v in float64, GQA by repeating kv heads, causal at offset Tk - Tq; with a
+    window, query position p sees keys p - window .. p only."""
     q, k, v = q.double(), k.double(), v.double()
     rep = q.size(1) // k.size(1)
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     Tq, Tk = q.size(2), k.size(2)
     if mask is None:
-        mask = torch.ones(Tq, Tk, dtype=torch.bool).tril(diagonal=Tk - Tq)
+        qpos = (Tk - Tq + torch.arange(Tq, device=q.device)).view(-1, 1)
+        kpos = torch.arange(Tk, device=q.device).view(1, -1)
+        mask = (kpos <= qpos) & (kpos >= qpos - (Tk if window is None else window))
     s = (q @ k.transpose(-1, -2)) / math.sqrt(q.size(-1))
     s = s.masked_fill(~mask, float("-inf"))
     return s.softmax(-1) @ v
@@ -167,11 +172,14 @@ def test_forward_and_gradients_match_math(backend, shape):
     ref = reference(q, k, v)
     torch.testing.assert_close(y.double(), ref, atol=2e-6, rtol=2e-6)
     if grads_ok:
-        dy = torch.randn_like(y)
-        got = torch.autograd.grad(y, (q, k, v), dy)
-        want = torch.autograd.grad(ref, (q, k, v), dy.double())
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert_same_gradients(y, ref, (q, k, v))
+
+
+def assert_same_gradients(y, ref, inputs):
+    """The gradients of y and of its float64 reference with respect to the inputs, for one random output gradient."""
+    dy = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, inputs, dy), torch.autograd.grad(ref, inputs, dy.double())):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -183,6 +191,60 @@ def test_explicit_mask_matches_math(backend):
     torch.testing.assert_close(y.double(), reference(q, k, v, mask.view(1, 12)), atol=2e-6, rtol=2e-6)
 
 
+# (Hq, Hkv, Tq, Tk, window): training/prefill with the window inside T, GQA, a decode step past the window and one
+# still inside it, a chunk after a cached prefix, a window of 0 (each query sees itself only)
+WINDOW_SHAPES = [(4, 4, 16, 16, 5), (4, 2, 16, 16, 3), (4, 1, 1, 12, 4), (4, 2, 1, 6, 8), (4, 2, 5, 12, 3), (2, 2, 8, 8, 0)]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("shape", WINDOW_SHAPES, ids=str)
+def test_sliding_window_matches_math(backend, shape):
+    *dims, window = shape
+    grads_ok = backend != "flex"
+    q, k, v = qkv(*dims, requires_grad=grads_ok)
+    y = A.attention(q, k, v, A.choose(backend, None), window=window)
+    ref = reference(q, k, v, window=window)
+    torch.testing.assert_close(y.double(), ref, atol=2e-6, rtol=2e-6)
+    assert not torch.allclose(ref, reference(q, k, v), atol=1e-3) or dims[3] <= window + 1  # the window mattered
+    if grads_ok:
+        assert_same_gradients(y, ref, (q, k, v))
+
+
+def test_window_reaching_the_first_key_is_plain_causal_attention():
+    # the record model's long layers have window = sequence_len: over a training row that is ordinary causal attention
+    q, k, v = qkv(4, 2, 16, 16, requires_grad=False)
+    for backend in CPU_BACKENDS:
+        choice = A.choose(backend, None)
+        assert torch.equal(A.attention(q, k, v, choice, window=15), A.attention(q, k, v, choice))
+        assert torch.equal(A.attention(q, k, v, choice, window=64), A.attention(q, k, v, choice))
+
+
+def test_flex_block_masks_are_cached_per_window():
+    a, b = A._causal_block_mask(16, "cpu", 3), A._causal_block_mask(16, "cpu", 5)
+    assert a is A._causal_block_mask(16, "cpu", 3) and a is not b and A._causal_block_mask(16, "cpu") is not a
+    dense = a.to_dense()  # (1, 1, blocks, blocks) of the 128-token tiles: one block here
+    assert dense.numel() == 1
+
+
+def test_fa3_gets_the_window_as_flash_attentions_window_size(monkeypatch):
+    calls = []
+
+    def fake_fa3(q, k, v, causal, window_size=(-1, -1)):  # FA3's convention: (B, T, H, D), window (left, right)
+        calls.append(window_size)
+        left = window_size[0]
+        y = reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=None if left < 0 else left)
+        return y.transpose(1, 2).to(q.dtype), None
+
+    monkeypatch.setitem(A._FLASH, "fa3", A._first_output(fake_fa3))
+    choice = A.Attn("fa3", ("flash", "math"), "test")
+    q, k, v = qkv(4, 2, 16, 16, requires_grad=False)
+    for window in (None, 3):
+        y = A.attention(q, k, v, choice, window=window)
+        ref = reference(*(t.bfloat16() for t in (q, k, v)), window=window)  # FA runs in bf16
+        torch.testing.assert_close(y.double(), ref, atol=2e-2, rtol=2e-2)
+    assert calls == [(-1, -1), (3, 0)]  # no window: FA3's own default, as before windows existed
+
+
 def test_flex_backward_on_cpu_is_torchs_clear_error():
     q, k, v = qkv(4, 4, 16, 16, requires_grad=True)
     with pytest.raises(NotImplementedError, match="FlexAttention does not support backward on CPU"):
@@ -190,17 +252,22 @@ def test_flex_backward_on_cpu_is_torchs_clear_error():
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "sdpa_flash", "flex"])
-def test_gpt_with_each_backend_matches_math(backend):
+@pytest.mark.parametrize("record", [False, True], ids=["december", "record"])
+def test_gpt_with_each_backend_matches_math(backend, record):
+    # record: the record model (value embeddings, smear, backout) with windows of 128 and 512 over rows of 512
     cfg = GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    if record:
+        cfg = RecordConfig(**dict(vars(cfg), sequence_len=512), window_pattern="SL")
     models = {}
     for name in (backend, "sdpa_math"):
         torch.manual_seed(0)
-        models[name] = GPT(cfg, attn=name)
-        models[name].init_weights("nanochat")
+        models[name] = (RecordGPT if record else GPT)(cfg, attn=name)
+        models[name].init_weights("record" if record else "nanochat")
         with torch.no_grad():
             for p in models[name].parameters():
                 p.add_(0.05 * torch.randn_like(p))
-    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    assert not record or models[backend].windows == [128, 512]
+    idx = torch.randint(0, 64, (2, cfg.sequence_len), generator=torch.Generator().manual_seed(1))
     if backend == "flex":
         with torch.no_grad():
             torch.testing.assert_close(models[backend](idx), models["sdpa_math"](idx), atol=1e-5, rtol=1e-5)
@@ -228,26 +295,35 @@ def test_sdpa_order_compiles_without_graph_breaks():
 # FA4's custom-op wrapper, with a reference kernel pair in FA4's calling convention
 
 
-def ref_fwd(q, k, v, causal=True):
-    """(B, T, H, D) attention and its log-sum-exp (B, H, T), as FA4's _flash_attn_fwd returns them."""
+def ref_mask(T, window_size_left=None):
+    """FA4's causal mask for T x T, with its sliding window (query i sees keys i - left .. i)."""
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    if window_size_left is not None:
+        mask &= ~torch.ones(T, T, dtype=torch.bool).tril(-window_size_left - 1)
+    return mask
+
+
+def ref_fwd(q, k, v, causal=True, window_size_left=None, window_size_right=None, return_lse=False):
+    """(B, T, H, D) attention and its log-sum-exp (B, H, T), as FA4's _flash_attn_fwd returns them with return_lse."""
+    assert window_size_right in (None, 0)
     qh, kh, vh = (t.transpose(1, 2).float() for t in (q, k, v))
     rep = qh.size(1) // kh.size(1)
     kh, vh = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
     T = q.size(1)
     s = (qh @ kh.transpose(-1, -2)) / math.sqrt(q.size(-1))
-    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    s = s.masked_fill(~ref_mask(T, window_size_left), float("-inf"))
     lse = s.logsumexp(-1)
     return ((s - lse[..., None]).exp() @ vh).transpose(1, 2).to(q.dtype), lse
 
 
-def ref_bwd(q, k, v, out, dout, lse, causal=True):
+def ref_bwd(q, k, v, out, dout, lse, causal=True, window_size_left=None, window_size_right=None):
     """FlashAttention's backward from the saved lse (the probabilities are recomputed, not stored)."""
     qh, kh, vh, oh, doh = (t.transpose(1, 2).float() for t in (q, k, v, out, dout))
     rep = qh.size(1) // kh.size(1)
     kr, vr = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
     T, scale = q.size(1), 1 / math.sqrt(q.size(-1))
     s = (qh @ kr.transpose(-1, -2)) * scale
-    p = (s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")) - lse[..., None]).exp()
+    p = (s.masked_fill(~ref_mask(T, window_size_left), float("-inf")) - lse[..., None]).exp()
     dv = p.transpose(-1, -2) @ doh
     ds = p * (doh @ vr.transpose(-1, -2) - (doh * oh).sum(-1, keepdim=True))
     dq, dk = ds @ kr * scale, ds.transpose(-1, -2) @ qh * scale
@@ -278,13 +354,27 @@ def test_fa4_custom_op_forward_backward_and_compile():
     torch.library.opcheck(torch.ops.nanochat.fa4_fwd.default, (q.detach(), k.detach(), v.detach()))
 
 
+def test_fa4_custom_op_with_a_sliding_window():
+    fn = A.register_fa4_ops(ref_fwd, ref_bwd)
+    q, k, v = qkv(4, 2, 16, 16, requires_grad=True)  # (B, H, T, D); FA4 takes (B, T, H, D)
+    fa = [t.transpose(1, 2) for t in (q, k, v)]
+    y = fn(*fa, 3).transpose(1, 2)
+    ref = reference(q, k, v, window=3)
+    torch.testing.assert_close(y.double(), ref, atol=2e-6, rtol=2e-6)
+    assert_same_gradients(y, ref, (q, k, v))  # the backward got the window too
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(*fa, 3).transpose(1, 2), y)
+    torch.library.opcheck(torch.ops.nanochat.fa4_fwd.default, tuple(t.detach().contiguous() for t in fa) + (3,))
+
+
 # -----------------------------------------------------------------------------
 # on a GPU (skipped without one): every SDPA kernel the card has, and flex, against float64 math
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("backend", ["sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flex"])
-def test_cuda_backends_match_math(backend):
+@pytest.mark.parametrize("window", [None, 64])
+def test_cuda_backends_match_math(backend, window):
     try:
         choice = A.resolve_attn(backend, "cuda")
     except RuntimeError as e:
@@ -294,12 +384,12 @@ def test_cuda_backends_match_math(backend):
     q, k, v = (torch.randn(B, H, T, D, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
                for H in (Hq, Hkv, Hkv))
     fn = torch.compile(A.attention) if backend == "flex" else A.attention  # flex is meant to run compiled
-    y = fn(q, k, v, choice)
-    ref = reference(q.cpu(), k.cpu(), v.cpu())
+    y = fn(q, k, v, choice, None, window)
+    ref = reference(q.cpu(), k.cpu(), v.cpu(), window=window)
     torch.testing.assert_close(y.double().cpu(), ref, atol=2e-2, rtol=2e-2)  # bf16 inputs and outputs
     dy = torch.randn_like(y)
     got = torch.autograd.grad(y, (q, k, v), dy)
-    want = torch.autograd.grad(reference(q, k, v).to(y.device), (q, k, v), dy.double())
+    want = torch.autograd.grad(reference(q, k, v, window=window).to(y.device), (q, k, v), dy.double())
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b.double(), atol=5e-2, rtol=5e-2)
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from nanochat import batching, training
+from nanochat.checkpoint import resume, train_state
 from nanochat.checkpoint_manager import load_checkpoint
 from nanochat.configurator import FlagError, parse_flags
 from nanochat.metrics import read_metrics
@@ -91,19 +92,26 @@ def test_resume_is_exact(base_dir, capsys):
         assert torch.equal(a[k], b[k]), k
 
 
+def ddp():
+    """The single-process DDP plan, bound to its one rank."""
+    from nanochat.distributed.parallel import parallel_from_config
+
+    return parallel_from_config({}, rank=0, world=1)
+
+
 def test_resume_refuses_other_parallelism_path(tmp_path):
     """Optimizer state differs between the DDP and FSDP paths: resuming across them is a clear error, not a crash."""
     from nanochat.gpt import GPTConfig
     from nanochat.distributed.parallel import FSDP, DataParallel
 
-    model = training.build_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=64), "cpu")
+    model = training.init_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=64), "cpu")
     optimizers = model.setup_optimizers()
-    training.save_train_state(str(tmp_path), 3, model, optimizers, {"user_config": {"use_fsdp": False}})
+    train_state.save_train_state(str(tmp_path), 3, model, optimizers, {"user_config": {"use_fsdp": False}}, None, ddp())
     _, _, meta = load_checkpoint(str(tmp_path), 3, "cpu")
     assert meta["parallel"] == "ddp"
     with pytest.raises(ValueError, match="resume with --use_fsdp=0"):
-        training.load_train_state(str(tmp_path), 3, model, optimizers, "cpu", FSDP())
-    training.load_train_state(str(tmp_path), 3, model, optimizers, "cpu", DataParallel())
+        train_state.load_train_state(str(tmp_path), 3, model, optimizers, "cpu", FSDP())
+    train_state.load_train_state(str(tmp_path), 3, model, optimizers, "cpu", ddp())
     # checkpoints from before meta["parallel"] existed say it with their --use_fsdp flag
     with pytest.raises(ValueError, match="resume with --use_fsdp=1"):
         DataParallel().check_resume({"user_config": {"use_fsdp": True}}, 3)
@@ -117,33 +125,33 @@ def test_resume_refuses_another_model_shape_and_a_meta_without_loop_state(tmp_pa
     def cfg(n_layer):
         return GPTConfig(sequence_len=16, vocab_size=64, n_layer=n_layer, n_head=1, n_kv_head=1, n_embd=64)
 
-    saved = training.build_model(cfg(2), "cpu")
-    training.save_train_state(str(tmp_path), 3, saved, saved.setup_optimizers(),
-                              {"model_config": vars(cfg(2)), "user_config": {"depth": 2}})
-    other = training.build_model(cfg(1), "cpu")
+    saved = training.init_model(cfg(2), "cpu")
+    train_state.save_train_state(str(tmp_path), 3, saved, saved.setup_optimizers(),
+                                 {"model_config": vars(cfg(2)), "user_config": {"depth": 2}}, None, ddp())
+    other = training.init_model(cfg(1), "cpu")
     with pytest.raises(ValueError, match=r"holds a model with n_layer=2 but this run builds n_layer=1: resume with the "
                                          r"model flags of the run that saved it \(--depth=2\)"):
-        training.load_train_state(str(tmp_path), 3, other, other.setup_optimizers(), "cpu")
-    meta, _ = training.load_train_state(str(tmp_path), 3, saved, saved.setup_optimizers(), "cpu")
+        train_state.load_train_state(str(tmp_path), 3, other, other.setup_optimizers(), "cpu", ddp())
+    meta, _ = train_state.load_train_state(str(tmp_path), 3, saved, saved.setup_optimizers(), "cpu", ddp())
     with pytest.raises(ValueError, match=r"meta_000003.json has no loop state to resume from \(missing loop_state "
                                          r"meter\).*Its model still loads"):
-        training.resume_loop_state(meta, str(tmp_path), 3, ("meter",))
-    assert training.resume_loop_state({"loop_state": {"meter": 1}}, str(tmp_path), 3, ("meter",)) == {"meter": 1}
+        resume.resume_loop_state(meta, str(tmp_path), 3, ("meter",))
+    assert resume.resume_loop_state({"loop_state": {"meter": 1}}, str(tmp_path), 3, ("meter",)) == {"meter": 1}
 
 
 def test_resume_with_other_optimizers_names_the_file_and_the_flag(tmp_path):
     from nanochat.gpt import GPTConfig
 
-    model = training.build_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=64), "cpu")
-    training.save_train_state(str(tmp_path), 3, model, model.setup_optimizers(use_muon=True),
-                              {"user_config": {"use_muon": True}})
+    model = training.init_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=64), "cpu")
+    train_state.save_train_state(str(tmp_path), 3, model, model.setup_optimizers(use_muon=True),
+                                 {"user_config": {"use_muon": True}}, None, ddp())
     with pytest.raises(ValueError, match=r"optim_000003_rank0\.pt holds 2 optimizer states but this run built 1: resume "
                                          r"with the optimizer flags of the run that saved step 3 \(--use_muon=1\)"):
-        training.load_train_state(str(tmp_path), 3, model, model.setup_optimizers(use_muon=False), "cpu")
+        train_state.load_train_state(str(tmp_path), 3, model, model.setup_optimizers(use_muon=False), "cpu", ddp())
     optimizers = model.setup_optimizers(use_muon=True)
     optimizers.reverse()  # same count, other parameter groups
     with pytest.raises(ValueError, match=r"optim_000003_rank0\.pt does not fit this run's .*--use_muon=1"):
-        training.load_train_state(str(tmp_path), 3, model, optimizers, "cpu")
+        train_state.load_train_state(str(tmp_path), 3, model, optimizers, "cpu", ddp())
 
 
 def test_parallel_strategy_from_flags():
@@ -172,7 +180,7 @@ def test_next_micro_batch_is_fetched_after_backward_is_queued():
 
     def run(across_steps, steps=2, accum=3):
         torch.manual_seed(0)
-        model = training.build_model(config, "cpu")
+        model = training.init_model(config, "cpu")
         optimizers = model.setup_optimizers()
         events, taken = [], []
         for opt in optimizers:

@@ -14,7 +14,10 @@ import torch
 
 from chat_fixtures import ScriptedModel, tiny_model, tiny_tokenizer
 from nanochat.chat_eval import BASELINES, TASK_NAMES, chatcore, evaluate_task, run_categorical_eval, run_generative_eval
+from nanochat.distributed.dist import DataRanks
 from tasks.suites import build_eval_task_on_every_rank
+
+ONE = DataRanks(0, 1, 0)  # a single process evaluates every example (ranks are required: TP splits by data rank)
 
 # excerpts of the real data sets in ../shared/data, same layout (tests/assets/README.md): every clone has them
 SHARED = Path(__file__).resolve().parent / "assets" / "data"
@@ -83,16 +86,16 @@ def test_categorical_counts_with_a_controlled_model(monkeypatch):
         keys = [json.loads(next(f))["answerKey"] for _ in range(n)]
     expected = sum(k == "A" for k in keys) / n  # the model always answers A, read at the right position
     assert 0 < expected < 1
-    acc = run_categorical_eval(ARC("ARC-Easy", "test"), tok, model, batch_size=3, max_problems=n)
+    acc = run_categorical_eval(ARC("ARC-Easy", "test"), tok, model, batch_size=3, max_problems=n, ranks=ONE)
     assert acc == expected
     assert [s[0] for s in model.batch_shapes] == [3, 3, 3, 1]  # batches of 3 (right-padded), then the rest
     # through the dispatcher and the ChatCORE task table, as chat_sft uses them
     task = build_eval_task_on_every_rank("ARC-Easy")
-    assert evaluate_task(task, model, tok, engine=None, batch_size=4, max_problems=n) == expected
+    assert evaluate_task(task, model, tok, engine=None, batch_size=4, max_problems=n, ranks=ONE) == expected
     # a model that sees only 24 positions gets the prompts' ends: the answer position is still the last one
     model.rotary_seq_len = 24
     model.batch_shapes.clear()
-    assert run_categorical_eval(ARC("ARC-Easy", "test"), tok, model, batch_size=5, max_problems=n) == expected
+    assert run_categorical_eval(ARC("ARC-Easy", "test"), tok, model, batch_size=5, max_problems=n, ranks=ONE) == expected
     assert model.batch_shapes == [(5, 24), (5, 24)]
 
 
@@ -104,7 +107,7 @@ def test_categorical_runs_on_a_tiny_random_gpt(monkeypatch):
     tok = tiny_tokenizer()
     model = tiny_model(tok.get_vocab_size(), depth=1, sequence_len=128)
     n = 8
-    acc = run_categorical_eval(MMLU("all", "dev"), tok, model, batch_size=4, max_problems=n)
+    acc = run_categorical_eval(MMLU("all", "dev"), tok, model, batch_size=4, max_problems=n, ranks=ONE)
     assert 0.0 <= acc <= 1.0 and (acc * n) == int(acc * n)
 
 
@@ -122,13 +125,13 @@ def test_generative_counts_through_the_engine(monkeypatch):
     expected = sum(task[i]["word"].count(task[i]["letter"]) == 1 for i in range(30)) / 30
     assert 0 < expected < 1
     acc = run_generative_eval(task, tok, model, Engine(model, tok), num_samples=1, max_new_tokens=16,
-                              temperature=0.0, top_k=50)
+                              temperature=0.0, top_k=50, ranks=ONE)
     assert acc == expected
     # a completion is graded on the generated text only: the prompt (which holds the word) is cut off
-    assert acc == evaluate_task(task, model, tok, Engine(model, tok), max_new_tokens=16)
+    assert acc == evaluate_task(task, model, tok, Engine(model, tok), max_new_tokens=16, ranks=ONE)
     # prompts with no room left to answer count as failures, without calling the model
     small = ScriptedModel(tok.get_vocab_size(), script, filler=script[-1], max_positions=8)
-    assert run_generative_eval(task, tok, small, Engine(small, tok), 1, 16, 0.0, 50, max_problems=5) == 0.0
+    assert run_generative_eval(task, tok, small, Engine(small, tok), 1, 16, 0.0, 50, max_problems=5, ranks=ONE) == 0.0
     assert small.fed == []
 
 
@@ -141,7 +144,7 @@ def test_generative_runs_on_a_tiny_random_gpt(monkeypatch):
     tok = tiny_tokenizer()
     model = tiny_model(tok.get_vocab_size(), depth=1, sequence_len=128)
     acc = run_generative_eval(GSM8K("main", "test"), tok, model, Engine(model, tok), num_samples=2,
-                              max_new_tokens=4, temperature=1.0, top_k=20, max_problems=2)
+                              max_new_tokens=4, temperature=1.0, top_k=20, max_problems=2, ranks=ONE)
     assert acc in (0.0, 0.5, 1.0)
 
 
@@ -196,6 +199,7 @@ DIST_SCRIPT = """
 import json, sys
 sys.path.insert(0, {tests!r})
 from nanochat.common import compute_init, compute_cleanup
+from nanochat.distributed.dist import process_data_ranks
 from nanochat.engine import Engine
 from nanochat.tokenizer import RustBPETokenizer
 from chat_fixtures import ScriptedModel
@@ -206,11 +210,11 @@ from tasks.spellingbee import SpellingBee
 ddp, rank, _, world, device = compute_init("cpu")
 tok = RustBPETokenizer.from_directory({tokdir!r})
 model = LetterModel(tok, answer=tok.encode("A")[0], decoy=tok.encode("B")[0], distractor=tok.encode("the")[0])
-cat = run_categorical_eval(ARC("ARC-Easy", "test", data_dir={data!r}), tok, model, batch_size=2, max_problems=11)
+cat = run_categorical_eval(ARC("ARC-Easy", "test", data_dir={data!r}), tok, model, batch_size=2, max_problems=11, ranks=process_data_ranks())
 script = tok.encode("#### 1") + [tok.encode_special("<|assistant_end|>")]
 scripted = ScriptedModel(tok.get_vocab_size(), script, filler=script[-1])
 task = SpellingBee(size=30, split="test", data_dir={data!r})
-gen = run_generative_eval(task, tok, scripted, Engine(scripted, tok), 1, 16, 0.0, 50, max_problems=13)
+gen = run_generative_eval(task, tok, scripted, Engine(scripted, tok), 1, 16, 0.0, 50, max_problems=13, ranks=process_data_ranks())
 with open({out!r} + f".{{rank}}", "w") as f:
     json.dump({{"world": world, "cat": cat, "gen": gen, "seen": sum(s[0] for s in model.batch_shapes)}}, f)
 compute_cleanup()
@@ -341,8 +345,8 @@ def test_batched_generative_eval_gives_the_answers_of_one_problem_at_a_time(monk
         return real(conv, completion) or len(completion) % 3 == 0  # a varied pass/fail pattern to compare
 
     monkeypatch.setattr(task, "evaluate", recording)
-    one = run_generative_eval(task, tok, model, Engine(model, tok), 1, 20, 0.0, 50, max_problems=10, batch_size=1)
+    one = run_generative_eval(task, tok, model, Engine(model, tok), 1, 20, 0.0, 50, max_problems=10, ranks=ONE, batch_size=1)
     by_engine, seen = seen, {}
-    batched = run_generative_eval(task, tok, model, Engine(model, tok), 1, 20, 0.0, 50, max_problems=10, batch_size=8)
+    batched = run_generative_eval(task, tok, model, Engine(model, tok), 1, 20, 0.0, 50, max_problems=10, ranks=ONE, batch_size=8)
     assert seen == by_engine and len(seen) == 10
     assert batched == one and 0 < one < 1

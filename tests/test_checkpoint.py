@@ -28,6 +28,35 @@ def test_round_trip_and_layout(tmp_path):
     assert cm.find_last_step(str(d)) == 7
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process says so
+def test_the_step_format_is_decided_in_one_place(tmp_path):
+    """steps.step_format answers "is this step sharded" (and "is it there"); every reader goes by it: discovery,
+    require_step, step_problem, load_checkpoint. A consolidated step (both formats) is the sharded one."""
+    from nanochat.checkpoint import sharded, steps
+    from nanochat.checkpoint.files import sharded_step_dir
+
+    d = str(tmp_path)
+    cm.save_checkpoint(d, 1, _tiny_state(1), [{}], {"step": 1})
+    torch.manual_seed(2)
+    layer = torch.nn.Linear(3, 4)
+    sharded.save_sharded(d, 2, sharded.train_state_dict(layer), {"step": 2})  # one process writes the one shard
+    cm.save_checkpoint(d, 3, _tiny_state(3), None, {"step": 3})
+    os.remove(os.path.join(d, "meta_000003.json"))  # step 3: a save cut short
+    assert [steps.step_format(d, s) for s in (1, 2, 3, 4)] == ["single", "sharded", None, None]
+    assert steps.complete_steps(d) == [1, 2] and cm.find_last_step(d) == 2
+    assert [steps.step_problem(d, s) is None for s in (1, 2, 3)] == [True, True, False]
+    assert steps.latest_resumable_step(d, log=lambda *a: None) == 2
+    with pytest.raises(FileNotFoundError, match=r"step 3 is incomplete .*complete steps in .*: 1, 2"):
+        steps.require_step(d, 3)
+    assert all(torch.equal(v, layer.state_dict()[k]) for k, v in cm.load_checkpoint(d, 2, "cpu")[0].items())
+    assert steps.step_meta_path(d, 2) == os.path.join(sharded_step_dir(d, 2), "meta_000002.json")
+    # consolidated: the single files beside it are a copy; the step stays sharded (what resumes on any layout)
+    sharded.consolidate(sharded_step_dir(d, 2), d, 2)
+    assert steps.is_step_complete(d, 2) and steps.step_format(d, 2) == "sharded"
+    with pytest.raises(ValueError, match="step 2 .* is a sharded checkpoint"):
+        cm.load_checkpoint(d, 2, "cpu", load_optimizer=True)
+
+
 def test_crash_mid_save_leaves_previous_step_loadable(tmp_path, monkeypatch, caplog):
     d = tmp_path / "d4"
     cm.save_checkpoint(str(d), 10, _tiny_state(0), None, {"step": 10})
@@ -183,10 +212,20 @@ def test_weights_dtype_rule(monkeypatch):
     assert cm.weights_dtype_for("mps", "eval") == torch.float32
     assert cm.weights_dtype_for("cuda", "eval", "float32") == torch.float32
     assert cm.weights_dtype_for("cpu", "eval", "bf16") == torch.bfloat16
-    monkeypatch.setenv("NANOCHAT_WEIGHTS_DTYPE", "float32")
-    assert cm.weights_dtype_for("cuda", "eval") == torch.float32
-    with pytest.raises(ValueError, match="NANOCHAT_WEIGHTS_DTYPE"):
+    with pytest.raises(ValueError, match="--weights_dtype must be one of"):
         cm.weights_dtype_for("cuda", "eval", "fp8")
+    # NANOCHAT_WEIGHTS_DTYPE is the default of the scripts' --weights_dtype: what they parse (and record) is what loads
+    from nanochat.configurator import FlagError, Flags
+
+    flags = Flags(cm.checkpoint_flags("sft"))
+    assert flags.parse([])["weights_dtype"] == "auto"
+    monkeypatch.setenv("NANOCHAT_WEIGHTS_DTYPE", "float32")
+    assert cm.weights_dtype_for("cuda", "eval") == torch.bfloat16  # the library reads no environment
+    assert cm.weights_dtype_for("cuda", "eval", flags.parse([])["weights_dtype"]) == torch.float32
+    assert flags.parse(["--weights_dtype=bf16"])["weights_dtype"] == "bf16"  # the flag wins
+    monkeypatch.setenv("NANOCHAT_WEIGHTS_DTYPE", "fp8")
+    with pytest.raises(FlagError, match="NANOCHAT_WEIGHTS_DTYPE=fp8 .*--weights_dtype must be one of"):
+        flags.parse([])
 
 
 def test_bf16_loaded_model_runs_forward(tmp_path):

@@ -53,12 +53,20 @@ def test_compile_flag_spellings():
         C.parse_compile_flag("maybe")
 
 
-def test_env_replaces_only_the_auto_default(monkeypatch):
+def test_env_is_the_flags_default(monkeypatch):
+    """NANOCHAT_COMPILE is --compile's default: the parsed flags (what a run records) hold what it does."""
+    from nanochat.configurator import FlagError, Flags
+
+    flags = Flags(C.compile_flag())
     monkeypatch.setenv("NANOCHAT_COMPILE", "0")
-    assert C.resolve_compile("auto", "cpu") is False
+    assert flags.parse([])["compile"] == "0" and C.resolve_compile(flags.parse([])["compile"], "cpu") is False
     monkeypatch.setenv("NANOCHAT_COMPILE", "1")
-    assert C.resolve_compile("0", "cpu") is False  # an explicit flag wins
+    assert flags.parse(["--compile=0"])["compile"] == "0"  # an explicit flag wins
+    monkeypatch.setenv("NANOCHAT_COMPILE", "maybe")
+    with pytest.raises(FlagError, match=r"NANOCHAT_COMPILE=maybe \(the default of --compile\): --compile must be auto"):
+        flags.parse([])
     monkeypatch.delenv("NANOCHAT_COMPILE")
+    assert flags.parse([])["compile"] == "auto"
     notes = []
     assert C.resolve_compile("auto", "mps", log=notes.append) is False and "runs eager" in notes[0]
 

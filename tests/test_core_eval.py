@@ -20,6 +20,9 @@ import torch
 from nanochat.core_eval import (centered_accuracy, evaluate_example, evaluate_model, load_core_config,
                                 prepare_task_data, render_prompts_lm, render_prompts_mc, render_prompts_schema,
                                 resolve_bundle_dir, sample_fewshot)
+from nanochat.distributed.dist import DataRanks
+
+ONE = DataRanks(0, 1, 0)  # a single process evaluates every example (ranks are required: TP splits by data rank)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CORE = REPO.parent / "shared" / "data" / "core_eval"
@@ -175,7 +178,7 @@ def test_fewshot_sampling_and_shuffle_follow_nanochat():
 
 def test_exact_accuracy_with_a_known_model(bundle):
     model, tok = BigramModel(), ByteTokenizer()
-    out = evaluate_model(model, tok, "cpu", bundle_dir=str(bundle))
+    out = evaluate_model(model, tok, "cpu", bundle_dir=str(bundle), ranks=ONE)
     assert out["results"] == pytest.approx(EXPECTED_ACC, abs=1e-9)
     assert out["centered_results"] == pytest.approx(EXPECTED_CENTERED, abs=1e-9)
     assert out["core_metric"] == pytest.approx(EXPECTED_CORE, abs=1e-9)
@@ -198,7 +201,7 @@ def test_each_example_scores_as_worked_out(bundle):
 def test_long_sequences_are_cropped_from_the_left(bundle):
     # with a 6-token window the few-shot prefix is cut off; a bigram model's scores do not change
     model, tok = BigramModel(max_seq_len=6), ByteTokenizer()
-    out = evaluate_model(model, tok, "cpu", bundle_dir=str(bundle))
+    out = evaluate_model(model, tok, "cpu", bundle_dir=str(bundle), ranks=ONE)
     assert max(model.widths) <= 6
     assert out["results"] == pytest.approx(EXPECTED_ACC, abs=1e-9)
 
@@ -207,7 +210,7 @@ def test_missing_task_file_makes_core_partial(tmp_path):
     tasks = TASKS + [{"label": "gone_task", "uri": "cat/gone.jsonl", "shots": 0, "type": "multiple_choice"}]
     bundle = write_bundle(tmp_path / "b", tasks, BASELINES, DATA)
     lines = []
-    out = evaluate_model(BigramModel(), ByteTokenizer(), "cpu", bundle_dir=str(bundle), log=lines.append)
+    out = evaluate_model(BigramModel(), ByteTokenizer(), "cpu", bundle_dir=str(bundle), log=lines.append, ranks=ONE)
     assert out["partial"] is True and out["missing"] == ["gone_task"]
     assert "gone_task" not in out["results"] and out["num_tasks"] == 3 and out["num_tasks_total"] == 4
     assert out["core_metric"] == pytest.approx(EXPECTED_CORE, abs=1e-9)  # over the tasks that ran, flagged partial
@@ -219,14 +222,14 @@ def test_fewshot_is_clamped_to_the_data_available(tmp_path):
     tasks = [dict(TASKS[0], shots=10)]
     bundle = write_bundle(tmp_path / "b", tasks, BASELINES, {"cat/mc.jsonl": MC_ITEMS})
     lines = []
-    out = evaluate_model(BigramModel(), ByteTokenizer(), "cpu", bundle_dir=str(bundle), log=lines.append)
+    out = evaluate_model(BigramModel(), ByteTokenizer(), "cpu", bundle_dir=str(bundle), log=lines.append, ranks=ONE)
     assert out["results"]["mc_task"] == pytest.approx(2 / 3)
     assert any("using 2-shot instead of 10-shot" in l for l in lines)
 
 
 def test_max_per_task(bundle):
     model = BigramModel()
-    out = evaluate_model(model, ByteTokenizer(), "cpu", max_per_task=1, bundle_dir=str(bundle))
+    out = evaluate_model(model, ByteTokenizer(), "cpu", max_per_task=1, bundle_dir=str(bundle), ranks=ONE)
     # one example per task, the first after nanochat's Random(1337) shuffle; accuracy is 0 or 1
     assert set(out["results"].values()) <= {0.0, 1.0}
     assert len(model.widths) == 3
@@ -278,7 +281,7 @@ def test_bundle_download_from_http(http_dir, bundle, tmp_path, monkeypatch):
     server.shutdown()
     assert resolve_bundle_dir(base_dir=str(base), url=f"{url}/eval_bundle.zip") == got
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
-    out = evaluate_model(BigramModel(), ByteTokenizer(), "cpu")
+    out = evaluate_model(BigramModel(), ByteTokenizer(), "cpu", ranks=ONE)
     assert out["core_metric"] == pytest.approx(EXPECTED_CORE, abs=1e-9)
 
 
@@ -312,7 +315,7 @@ def test_real_bundle_runs_and_is_partial(monkeypatch):
     present = [t for t in tasks if (SHARED_CORE / "eval_data" / t["dataset_uri"]).is_file()]
     expected_missing = [t["label"] for t in tasks if t not in present]
     monkeypatch.setenv("NANOCHAT_DATA_DIR", str(SHARED_CORE.parent))
-    out = evaluate_model(BigramModel(), ByteTokenizer(), "cpu", max_per_task=2, log=None)
+    out = evaluate_model(BigramModel(), ByteTokenizer(), "cpu", max_per_task=2, log=None, ranks=ONE)
     assert out["bundle_dir"] == str(SHARED_CORE)
     assert out["missing"] == expected_missing and out["partial"] is bool(expected_missing)
     assert sorted(out["results"]) == sorted(t["label"] for t in present)
@@ -331,11 +334,12 @@ DIST_SCRIPT = textwrap.dedent("""
     import torch
     sys.path.insert(0, {tests!r})
     from nanochat.common import compute_init, compute_cleanup
+    from nanochat.distributed.dist import process_data_ranks
     from nanochat.core_eval import evaluate_model, get_bundle_dir
     from test_core_eval import BigramModel, ByteTokenizer
     ddp, rank, _, world, device = compute_init("cpu")
     model = BigramModel()
-    out = evaluate_model(model, ByteTokenizer(), device, bundle_dir={bundle!r}, log=None)
+    out = evaluate_model(model, ByteTokenizer(), device, bundle_dir={bundle!r}, log=None, ranks=process_data_ranks())
     # no bundle anywhere and a dead download URL: every rank must get the error (nobody hangs at a barrier)
     try:
         get_bundle_dir(url={dead_url!r})

@@ -22,7 +22,7 @@ import pytest
 from nanochat import dataset
 from nanochat.data import cli
 from nanochat.data.corpus_import import import_corpus, iter_file_documents, split_text
-from nanochat.data.download import download_shards, download_single_file
+from nanochat.data.download import download_shards, download_single_file, shard_indices
 from nanochat.dataset import list_parquet_files, parquets_iter_batched
 
 REPO = Path(__file__).resolve().parents[1]
@@ -417,6 +417,105 @@ def test_cli_download_nanochat_flags(server, tmp_path, monkeypatch, capsys):
     assert "shard_00003.parquet" in err and "Downloaded: 3/4" in out
     assert (tmp_path / "base_data" / "shard_00002.parquet").read_bytes() == server.files["shard_00002.parquet"]
     assert server.names_requested().count("shard_00000.parquet") == 1
+
+
+# -----------------------------------------------------------------------------
+# ClimbMix, the record recipe's data: its own directory, URL and validation shard, through the same downloader
+
+
+def test_climbmix_source_is_nanochat_92d63d4s():
+    climbmix = dataset.SOURCES["climbmix"]
+    assert climbmix.base_url == "https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main"
+    assert (climbmix.dir_name, climbmix.max_shard, climbmix.val_shard) == ("base_data_climbmix", 6542, 6542)
+    assert dataset.index_to_filename(climbmix.val_shard) == "shard_06542.parquet"
+    assert shard_indices("fineweb_edu", 3) == [0, 1, 2] and len(shard_indices("fineweb_edu", -1)) == 1823
+    assert shard_indices("climbmix", 3) == [0, 1, 2, 6542]  # -n counts train shards; validation is always fetched
+    assert shard_indices("climbmix", -1) == list(range(6543)) == shard_indices("climbmix", 10**6)
+
+
+def test_climbmix_download_into_its_directory_with_retries_and_resume(server, tmp_path, monkeypatch, capsys):
+    """`python -m nanochat.dataset --data=climbmix -n 2`: shards 0, 1 and the validation shard 6542 from the mirror in
+    $NANOCHAT_CLIMBMIX_URL into base_data_climbmix/, a 503 retried, a body cut short resumed with Range, the last shard
+    the validation split."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    monkeypatch.setenv("NANOCHAT_CLIMBMIX_URL", server.url)
+    monkeypatch.setenv("NANOCHAT_DATA_URL", "http://127.0.0.1:9/not-this-one")
+    monkeypatch.setattr("nanochat.data.download.time.sleep", lambda s: None)  # the 2 s backoff
+    for i in (0, 1, 2, 6542):
+        server.files[dataset.index_to_filename(i)] = shard_bytes([f"climbmix {i}.{j} " * (j + 3) for j in range(50)])
+    server.fail_first["shard_00001.parquet"] = 1
+    server.cut_first["shard_06542.parquet"] = 1
+    assert cli.main(["--data=climbmix", "-n", "2", "-w", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "Downloaded: 3/3" in out and "ClimbMix 400B" in out
+    climbmix = tmp_path / "base_data_climbmix"
+    assert sorted(p.name for p in climbmix.iterdir()) == ["shard_00000.parquet", "shard_00001.parquet",
+                                                          "shard_06542.parquet"]
+    for p in climbmix.iterdir():
+        assert p.read_bytes() == server.files[p.name]
+    assert server.requests.count(("shard_06542.parquet", None)) == 1  # the cut body was resumed, not fetched again
+    assert any(n == "shard_06542.parquet" and r and r.startswith("bytes=") for n, r in server.requests)
+    assert not (tmp_path / "base_data").exists() or not list((tmp_path / "base_data").iterdir())
+    assert read_docs(dataset.split_parquet_files("val", climbmix)[0]) == read_docs(climbmix / "shard_06542.parquet")
+    # more train shards later: only the new one is fetched, the validation shard stays the last
+    server.requests.clear()
+    assert cli.main(["--data", "climbmix", "-n", "3", "-w", "1"]) == 0
+    assert server.names_requested() == ["shard_00002.parquet"]
+    assert [os.path.basename(p) for p in dataset.split_parquet_files("val", climbmix)] == ["shard_06542.parquet"]
+
+
+def test_climbmix_messages_name_the_data_flag(server, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    climbmix = dataset.base_data_dir(source="climbmix")
+    assert climbmix == str(tmp_path / "base_data_climbmix")
+    with pytest.raises(FileNotFoundError, match=r"python -m nanochat\.dataset --data=climbmix -n 8` \(downloads "
+                                                 r"ClimbMix 400B.*import PATH --data=climbmix"):
+        dataset.split_parquet_files("train", climbmix)
+    (tmp_path / "base_data_climbmix" / dataset.IMPORT_INFO).write_text("{}")
+    assert cli.main(["--data=climbmix", "-n", "1", "--base_url", server.url]) == 1
+    assert "downloading ClimbMix 400B shards next to it would mix" in capsys.readouterr().err
+    assert server.requests == []
+    # a 404 names the ClimbMix mirror variable
+    (tmp_path / "base_data_climbmix" / dataset.IMPORT_INFO).unlink()
+    assert not download_single_file(0, None, server.url, source="climbmix", **fast())
+    assert "$NANOCHAT_CLIMBMIX_URL" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--data must be one of fineweb_edu, climbmix"):
+        dataset.resolve_source("fineweb")
+    assert dataset.resolve_source(None, "climbmix") == "climbmix" and dataset.resolve_source("fineweb_edu") == "fineweb_edu"
+
+
+def test_import_into_the_climbmix_layout(tmp_path, monkeypatch, capsys):
+    """Offline, a local corpus can stand in for ClimbMix: `import --data=climbmix` writes base_data_climbmix/."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    src = str(PRETRAIN / "c4_demo" / "c4_demo.jsonl")
+    assert cli.main(["import", src, "--data=climbmix", "--val_docs", "2"]) == 0
+    train, val = shard_summary(tmp_path / "base_data_climbmix")
+    assert sum(map(len, train)) > 0 and len(val) == 2 and not (tmp_path / "base_data").exists()
+    with pytest.raises(SystemExit):
+        cli.main(["import", src, "--data=climbmix", "--out", str(tmp_path / "x")])
+    assert "either --out DIR or --data" in capsys.readouterr().err
+    bad = tmp_path / "base_data_climbmix" / "shard_00000.parquet"
+    bad.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"import \.\.\. --data=climbmix --overwrite"):
+        list(parquets_iter_batched("train", data_dir=tmp_path / "base_data_climbmix"))
+
+
+def test_tok_train_reads_the_climbmix_directory(tmp_path, monkeypatch):
+    """The record pipeline trains its tokenizer on ClimbMix, as nanochat 92d63d4 does: tok_train --data=climbmix."""
+    from scripts import tok_train
+
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"base_data_climbmix, which has 0 shard.*python -m nanochat\.dataset "
+                                                 r"--data=climbmix -n 8` downloads ClimbMix 400B"):
+        tok_train.main(["--data=climbmix", "--vocab_size=300"])
+    climbmix = tmp_path / "base_data_climbmix"
+    write_shard(climbmix / "shard_00000.parquet", ["zqzqzq zqzqzq zqzqzq"] * 20, 10)
+    write_shard(climbmix / "shard_06542.parquet", ["val"], 1)
+    tok_train.main(["--data=climbmix", "--vocab_size=300"])
+    from nanochat.tokenizer import RustBPETokenizer
+
+    tok = RustBPETokenizer.from_directory(str(tmp_path / "tokenizer"))
+    assert len(tok.encode(" zqzqzq")) == 1  # learned from the ClimbMix directory's text
 
 
 def test_cli_rejects_bad_counts(capsys):

@@ -3,7 +3,10 @@ DistAdamW and DistMuon (the DDP path) against torch AdamW and Muon in one proces
 
 - synthetic parameters with uneven dim 0 (5 rows / 1 row on 2 ranks), lr_mul/wd_mul, shape groups of 3 matrices
   (not a multiple of the world size), a changing momentum/lr schedule; per-rank state_dict round trips
-- the real GPT (tiny config) with GPT.setup_optimizers(): 2 ranks (each half the batch) vs 1 process (whole batch)
+- the same with the record recipe's options (Muon: Polar Express, MuonEq, Muon+, NorMuon, cautious weight decay on a
+  schedule; AdamW: groups with their own betas, eps, lr and weight decay)
+- the real GPT (tiny config) with GPT.setup_optimizers(): 2 ranks (each half the batch) vs 1 process (whole batch),
+  with the December options and with the record ones
 """
 
 import importlib.util
@@ -26,8 +29,8 @@ def runs(tmp_path_factory):
     optimizer checks of dist_scripts/dist_optim_check.py (one launch keeps the test fast on small CPUs)."""
     pytest.importorskip("nanochat.gpt")
     d = tmp_path_factory.mktemp("ddp")
-    launch.single("gpt_train_check.py", ["--mode=single", "--use_muon=1", f"--out={d / 'ref.pt'}"])
-    launch.torchrun("gpt_train_check.py", ["--mode=ddp", "--use_muon=1", "--synthetic=1", f"--out={d / 'ddp.pt'}"], timeout=400)
+    launch.single("gpt_train_check.py", ["--mode=single", "--use_muon=1", "--record=1", f"--out={d / 'ref.pt'}"])
+    launch.torchrun("gpt_train_check.py", ["--mode=ddp", "--use_muon=1", "--record=1", "--synthetic=1", f"--out={d / 'ddp.pt'}"], timeout=400)
     return torch.load(d / "ref.pt", weights_only=True), torch.load(d / "ddp.pt", weights_only=True)
 
 
@@ -37,14 +40,15 @@ def synthetic_checks(runs):
 
 
 @pytest.mark.timeout(600)
-def test_distadamw_matches_torch_adamw(synthetic_checks):
-    c = synthetic_checks["distadamw_vs_adamw"]
+@pytest.mark.parametrize("name", ["distadamw_vs_adamw", "distadamw_group_betas_vs_adamw"])
+def test_distadamw_matches_torch_adamw(synthetic_checks, name):
+    c = synthetic_checks[name]
     assert c["ok"], c
     assert c["max_param_diff"] < 1e-5 and c["moved"] > 1e-3
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["distmuon_vs_muon", "distmuon_vs_muon_plain_momentum"])
+@pytest.mark.parametrize("name", ["distmuon_vs_muon", "distmuon_vs_muon_plain_momentum", "distmuon_record_vs_muon"])
 def test_distmuon_matches_muon(synthetic_checks, name):
     c = synthetic_checks[name]
     assert c["ok"], c
@@ -52,7 +56,7 @@ def test_distmuon_matches_muon(synthetic_checks, name):
 
 @pytest.mark.timeout(600)
 def test_state_dict_round_trip_and_wrong_rank(synthetic_checks):
-    for name in ("distadamw_vs_adamw", "distmuon_vs_muon"):
+    for name in ("distadamw_vs_adamw", "distmuon_vs_muon", "distmuon_record_vs_muon"):
         assert synthetic_checks[name]["resume_exact"], synthetic_checks[name]
         assert synthetic_checks[name]["ranks_equal"], synthetic_checks[name]
     assert synthetic_checks["wrong_rank_refused"]["ok"], synthetic_checks["wrong_rank_refused"]
@@ -92,14 +96,17 @@ def assert_same_training(ref, run):
 
 
 @pytest.mark.timeout(600)
-def test_gpt_two_ranks_match_one_process(runs):
+@pytest.mark.parametrize("variant", ["use_muon=1", "record"])
+def test_gpt_two_ranks_match_one_process(runs, variant):
     ref, ddp = runs
-    assert ddp["use_muon=1"]["checks"]["optimizer_classes"] == ["DistAdamW", "DistMuon"]
-    assert_same_training(ref["use_muon=1"], ddp["use_muon=1"])
+    assert ddp[variant]["checks"]["optimizer_classes"] == ["DistAdamW", "DistMuon"]
+    assert ddp[variant]["checks"]["muon_ns"] == ["polar_express" if variant == "record" else "quintic"]
+    assert_same_training(ref[variant], ddp[variant])
 
 
 @pytest.mark.timeout(600)
-def test_gpt_two_ranks_resume_exact(runs):
+@pytest.mark.parametrize("variant", ["use_muon=1", "record"])
+def test_gpt_two_ranks_resume_exact(runs, variant):
     _, ddp = runs
-    checks = ddp["use_muon=1"]["checks"]
+    checks = ddp[variant]["checks"]
     assert checks["resume_losses_equal"] and checks["resume_params_equal"], checks

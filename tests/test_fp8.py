@@ -13,7 +13,9 @@ from nanochat.gpt import GPT, GPTConfig
 float8 = pytest.importorskip("torchao.float8", reason="torchao is the optional extra `fp8`")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
+import test_fp8_native as native_tests  # noqa: E402  (the tiny training run, shared with the native FP8's tests)
 from nanochat.fp8 import check_fp8_supported, convert_to_fp8  # noqa: E402
+from test_fp8_native import train, train_batch  # noqa: E402
 
 BLOCK_LINEARS = ["attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
 
@@ -85,43 +87,9 @@ def test_base_train_refuses_fp8_on_cpu(base_dir):
 # -----------------------------------------------------------------------------
 # training with emulated FP8 (torchao's emulate=True runs the casts and scales on any device)
 
-TRAIN_CONFIG = GPTConfig(sequence_len=64, vocab_size=256, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
-
-
 def cpu_model(recipe=None):
-    """The same weights every call; recipe: convert with emulated FP8 (None: plain)."""
-    torch.manual_seed(0)
-    model = GPT(TRAIN_CONFIG, attn="sdpa")
-    model.init_weights("nanochat")
-    with torch.no_grad():  # the nanochat init zeroes c_proj, which would make the blocks' FP8 matmuls moot
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    if recipe is not None:
-        convert_to_fp8(model, recipe, emulate=True, filter="all")
-    return model
-
-
-def train_batch():
-    g = torch.Generator().manual_seed(1)
-    data = torch.randint(0, TRAIN_CONFIG.vocab_size, (4, TRAIN_CONFIG.sequence_len + 1), generator=g)
-    return data[:, :-1], data[:, 1:]
-
-
-def train(model, steps, call=None):
-    """Losses of `steps` full steps with the training's optimizers (Muon for the block matrices, AdamW the rest)."""
-    x, y = train_batch()
-    opts = model.setup_optimizers(use_muon=True)
-    losses, grads = [], None
-    for step in range(steps):
-        loss = (model if call is None else call)(x, y)
-        loss.backward()
-        if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        for opt in opts:
-            opt.step()
-        model.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, grads
+    """The same weights every call; recipe: convert with torchao's emulated FP8 (None: plain)."""
+    return native_tests.cpu_model(recipe, impl="torchao")
 
 
 # Tolerances. FP8 rounds each cast element by up to 2^-4 (e4m3: weights and activations, forward) or 2^-3 (e5m2:
@@ -196,13 +164,13 @@ def test_emulated_fp8_under_fsdp_trains_like_the_unconverted_model():
     single, _ = train(cpu_model(), 3)
     for a, b in zip(out["none"], single):  # FSDP over 2 ranks = one process on the whole batch
         assert abs(a - b) < 1e-4, (out, single)
-    for recipe in ("tensorwise", "rowwise"):
+    for recipe in ("tensorwise", "rowwise", "native"):  # native: nanochat's own Float8Linear (--fp8_impl=native)
         assert len(out[recipe]) == 3
         for a, b in zip(out[recipe], out["none"]):
             assert abs(a - b) < LOSS_ATOL, (recipe, out)
     # the FP8 all-gather's scales, one all-reduce after each optimizer step (parallel.FSDP.after_optimizer_step)
     scales = out["scales"]
-    assert scales["detected"] == {"none": False, "tensorwise": True, "rowwise": False}
+    assert scales["detected"] == {"none": False, "tensorwise": True, "rowwise": False, "native": False}
     assert scales["linears"] == 2 * len(BLOCK_LINEARS) and scales["unset_before"]
     assert scales["max_rel_error"] < 1e-6, scales
 
@@ -264,11 +232,11 @@ def test_apply_fp8_logs_each_layer_kind_and_why(monkeypatch):
     from nanochat import fp8
     from nanochat.gpt import config_for_depth
 
-    monkeypatch.setattr(fp8, "check_fp8_supported", lambda device, recipe: None)  # the hardware check is tested above
+    monkeypatch.setattr(fp8, "check_fp8_supported", lambda device, recipe, impl: None)  # the hardware check is tested above
     model = meta_model(config_for_depth(12, 65536, 2048))
     lines = []
     fp8.apply_fp8(model, "tensorwise", "meta", log=lines.append)
-    assert lines[0].startswith("FP8 (tensorwise, --fp8_filter=auto): 12 of 72 block Linear layers converted")
+    assert lines[0].startswith("FP8 (tensorwise, --fp8_impl=torchao, --fp8_filter=auto): 12 of 72 block Linear layers converted")
     assert "  mlp.c_fc: FP8 x12 (K=768, N=3072: past tensorwise's break-even (K > 4096 or N > 1024))" in lines
     assert "  attn.c_q: bf16 x12 (K=768 <= 4096 and N=768 <= 1024: too small to gain (tensorwise))" in lines
     assert type(model.transformer.h[0].mlp.c_fc) is Float8Linear and type(model.transformer.h[0].attn.c_q) is nn.Linear

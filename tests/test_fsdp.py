@@ -1,8 +1,9 @@
 """
 The FSDP2 path (nanochat/distributed/fsdp.py) on 2 gloo ranks (torchrun) against one process with GPT.setup_optimizers():
 
-- FSDP + AdamW only (use_muon=0) and FSDP + FSDPMuon: losses and parameters equal over 6 steps
-- awkward shapes (uneven dim 0, a 1-row matrix, 3 matrices per shape group) for FSDPMuon/FSDPAdamW
+- FSDP + AdamW only (use_muon=0) and FSDP + FSDPMuon, with the December options and the record ones: losses and
+  parameters equal over 6 steps
+- awkward shapes (uneven dim 0, a 1-row matrix, 3 matrices per shape group) for FSDPMuon/FSDPAdamW, both options
 - evaluation logits and sampling (generate) mid-training on the sharded model
 - per-rank optimizer state round trip + full model state dict: resumed run == uninterrupted run
 - full_model_state_dict -> plain GPT in one process -> same logits as the sharded model
@@ -24,20 +25,20 @@ _spec.loader.exec_module(launch)
 
 pytestmark = pytest.mark.dist
 
-VARIANTS = ["use_muon=1", "use_muon=0"]
+VARIANTS = ["use_muon=1", "use_muon=0", "record"]  # record: the record recipe's optimizer options (gpt_train_check.py)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     pytest.importorskip("nanochat.gpt")
     d = tmp_path_factory.mktemp("fsdp")
-    launch.single("gpt_train_check.py", ["--mode=single", "--use_muon=1,0", f"--out={d / 'ref.pt'}"])
+    launch.single("gpt_train_check.py", ["--mode=single", "--use_muon=1,0", "--record=1", f"--out={d / 'ref.pt'}"])
     ref = torch.load(d / "ref.pt", weights_only=True)
     # the single-process run's final weights, written as a DDP-path checkpoint (one plain state dict file)
     torch.save(ref["use_muon=1"]["params"], d / "model_000006.pt")
     launch.torchrun(
         "gpt_train_check.py",
-        ["--mode=fsdp", "--use_muon=1,0", "--synthetic=1", f"--ddp_ckpt={d / 'model_000006.pt'}", f"--out={d / 'fsdp.pt'}"],
+        ["--mode=fsdp", "--use_muon=1,0", "--record=1", "--synthetic=1", f"--ddp_ckpt={d / 'model_000006.pt'}", f"--out={d / 'fsdp.pt'}"],
         timeout=400,
     )
     return ref, torch.load(d / "fsdp.pt", weights_only=True)
@@ -47,8 +48,11 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fsdp_matches_one_process(runs, variant):
     ref, fsdp = runs
-    expected = ["FSDPAdamW", "FSDPMuon"] if variant == "use_muon=1" else ["FSDPAdamW"]
+    expected = ["FSDPAdamW"] if variant == "use_muon=0" else ["FSDPAdamW", "FSDPMuon"]
     assert fsdp[variant]["checks"]["optimizer_classes"] == expected
+    if variant == "record":  # set in GPT.setup_optimizers' groups: setup_fsdp_optimizers' rebuild keeps them
+        assert fsdp[variant]["checks"]["muon_ns"] == ["polar_express"]
+        assert fsdp[variant]["checks"]["adamw_betas"] == [(0.8, 0.96), (0.8, 0.995)]
     a, b = ref[variant], fsdp[variant]
     assert len(a["losses"]) == len(b["losses"]) >= 5
     for x, y in zip(a["losses"], b["losses"]):
@@ -81,8 +85,11 @@ def test_fsdp_resume_exact(runs, variant):
 
 
 @pytest.mark.timeout(600)
-def test_fsdp_muon_awkward_shapes(runs):
-    syn = runs[1]["synthetic"]
+@pytest.mark.parametrize("options", ["synthetic", "synthetic_record"])
+def test_fsdp_muon_awkward_shapes(runs, options):
+    """FSDPMuon/FSDPAdamW == Muon/AdamW in one process; synthetic_record: with the record recipe's options (Polar
+    Express, MuonEq, Muon+, NorMuon per row and per column, cautious weight decay; AdamW groups with their own betas)."""
+    syn = runs[1][options]
     assert syn["ok"], syn
 
 

@@ -597,10 +597,10 @@ def test_train_bench_batches_do_not_recompile_the_warmed_up_model():
 
     from bench.train_bench import synthetic_batches
     from nanochat.compile import maybe_compile
-    from nanochat.training import build_model
+    from nanochat.training import init_model
 
     cfg = {"vocab_size": 256, "device_batch_size": 2, "max_seq_len": 32, "seed": 0}
-    model = build_model(config_for_depth(1, 256, 32), "cpu")
+    model = init_model(config_for_depth(1, 256, 32), "cpu")
     compiled = maybe_compile(model, True, "cpu", 2, 32, log=lambda *a: None)
     graphs = counters["stats"]["unique_graphs"]
     for x, y in synthetic_batches(cfg, "cpu"):

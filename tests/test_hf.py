@@ -26,7 +26,10 @@ from nanochat.engine import Engine  # noqa: E402
 from nanochat.gpt import GPT, GPTConfig  # noqa: E402
 from nanochat.hf_format import VARIED_TEXT  # noqa: E402
 from nanochat.tokenizer import SPECIAL_TOKENS, RustBPETokenizer, compute_token_bytes, save_token_bytes  # noqa: E402
+from nanochat.distributed.dist import DataRanks  # noqa: E402
 from scripts import export_hf, import_hf  # noqa: E402
+
+ONE = DataRanks(0, 1, 0)  # a single process evaluates every example (ranks are required: TP splits by data rank)
 
 torch.set_num_threads(2)
 
@@ -688,7 +691,7 @@ def test_base_eval_hf_path_scores_the_export_as_our_checkpoint(env):
     assert tok.get_bos_token_id() == env["tok"].get_bos_token_id()
     args = ["--device_type=cpu", "--max_per_task=6", f"--bundle_dir={bundle}"]
     got = base_eval.main(["--hf_path", str(env["out"]), *args])
-    ours = evaluate_model(env["model"], env["tok"], "cpu", max_per_task=6, bundle_dir=str(bundle), log=None)
+    ours = evaluate_model(env["model"], env["tok"], "cpu", max_per_task=6, bundle_dir=str(bundle), log=None, ranks=ONE)
     assert got["results"] and got["results"] == ours["results"] and got["missing"] == ours["missing"]
     csv = env["base"] / "base_eval" / f"{name}.csv"
     assert name.endswith("export-d2") and csv.read_text().splitlines()[-1].startswith("CORE,")

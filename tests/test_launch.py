@@ -25,7 +25,7 @@ import yaml
 
 from nanochat import presets
 from nanochat.usage import BadValue
-from scripts import launch
+from nanochat.launch import nodes
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "pretrain.sh"
@@ -308,13 +308,13 @@ def test_slurm_prefers_scontrol(tmp_path):
     ],
 )
 def test_expand_nodelist(nodelist, hosts):
-    assert launch.expand_hostlist(nodelist) == hosts
+    assert nodes.expand_hostlist(nodelist) == hosts
 
 
 @pytest.mark.parametrize("bad", ["x[3-1]", "x[1-2", "x[a-b]", "x[]"])
 def test_expand_nodelist_rejects_bad_lists(bad):
     with pytest.raises(BadValue, match=re.escape(bad)):
-        launch.expand_hostlist(bad)
+        nodes.expand_hostlist(bad)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -402,6 +402,7 @@ def test_overrides_and_pass_through(tmp_path):
         "--run", "my run",
         "--warmup-ratio=0.1",
         "--num_iterations", "-1",
+        env=base_env(tmp_path, WANDB_MODE="offline"),  # --run: a wandb run, here without a login (tests/test_user_errors)
     )
     settings, commands, _ = parse(p.stdout)
     assert ["python", "-m", "nanochat.dataset", "-n", "10"] in commands
@@ -891,31 +892,31 @@ def test_speedrun_and_run1000_read_the_presets(tmp_path, script, depth, shards, 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# scripts/launch.py in-process: where a node runs, and what a training stage's torchrun gets
+# nanochat/launch/nodes.py in-process: where a node runs, and what a training stage's torchrun gets
 
 
 def test_discover_reads_each_platform():
     gpus = {"CUDA_VISIBLE_DEVICES": ""}
-    volc = launch.discover({**gpus, "MLP_WORKER_NUM": "2", "MLP_ROLE_INDEX": "1", "MLP_WORKER_0_HOST": "10.1.2.3",
+    volc = nodes.discover({**gpus, "MLP_WORKER_NUM": "2", "MLP_ROLE_INDEX": "1", "MLP_WORKER_0_HOST": "10.1.2.3",
                             "MLP_WORKER_0_PORT": "2222", "MLP_WORKER_GPU": "8", "MLP_TASK_ID": "t-1"})
     assert (volc.launcher, volc.nnodes, volc.node_rank, volc.master_addr, volc.master_port, volc.nproc, volc.job_key) == \
         ("volcengine", 2, 1, "10.1.2.3", 2222, 8, "t-1")
-    slurm = launch.discover({**gpus, "SLURM_JOB_NUM_NODES": "3", "SLURM_NODEID": "2", "SLURM_JOB_ID": "77",
+    slurm = nodes.discover({**gpus, "SLURM_JOB_NUM_NODES": "3", "SLURM_NODEID": "2", "SLURM_JOB_ID": "77",
                              "SLURM_JOB_NODELIST": "n[08-10]", "SLURM_GPUS_ON_NODE": "4"})
     assert (slurm.launcher, slurm.node_rank, slurm.hosts, slurm.master_addr, slurm.master_port, slurm.nproc) == \
         ("slurm", 2, ["n08", "n09", "n10"], "n08", 20077, 4)
-    assert launch.torchrun_args(slurm, training=False) == rdzv(3, 4, "n08:20077", "77")
-    assert launch.torchrun_args(slurm, training=True, max_restarts=5)[-2:] == ["--max-restarts=5", *RESTART[1:]]
-    plain = launch.discover({**gpus, "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h0", "NANOCHAT_RUN_ID": "my job"},
+    assert nodes.torchrun_args(slurm, training=False) == rdzv(3, 4, "n08:20077", "77")
+    assert nodes.torchrun_args(slurm, training=True, max_restarts=5)[-2:] == ["--max-restarts=5", *RESTART[1:]]
+    plain = nodes.discover({**gpus, "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h0", "NANOCHAT_RUN_ID": "my job"},
                             nproc=2)
     assert (plain.launcher, plain.master_port, plain.job_key, plain.nproc_src) == ("torchrun", 29500, "my_job", "flag or NPROC_PER_NODE")
-    single = launch.discover({"CUDA_VISIBLE_DEVICES": "0,1", "NNODES": "1"})
+    single = nodes.discover({"CUDA_VISIBLE_DEVICES": "0,1", "NNODES": "1"})
     assert (single.launcher, single.nproc, single.ngpu) == ("single", 2, 2)
-    assert launch.torchrun_args(single, training=False) == ["--standalone", "--nproc_per_node=2"]
+    assert nodes.torchrun_args(single, training=False) == ["--standalone", "--nproc_per_node=2"]
     with pytest.raises(BadValue, match="node rank 3 is out of range for 2 nodes"):
-        launch.discover({**gpus, "NNODES": "2", "NODE_RANK": "3", "MASTER_ADDR": "h0"})
+        nodes.discover({**gpus, "NNODES": "2", "NODE_RANK": "3", "MASTER_ADDR": "h0"})
     with pytest.raises(BadValue, match="MLP_WORKER_NUM must be a whole number >= 1, got 'two'"):
-        launch.discover({**gpus, "MLP_WORKER_NUM": "two"})
+        nodes.discover({**gpus, "MLP_WORKER_NUM": "two"})
 
 
 def test_save_every_and_max_restarts_reach_every_training_stage(tmp_path):
@@ -959,7 +960,7 @@ def test_stop_signal_to_pretrain_sh_saves_and_stops_the_pipeline(base_dir, sig):
     platform signals) reaches the ranks through torchrun (SIGUSR1 only with --signals-to-handle), they finish the
     step and save it, and the launcher stops the pipeline with status 128 + the signal, so the job is requeued."""
     from conftest import subprocess_env
-    from nanochat.checkpoint_manager import latest_resumable_step
+    from nanochat.checkpoint.steps import latest_resumable_step
 
     env = subprocess_env(base_dir, PYTHON=sys.executable, TORCHRUN=f"{sys.executable} -m torch.distributed.run",
                          CUDA_VISIBLE_DEVICES="")
@@ -998,7 +999,7 @@ def test_two_launchers_meet_in_the_rendezvous_and_stop_together(base_dir):
     rendezvous the launcher sets up (no static master), train together, and a SIGTERM to both launchers (a job being
     preempted) makes the two ranks save the same step and both launchers stop with 143."""
     from conftest import free_port, subprocess_env
-    from nanochat.checkpoint_manager import latest_resumable_step
+    from nanochat.checkpoint.steps import latest_resumable_step
 
     port = free_port()
     steps = 2000

@@ -7,8 +7,12 @@ by tests/test_dist_train.py, test_tp.py, test_fsdp.py, test_ac.py, test_fp8.py a
 import pytest
 import torch
 
-from nanochat.distributed.dist import DataRanks, process_data_ranks
-from nanochat.distributed.parallel import FSDP, DataParallel, TensorParallel, parallel_from_config
+from nanochat.distributed.dist import DataRanks
+from nanochat.distributed.parallel import FSDP, DataParallel, parallel_from_config
+
+
+def tp(n):
+    return parallel_from_config({"tp_size": n})
 from nanochat.gpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32)
@@ -23,13 +27,14 @@ def tiny_model():
 
 def test_the_plan_owns_the_data_ranks():
     # tp ranks of a group read the same data; only tp rank 0 counts a group's evaluation results
-    assert [TensorParallel(2).bind(r, 8).data_ranks for r in (0, 1, 6, 7)] == [
+    assert [tp(2).bind(r, 8).data_ranks for r in (0, 1, 6, 7)] == [
         DataRanks(0, 4, 0), DataRanks(0, 4, 1), DataRanks(3, 4, 0), DataRanks(3, 4, 1)]
     assert FSDP().bind(5, 8).data_ranks == DataRanks(5, 8, 0)
     plan = parallel_from_config({"tp_size": 2}, rank=3, world=4)
     assert (plan.data_rank, plan.data_world, plan.read_ranks, plan.read_world) == (1, 2, [1], 2)
-    # unbound (a tool without ranks): the process group's, here one process
-    assert DataParallel().data_ranks == process_data_ranks() == DataRanks(0, 1, 0)
+    # unbound: no silent fallback to the process's rank (wrong under TP)
+    with pytest.raises(RuntimeError, match=r"not bound to this process's ranks: call parallel.bind"):
+        DataParallel().data_ranks
     with pytest.raises(ValueError, match=r"--tp_size=3 does not divide the world size 4; use one of: 1, 2, 4"):
         parallel_from_config({"tp_size": 3}, rank=0, world=4)
 
@@ -48,16 +53,17 @@ def test_a_script_that_samples_alone_refuses_a_plan_without_full_weights():
         parallel_from_config({"tp_size": 2}, samples_alone="chat_rl")
     assert parallel_from_config({"use_fsdp": True}, samples_alone="chat_rl").has_full_weights
     with pytest.raises(ValueError, match=r"this run samples on each rank alone, which --tp_size=2"):
-        TensorParallel(2).full_weights(None)
+        tp(2).full_weights(None)
 
 
 def test_capabilities_not_names():
-    ddp, fsdp, tp = DataParallel(), FSDP(), TensorParallel(2)
-    assert [p.shards_weights for p in (ddp, fsdp, tp)] == [False, True, True]
-    assert [p.fp8_supported for p in (ddp, fsdp, tp)] == [True, True, False]
-    assert [p.has_full_weights for p in (ddp, fsdp, tp)] == [True, True, False]
-    assert [p.collective_forward for p in (ddp, fsdp, tp)] == [False, True, True]
-    assert [p.reads_sharded_checkpoint for p in (ddp, fsdp, tp)] == [False, True, False]
+    plans = DataParallel(), FSDP(), tp(2)
+    assert [p.shards_weights for p in plans] == [False, True, True]
+    assert [p.fp8_supported for p in plans] == [True, True, False]
+    assert [p.has_full_weights for p in plans] == [True, True, False]
+    assert [p.collective_forward for p in plans] == [False, True, True]
+    assert [p.reads_sharded_checkpoint for p in plans] == [False, True, True]  # TP reshards as FSDP does
+    assert [p.checkpoint_format for p in plans] == ["single", "sharded", "sharded"]
 
 
 def test_prepare_applies_ac_then_the_layout_then_compile(monkeypatch):
@@ -73,7 +79,7 @@ def test_prepare_applies_ac_then_the_layout_then_compile(monkeypatch):
     model = tiny_model()
     config = {"activation_checkpointing": "selective", "ac_every": 2, "compile": "1", "device_batch_size": 2,
               "max_seq_len": 16}
-    train_model, orig = DataParallel().prepare(model, config, "cpu")
+    train_model, orig = parallel_from_config(config).prepare(model, config, "cpu")  # AC: the plan's own flags
     assert (train_model, orig) == ("compiled", model)  # compile gets the wrapped model; the uncompiled one comes back
     assert seen == [("1", 2, 16, False, [True, False])]  # AC was in place before compile
     # a script without --compile (SFT, RL) gets its model back, uncompiled
@@ -84,7 +90,7 @@ def test_prepare_applies_ac_then_the_layout_then_compile(monkeypatch):
 
 def test_prepare_refuses_fp8_under_tp_before_any_collective():
     with pytest.raises(ValueError, match=r"--fp8=1 does not work with --tp_size=2 yet"):
-        TensorParallel(2).prepare(tiny_model(), {"fp8": True}, "cpu")
+        tp(2).prepare(tiny_model(), {"fp8": True}, "cpu")
 
 
 def test_the_stage_skeleton_in_one_process(tmp_path):

@@ -29,7 +29,7 @@ def chat_env(tmp_path, monkeypatch):
     at once instead of being downloaded.
     """
     require_chat_data()
-    from nanochat.training import build_model
+    from nanochat.training import init_model
     from nanochat.gpt import config_for_depth
     from nanochat.tokenizer import compute_token_bytes, save_token_bytes
 
@@ -46,7 +46,7 @@ def chat_env(tmp_path, monkeypatch):
     save_token_bytes(compute_token_bytes(tok), str(tok_dir))
     torch.manual_seed(0)
     config = config_for_depth(1, tok.get_vocab_size(), 128)
-    model = build_model(config, "cpu")
+    model = init_model(config, "cpu")
     save_checkpoint(str(base / "base_checkpoints" / "d1"), 0, model.state_dict(), None,
                     {"model_config": vars(config), "step": 0})
     return base
@@ -74,12 +74,12 @@ def test_advantages_are_reward_minus_mean():
 
 def test_policy_gradient_loss_on_a_uniform_model():
     """lm_head starts at zero, so every token has log p = -ln V: the loss is hand-computable."""
-    from nanochat.training import build_model
+    from nanochat.training import init_model
     from nanochat.gpt import config_for_depth
     from scripts.chat_rl import policy_gradient_loss
 
     V = 300
-    model = build_model(config_for_depth(1, V, 32), "cpu")
+    model = init_model(config_for_depth(1, V, 32), "cpu")
     inputs = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
     targets = torch.tensor([[6, 7, 8, -1, -1], [-1, -1, -1, 14, -1]])  # 3 trained tokens in row 0, 1 in row 1
     advantages = torch.tensor([0.5, -0.5])
@@ -89,12 +89,12 @@ def test_policy_gradient_loss_on_a_uniform_model():
 
 
 def test_policy_gradient_step_moves_probability_towards_rewarded_samples():
-    from nanochat.training import build_model, train_step
+    from nanochat.training import init_model, train_step
     from nanochat.gpt import config_for_depth
     from scripts.chat_rl import micro_batches, policy_gradient_loss
 
     torch.manual_seed(0)
-    model = build_model(config_for_depth(1, 64, 32), "cpu")
+    model = init_model(config_for_depth(1, 64, 32), "cpu")
     optimizers = model.setup_optimizers(unembedding_lr=0.02, embedding_lr=0.02, matrix_lr=0.002)
     prompt = [1, 2, 3]
     good, bad = prompt + [10, 11, 12], prompt + [20, 21, 22]
@@ -395,3 +395,54 @@ def test_every_stage_resumes_where_it_stopped(chat_env, capsys):
         assert all(torch.equal(full[k], resumed[k]) for k in full), source
         out = script.main(args + ["--resume_from_step=auto"])
         assert done in capsys.readouterr().out and out["step"] == steps, source
+
+
+@pytest.mark.slow  # two stages, each run three times as a process
+@pytest.mark.parametrize("stage", ["mid", "sft"])
+def test_ctrl_c_saves_the_step_and_auto_resume_finishes_the_same_run(chat_env, stage):
+    """Ctrl-C (SIGINT) to mid_train / chat_sft mid-run, --deterministic: the step finishes and is saved, exit 130
+    with one line saying where and how to resume; --resume_from_step=auto then ends with the weights of a run that
+    was never stopped, bit for bit."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO, subprocess_env
+    from nanochat.checkpoint.steps import latest_resumable_step
+    from nanochat.checkpoint_manager import load_checkpoint
+
+    module, stage_args, out_root = {
+        "mid": ("scripts.mid_train", ["--max_seq_len=64", "--device_batch_size=2", "--total_batch_size=256",
+                                      "--eval_every=-1"], "mid_checkpoints"),
+        "sft": ("scripts.chat_sft", ["--source=base", "--device_batch_size=2", "--target_examples_per_step=4",
+                                     "--eval_every=-1", "--eval_metrics_every=-1"], "chatsft_checkpoints"),
+    }[stage]
+    steps = 8
+    cmd = [sys.executable, "-m", module, "--device_type=cpu", f"--num_iterations={steps}", "--save_every=100",
+           "--deterministic=1", *stage_args]
+    env = subprocess_env(chat_env)
+    full = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
+    d = chat_env / out_root / "d1"
+    d.rename(chat_env / out_root / "full")  # --model_tag names the input model too: the stopped run writes d1 again
+
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if f"step 00002/{steps:05d}" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    out = "".join(seen) + proc.stdout.read()
+    assert proc.wait(timeout=300) == 130, out[-3000:]
+    stopped_at = latest_resumable_step(str(d))
+    assert stopped_at is not None and 2 <= stopped_at < steps and "Traceback" not in out, out[-3000:]
+    assert out.strip().splitlines()[-1] == (
+        f"Stopped at step {stopped_at} on a stop signal (Ctrl-C (SIGINT)): checkpoint saved in {d}; start the same "
+        f"command with --resume_from_step=auto (or --resume_from_step={stopped_at}) to continue")
+
+    resumed = subprocess.run(cmd + ["--resume_from_step=auto"], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0 and f"resuming from step {stopped_at}" in resumed.stdout, resumed.stdout[-3000:]
+    a, b = load_checkpoint(str(chat_env / out_root / "full"), steps, "cpu")[0], load_checkpoint(str(d), steps, "cpu")[0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

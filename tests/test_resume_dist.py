@@ -1,7 +1,8 @@
 """
 Runs that survive on 2 ranks (gloo on CPU, launched by torchrun as users launch it):
 - --deterministic with --compile=1: N steps + resume + N steps == 2N steps bit for bit, on the DDP path and FSDP2;
-- a stop signal that reaches one rank only: both ranks stop at the same step, save it and exit 0;
+- a stop signal that reaches one rank only: both ranks stop at the same step, save it and exit 0; Ctrl-C to torchrun:
+  the ranks save one step and exit 130;
 - the chaos test: kill -9 of a random rank at 3 random moments (one during a save) under torchrun --max-restarts with
   --resume_from_step=auto, and the final weights equal an uninterrupted run's.
 """
@@ -17,7 +18,7 @@ import time
 import pytest
 
 from conftest import REPO, free_port, run_torchrun, subprocess_env
-from nanochat.checkpoint_manager import latest_resumable_step
+from nanochat.checkpoint.steps import latest_resumable_step
 from test_resume import assert_same_weights, ckpt_dir, copy_step, final_weights, losses
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -61,22 +62,28 @@ def worker_pids(launcher_pid):
     return pids
 
 
+def start_torchrun_until(base_dir, args, needle):
+    """A 2-rank torchrun base_train in the background, read up to the line holding `needle`: (process, lines read)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "scripts.base_train", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(base_dir), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if needle in line:
+            break
+    return proc, seen
+
+
 def test_stop_signal_to_one_rank_stops_both_at_the_same_step(base_dir):
     """SIGUSR1 to rank 1's process only: the ranks agree (an all-reduce of the flag each step), both save the same
     step and exit 0, so torchrun exits 0; auto resume then finishes with an uninterrupted run's weights."""
     steps = 12
     args = [*TINY, f"--num_iterations={steps}", "--save_every=100"]
     torchrun_base_train(base_dir, f"--num_iterations={steps}", "--save_every=100", "--model_tag=full")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "scripts.base_train", *args, "--model_tag=stopped",
-           "--resume_from_step=auto"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(base_dir), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if f"step 00003/{steps:05d}" in line:
-            break
+    proc, seen = start_torchrun_until(base_dir, [*args, "--model_tag=stopped", "--resume_from_step=auto"],
+                                      f"step 00003/{steps:05d}")
     workers = worker_pids(proc.pid)
     assert len(workers) == 2, ("".join(seen), workers)
     os.kill(workers[1], signal.SIGUSR1)
@@ -85,6 +92,30 @@ def test_stop_signal_to_one_rank_stops_both_at_the_same_step(base_dir):
     assert out.count("SIGUSR1 received") == 1, out[-4000:]
     stopped_at = latest_resumable_step(str(ckpt_dir(base_dir, "stopped")))
     assert stopped_at is not None and 3 <= stopped_at < steps and f"Stopped at step {stopped_at}" in out
+    torchrun_base_train(base_dir, f"--num_iterations={steps}", "--save_every=100", "--model_tag=stopped",
+                        "--resume_from_step=auto")
+    assert_same_weights(final_weights(base_dir, "full", steps), final_weights(base_dir, "stopped", steps))
+
+
+def test_ctrl_c_to_torchrun_stops_every_rank_at_one_saved_step(base_dir):
+    """Ctrl-C reaches torchrun, which passes SIGINT on to its ranks: they agree on the step (the stop flag's
+    all-reduce), save it and exit 130 with one line from rank 0 saying where; auto resume then finishes with an
+    uninterrupted run's weights."""
+    steps = 12
+    args = [*TINY, f"--num_iterations={steps}", "--save_every=100"]
+    torchrun_base_train(base_dir, f"--num_iterations={steps}", "--save_every=100", "--model_tag=full")
+    proc, seen = start_torchrun_until(base_dir, [*args, "--model_tag=stopped"], f"step 00003/{steps:05d}")
+    proc.send_signal(signal.SIGINT)  # to torchrun only, as a terminal's Ctrl-C: the ranks run in their own sessions
+    out = "".join(seen) + proc.stdout.read()
+    proc.wait(timeout=300)  # torchrun's own status (and traceback) after it was interrupted are torchrun's
+    assert "Unable to shutdown process" not in out, out[-4000:]  # the ranks ended by themselves, torchrun killed none
+    d = ckpt_dir(base_dir, "stopped")
+    stopped_at = latest_resumable_step(str(d))
+    assert stopped_at is not None and 3 <= stopped_at < steps, out[-4000:]
+    assert out.count("SIGINT received: finishing this step") == 2, out[-4000:]
+    line = (f"Stopped at step {stopped_at} on a stop signal (Ctrl-C (SIGINT)): checkpoint saved in {d}; start the "
+            f"same command with --resume_from_step=auto (or --resume_from_step={stopped_at}) to continue")
+    assert [x for x in out.splitlines() if x.startswith("Stopped at step")] == [line], out[-4000:]
     torchrun_base_train(base_dir, f"--num_iterations={steps}", "--save_every=100", "--model_tag=stopped",
                         "--resume_from_step=auto")
     assert_same_weights(final_weights(base_dir, "full", steps), final_weights(base_dir, "stopped", steps))

@@ -1,6 +1,7 @@
 """
-Fresh-machine setup (nanochat/setup_check.py, scripts/lib.sh): runcpu.sh and speedrun.sh decide "installed?" from
-the installed distribution, bootstrap Rust and the venv when missing, and a GPU launcher refuses to train on the CPU.
+Fresh-machine setup (nanochat/setup_check.py, nanochat/launch/bootstrap.py): runcpu.sh and speedrun.sh decide
+"installed?" from the installed distribution, bootstrap Rust and the venv when missing, and a GPU launcher refuses to
+train on the CPU.
 
 Real interpreters: an empty venv (created here, no pip: a second) and this test's own complete one. The GPU is a
 stand-in `nvidia-smi` on PATH; the setup commands are checked through the scripts' dry-run mode.
@@ -23,6 +24,11 @@ COMPLETE_VENV = Path(sys.executable).parents[1]
 def make_exe(path, body):
     path.write_text("#!/usr/bin/env bash\n" + body)
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+def link_python3(bin_dir):
+    """A python3 on a PATH of stand-ins: the launchers' setup runs on it (standard library only)."""
+    (bin_dir / "python3").symlink_to(os.path.realpath(sys.executable))
 
 
 def clean_env(tmp_path, **extra):
@@ -121,9 +127,9 @@ def test_cargo_that_does_not_run_is_named_with_the_fix(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     make_exe(bin_dir / "cargo", 'echo "error: rustup could not choose a version of cargo to run" >&2; exit 1\n')
-    for tool in ("bash", "dirname", "head", "uname", "python3"):
-        if shutil.which(tool):
-            (bin_dir / tool).symlink_to(shutil.which(tool))
+    for tool in ("bash", "dirname"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    link_python3(bin_dir)
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     make_exe(venv / "bin" / "python", "exit 0\n")
@@ -146,8 +152,8 @@ def test_missing_venv_module_falls_back_or_names_the_package(tmp_path):
              '  "-m pip"*) exit 1 ;;\n'
              f'  *) exec {sys.executable} "$@" ;;\nesac\n')
     env = clean_env(tmp_path, PATH=f"{bin_dir}:/usr/bin:/bin")
-    script = f'source {REPO}/scripts/lib.sh; ensure_venv {tmp_path}/v'
-    p = subprocess.run(["bash", "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(["python3", "-m", "nanochat.launch.bootstrap", "venv", f"{tmp_path}/v"], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
     if shutil.which("uv", path="/usr/bin:/bin"):
         pytest.skip("uv is installed system-wide")
     assert p.returncode != 0
@@ -172,7 +178,7 @@ def test_missing_venv_module_falls_back_to_uv(tmp_path):
     env = clean_env(tmp_path, PATH=f"{bin_dir}:/usr/bin:/bin")
     if shutil.which("uv", path=env["PATH"]):
         pytest.skip("uv is installed system-wide")
-    p = subprocess.run(["bash", "-c", f"source {REPO}/scripts/lib.sh; ensure_venv {tmp_path}/v"], env=env, cwd=REPO,
+    p = subprocess.run(["python3", "-m", "nanochat.launch.bootstrap", "venv", f"{tmp_path}/v"], env=env, cwd=REPO,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "trying uv instead" in p.stdout
@@ -227,7 +233,7 @@ def test_speedrun_stops_before_training_when_torch_cannot_use_the_gpus(tmp_path)
 
 def test_tests_run_sh_passes_arguments_to_pytest_and_installs_chromium_only_when_asked(tmp_path):
     """tests/run.sh against a stand-in venv python, cargo and apt-get that log their calls; PATH holds only those
-    and the two tools the script needs, so a chromium installed on this machine is out of sight."""
+    and the three tools the script needs, so a chromium installed on this machine is out of sight."""
     log = tmp_path / "calls.log"
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
@@ -239,6 +245,7 @@ def test_tests_run_sh_passes_arguments_to_pytest_and_installs_chromium_only_when
     make_exe(bin_dir / "id", 'echo 0\n')  # as root, where an install could happen
     for tool in ("bash", "dirname"):
         (bin_dir / tool).symlink_to(shutil.which(tool))
+    link_python3(bin_dir)
     env = clean_env(tmp_path, NANOCHAT_VENV=venv, PATH=str(bin_dir))
     p = subprocess.run(["bash", str(REPO / "tests" / "run.sh"), "-m", "not slow and not dist", "-x"], env=env,
                        cwd=tmp_path, capture_output=True, text=True, timeout=60)

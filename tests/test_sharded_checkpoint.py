@@ -1,11 +1,13 @@
 """
-Sharded checkpoints of the FSDP path (nanochat/sharded_checkpoint.py):
+Sharded checkpoints of the FSDP and tensor-parallel paths (nanochat/checkpoint/sharded.py):
 
 - 2 gloo ranks save (sync and async); 1, 2 and 4 ranks load the same model and optimizer state, tensor for tensor
   (torch.equal), and train on: on 2 ranks bit for bit like the run that never stopped, on 1 and 4 ranks within
   float32 reduction-order noise (the same global batch, summed in another order)
 - consolidation writes the same files, byte for byte, as the gather-to-rank-0 path for the same step
-- a rank killed mid-save (SIGKILL) leaves the previous step the latest complete one; a crash before the rename too
+- a rank killed mid-save (SIGKILL) leaves the previous step the latest complete one (and the next start removes its
+  .partial directory); a crash before the rename too
+- tensor parallelism writes the same format: a TP=2 step loads tensor for tensor on TP=2 and on FSDP over 1 and 2 ranks
 - base_train --use_fsdp=1 saves sharded steps, resumes one on another number of ranks, and the model loads through
   checkpoint_manager (evaluation, chat, export_hf) and through the consolidate command
 """
@@ -23,7 +25,8 @@ import torch
 
 from conftest import REPO, run_torchrun, subprocess_env
 from nanochat import checkpoint_manager as cm
-from nanochat import sharded_checkpoint as sc
+from nanochat.checkpoint import files, steps
+from nanochat.checkpoint import sharded as sc
 from nanochat.dataloader import loader_states_for_world
 from nanochat.gpt import GPT, GPTConfig
 
@@ -64,7 +67,7 @@ def test_crash_before_the_rename_leaves_the_previous_step(tmp_path, monkeypatch)
     rename = os.rename
 
     def rename_cut(src, dst):  # DCP's own renames (its .metadata) go through; the step's does not
-        if str(src).endswith(sc.PARTIAL_SUFFIX):
+        if str(src).endswith(files.PARTIAL_SUFFIX):
             cut()
         rename(src, dst)
 
@@ -75,8 +78,8 @@ def test_crash_before_the_rename_leaves_the_previous_step(tmp_path, monkeypatch)
     monkeypatch.undo()
     partial = tmp_path / "sharded_000002.partial"
     assert (partial / ".metadata").is_file() and (partial / "meta_000002.json").is_file()
-    assert not sc.is_sharded_step_complete(str(tmp_path), 2)
-    assert sc.sharded_steps(str(tmp_path)) == cm.complete_steps(str(tmp_path)) == [1]
+    assert steps.step_format(str(tmp_path), 2) is None and steps.step_format(str(tmp_path), 1) == "sharded"
+    assert steps.sharded_steps(str(tmp_path)) == steps.complete_steps(str(tmp_path)) == [1]
     assert cm.find_last_step(str(tmp_path)) == 1
     # and earlier, in the middle of DCP's writes
     from torch.distributed.checkpoint import FileSystemWriter
@@ -88,7 +91,7 @@ def test_crash_before_the_rename_leaves_the_previous_step(tmp_path, monkeypatch)
     assert cm.find_last_step(str(tmp_path)) == 1
     # saving step 2 again clears what the cut save left and completes it
     save_one_process(tmp_path, 2, tiny_model(2))
-    assert not partial.exists() and cm.complete_steps(str(tmp_path)) == [1, 2]
+    assert not partial.exists() and steps.complete_steps(str(tmp_path)) == [1, 2]
 
 
 def test_sharded_step_loads_through_checkpoint_manager(base_dir):
@@ -103,7 +106,7 @@ def test_sharded_step_loads_through_checkpoint_manager(base_dir):
     assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
     loaded, _, _ = cm.load_model("base", "cpu", "eval", model_tag="d1")  # the last step, found among sharded ones
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
-    with pytest.raises(ValueError, match="sharded checkpoint: its optimizer state resumes on the FSDP path"):
+    with pytest.raises(ValueError, match="sharded checkpoint: its optimizer state resumes on the FSDP or tensor-parallel"):
         cm.load_checkpoint(str(d), 5, "cpu", load_optimizer=True)
 
 
@@ -166,27 +169,37 @@ def test_loader_states_for_another_world_size():
 
 
 def test_checkpoint_format_flags(monkeypatch):
-    from nanochat.distributed.parallel import parallel_from_config
+    """The plan decides the format (ParallelConfig.saves): sharded on the FSDP and TP paths, single on DDP or when asked,
+    or when several nodes have their own base dirs (--shared_fs=0, whose default is NANOCHAT_SHARED_FS)."""
+    from nanochat.configurator import Flags
+    from nanochat.distributed.parallel import parallel_flags, parallel_from_config
 
-    assert parallel_from_config({"use_fsdp": True}).sharded_checkpoint
-    assert not parallel_from_config({"use_fsdp": True, "checkpoint_format": "single"}).sharded_checkpoint
+    def fmt(**flags):
+        return parallel_from_config(flags).checkpoint_format
+
+    assert fmt(use_fsdp=True) == fmt(tp_size=2) == fmt(tp_size=2, use_fsdp=True) == "sharded"
+    assert fmt(use_fsdp=True, checkpoint_format="single") == fmt(tp_size=2, checkpoint_format="single") == "single"
+    assert fmt() == "single"
     assert parallel_from_config({"use_fsdp": True, "async_save": True}).async_save
-    assert not parallel_from_config({}).sharded_checkpoint
-    assert not parallel_from_config({"tp_size": 2}).sharded_checkpoint
-    with pytest.raises(ValueError, match="--checkpoint_format=sharded needs --use_fsdp=1"):
+    assert parallel_from_config({"tp_size": 2, "async_save": True}).async_save
+    with pytest.raises(ValueError, match="--checkpoint_format=sharded needs --use_fsdp=1 or --tp_size > 1"):
         parallel_from_config({"checkpoint_format": "sharded"})
     with pytest.raises(ValueError, match="--async_save=1 .* use --async_save=0"):
         parallel_from_config({"use_fsdp": True, "checkpoint_format": "single", "async_save": True})
     # 2 nodes x 2 ranks with node-local base dirs (the launchers' NANOCHAT_SHARED_FS=0): single files, as multinode.md says
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert parallel_from_config({"use_fsdp": True}).sharded_checkpoint
+    assert fmt(use_fsdp=True) == "sharded"
+    assert fmt(use_fsdp=True, shared_fs=False) == fmt(tp_size=2, shared_fs=False) == "single"
+    with pytest.raises(ValueError, match="NANOCHAT_SHARED_FS=0 .* says the nodes have their own base dirs"):
+        parallel_from_config({"use_fsdp": True, "checkpoint_format": "sharded", "shared_fs": False})
+    # the environment switch is the flag's default: parsed, it is in the config the run records
     monkeypatch.setenv("NANOCHAT_SHARED_FS", "0")
-    assert not parallel_from_config({"use_fsdp": True}).sharded_checkpoint
-    with pytest.raises(ValueError, match="NANOCHAT_SHARED_FS=0 says the nodes have their own base dirs"):
-        parallel_from_config({"use_fsdp": True, "checkpoint_format": "sharded"})
+    parsed = Flags(parallel_flags()).parse(["--use_fsdp=1"])
+    assert parsed["shared_fs"] is False and parallel_from_config(parsed).checkpoint_format == "single"
+    assert Flags(parallel_flags()).parse(["--use_fsdp=1", "--shared_fs=1"])["shared_fs"] is True  # the flag wins
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one node: its ranks share its disk
-    assert parallel_from_config({"use_fsdp": True}).sharded_checkpoint
+    assert parallel_from_config(parsed).checkpoint_format == "sharded"
 
 
 # ----------------------------------------------------------------------------- 2 ranks save, 1/2/4 load (torchrun)
@@ -240,7 +253,7 @@ def test_training_continues_after_a_resharded_load(runs, world):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_consolidation_writes_the_single_file_paths_bytes(runs, tmp_path):
-    written = sc.consolidate(sc.sharded_step_dir(str(runs / "sharded"), 2), str(tmp_path), 2)
+    written = sc.consolidate(files.sharded_step_dir(str(runs / "sharded"), 2), str(tmp_path), 2)
     names = sorted(os.path.basename(p) for p in written)
     assert names == sorted(os.listdir(runs / "single")) == [
         "meta_000002.json", "model_000002.pt", "optim_000002_rank0.pt", "optim_000002_rank1.pt"]
@@ -254,8 +267,8 @@ def test_consolidation_writes_the_single_file_paths_bytes(runs, tmp_path):
 def test_async_save_holds_the_state_of_its_step(runs, tmp_path):
     """The async save was still being written while training went on: it holds step 2, the same as the sync save."""
     a, b = tmp_path / "a", tmp_path / "b"
-    sc.consolidate(sc.sharded_step_dir(str(runs / "async"), 2), str(a), 2)
-    sc.consolidate(sc.sharded_step_dir(str(runs / "sharded"), 2), str(b), 2)
+    sc.consolidate(files.sharded_step_dir(str(runs / "async"), 2), str(a), 2)
+    sc.consolidate(files.sharded_step_dir(str(runs / "sharded"), 2), str(b), 2)
     for name in os.listdir(b):
         assert filecmp.cmp(a / name, b / name, shallow=False), name
 
@@ -263,7 +276,7 @@ def test_async_save_holds_the_state_of_its_step(runs, tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_rank_killed_mid_save_leaves_the_previous_step(tmp_path):
+def test_a_rank_killed_mid_save_leaves_the_previous_step(tmp_path, capsys):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={launch.free_port()}", str(HERE / "dist_scripts" / "sharded_ckpt_check.py"), "--mode=save",
            f"--dir={tmp_path}", "--crash=1"]
@@ -271,8 +284,72 @@ def test_a_rank_killed_mid_save_leaves_the_previous_step(tmp_path):
     assert p.returncode != 0  # rank 1 died (SIGKILL) while writing its shard of step 4
     d = str(tmp_path / "sharded")
     assert (tmp_path / "sharded" / "sharded_000004.partial").is_dir()
-    assert not sc.is_sharded_step_complete(d, 4)
-    assert cm.complete_steps(d) == [2] and cm.find_last_step(d) == 2
+    assert steps.step_format(d, 4) is None
+    assert steps.complete_steps(d) == [2] and cm.find_last_step(d) == 2
+    # the next start of the run removes what the killed save left, says so in one line, and resumes from step 2
+    from nanochat.checkpoint.resume import resolve_resume_step
+
+    assert resolve_resume_step("auto", d) == 2
+    out = capsys.readouterr().out
+    assert f"Removed 1 temp file(s) of an interrupted save from {d}" in out and "sharded_000004.partial" in out
+    assert not (tmp_path / "sharded" / "sharded_000004.partial").exists()
+
+
+# ----------------------------------------------------------------------------- tensor parallelism: the same format
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    """TP=2 on 2 ranks saves (sharded, its default format); TP=2 on 2 ranks and FSDP on 1 and 2 ranks load it."""
+    d = tmp_path_factory.mktemp("tp_sharded")
+    launch.torchrun("tp_ckpt_check.py", ["--mode=save", f"--dir={d}"], nproc=2, timeout=300)
+    for layout, n in (("tp", 2), ("fsdp", 1), ("fsdp", 2)):
+        launch.torchrun("tp_ckpt_check.py", ["--mode=load", f"--dir={d}", f"--layout={layout}"], nproc=n, timeout=300)
+    return d
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout, world", [("tp", 2), ("fsdp", 1), ("fsdp", 2)])
+def test_a_tp_step_is_sharded_and_resumes_on_one_and_two_ranks(tp_runs, layout, world):
+    """A TP=2 run writes a sharded step (no rank-0 gather); it loads tensor for tensor (torch.equal) into TP=2 on 2
+    ranks and FSDP on 1 and 2, and training goes on: bit for bit on the same layout, within float32 reduction-order
+    noise on another."""
+    assert steps.sharded_steps(str(tp_runs / "tp")) == [2] and not list((tp_runs / "tp").glob("*.pt"))
+    meta = json.loads((tp_runs / "tp" / "sharded_000002" / "meta_000002.json").read_text())
+    assert (meta["parallel"], meta["tp_size"], meta["world_size"]) == ("tp", 2, 2)
+    saved, loaded = _load(tp_runs / "saved.pt"), _load(tp_runs / f"loaded_{layout}_w{world}.pt")
+    assert list(loaded["tensors"]) == list(saved["tensors"])
+    assert any(k.endswith("momentum_buffer") for k in saved["tensors"]) and any(k.endswith("exp_avg") for k in saved["tensors"])
+    for k, v in saved["tensors"].items():
+        assert torch.equal(loaded["tensors"][k], v), k
+    assert loaded["groups"] == saved["groups"]
+    ref, got = _load(tp_runs / "continued_tp_w2.pt"), _load(tp_runs / f"continued_{layout}_w{world}.pt")
+    for k, v in ref["state"]["tensors"].items():
+        if layout == "tp":
+            assert torch.equal(got["state"]["tensors"][k], v), k
+        else:
+            assert torch.allclose(got["state"]["tensors"][k], v, atol=2e-5, rtol=1e-4), k
+    assert got["losses"] == (ref["losses"] if layout == "tp" else pytest.approx(ref["losses"], abs=1e-5))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_tp_step_consolidates_its_model(tp_runs, tmp_path):
+    """The model of a TP step consolidates into nanochat's single file as an FSDP step's does; its optimizer state (a
+    rectangle per rank of the (dp, tp) mesh) stays in the sharded step, which resumes on any layout: said, not written."""
+    step_dir = files.sharded_step_dir(str(tp_runs / "tp"), 2)
+    with pytest.raises(ValueError, match=r"saved by the --tp_size=2 path: its optimizer state stays in .*--optimizer=0"):
+        sc.consolidate(step_dir, str(tmp_path), 2)
+    assert os.listdir(tmp_path) == []  # refused before anything was written
+    written = sc.consolidate(step_dir, str(tmp_path), 2, optimizer=False)
+    assert sorted(os.path.basename(p) for p in written) == ["meta_000002.json", "model_000002.pt"]
+    model = torch.load(tmp_path / "model_000002.pt", weights_only=True)
+    saved = _load(tp_runs / "saved.pt")["tensors"]
+    assert list(model) == [k.removeprefix("model.") for k in saved if k.startswith("model.")]
+    assert all(torch.equal(v, saved[f"model.{k}"]) for k, v in model.items())
 
 
 # ----------------------------------------------------------------------------- base_train end to end
@@ -295,7 +372,7 @@ def test_base_train_fsdp_resumes_a_sharded_step_on_another_world_size(base_dir):
     # sampling at step 2 leaves FSDP's root gathered right before that save (the save must reshard first)
     run_torchrun(args + ["--model_tag=two", "--async_save=1", "--sample_every=2"], env=env)
     two = base_dir / "base_checkpoints" / "two"
-    assert sc.sharded_steps(str(two)) == [2, 4] and not list(two.glob("model_*.pt"))
+    assert steps.sharded_steps(str(two)) == [2, 4] and not list(two.glob("model_*.pt"))
     one = base_dir / "base_checkpoints" / "one"
     one.mkdir()
     os.symlink(two / "sharded_000002", one / "sharded_000002")

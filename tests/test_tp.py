@@ -5,8 +5,9 @@ base training, against one process with the same global batch (tolerances as tes
 - TP=2 on 2 ranks == 1 process over 10 steps (losses and final weights), with Muon (ShardedMuon) and with AdamW only
 - DP=2 x TP=2 on 4 ranks == 1 process reading the data as 2 ranks would
 - activation checkpointing under TP gives the same run; evaluation (bpb) and sampling run mid-training (every forward
-  is collective); the TP checkpoint is one full model file that loads in one process with the same logits
-- resuming a TP run is exact; resuming it with another layout is refused with the flag to use
+  is collective); the TP checkpoint (a sharded step) loads in one process with the same logits
+- resuming a TP run is exact; resuming it on the DDP path is refused with the flag to use (tests/test_sharded_checkpoint.py
+  resumes a TP step on FSDP over 1 and 2 ranks)
 - mid_train and chat_sft under TP == 1 process; torch.compile x TP x activation checkpointing == eager 1 process
 - ShardedMuon on awkward layouts (uneven rectangles, Shard(1) x Shard(0), replicated dims) == Muon on full matrices
 - the head-divisibility and world-size errors name the valid sizes (no process group needed)
@@ -98,7 +99,8 @@ def test_dp2_x_tp2_on_four_ranks_matches_one_process(base_dir):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_tp_with_ac_eval_sampling_and_checkpoint(base_dir):
-    """AC=full under TP, bpb evaluation and sampling mid-run; the TP checkpoint loads in one process (same logits)."""
+    """AC=full under TP, bpb evaluation and sampling mid-run; the TP checkpoint (sharded) loads in one process (same
+    logits)."""
     from nanochat.checkpoint_manager import load_model
 
     steps = 4
@@ -110,7 +112,8 @@ def test_tp_with_ac_eval_sampling_and_checkpoint(base_dir):
     assert [r["step"] for r in records(base_dir, "tpac") if "val/bpb" in r] == [0, 2, 4]
     assert p.stdout.count("'The capital of France is' ->") == 2  # steps 2 and 4, printed by rank 0 only
     sd, _ = final_params(base_dir, "tpac", steps)
-    assert all(type(v) is torch.Tensor for v in sd.values())  # plain full tensors: the single-file format
+    assert all(type(v) is torch.Tensor for v in sd.values())  # plain full tensors, assembled from the sharded step
+    assert (base_dir / "base_checkpoints" / "tpac" / f"sharded_{steps:06d}").is_dir()
     m_tp, tok, _ = load_model("base", "cpu", "eval", model_tag="tpac")
     m_ref, _, _ = load_model("base", "cpu", "eval", model_tag="refac")
     idx = torch.tensor([tok.encode("The quick brown fox jumps over the lazy dog", prepend="<|bos|>")])
@@ -125,15 +128,15 @@ def test_tp_resume_is_exact_and_other_layouts_are_refused(base_dir):
     _torchrun(base_dir, "full", 2 * n, 2, [f"--save_every={n}"])
     src, dst = base_dir / "base_checkpoints" / "full", base_dir / "base_checkpoints" / "resumed"
     dst.mkdir()
-    for f in src.glob(f"*{n:06d}*"):
-        shutil.copy(f, dst / f.name)
+    for f in src.glob(f"*{n:06d}*"):  # TP writes a sharded step: one directory
+        (shutil.copytree if f.is_dir() else shutil.copy)(f, dst / f.name)
     _torchrun(base_dir, "resumed", 2 * n, 2, [f"--resume_from_step={n}"])
     assert losses(base_dir, "resumed") == losses(base_dir, "full")[n:]
     a, _ = final_params(base_dir, "full", 2 * n)
     b, _ = final_params(base_dir, "resumed", 2 * n)
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    # the same 2 ranks on the DDP path cannot take the TP optimizer state: the error names the flag to resume with
+    # the same 2 ranks on the DDP path cannot take the TP (sharded) optimizer state: the error names the flag to use
     import subprocess
     import sys
 
@@ -153,29 +156,33 @@ def test_sharded_muon_matches_muon_on_awkward_layouts():
     launch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launch)
     out = launch.json_lines(launch.torchrun("tp_muon_check.py", nproc=4, timeout=300))
-    assert out and all(r["ok"] for r in out), out
+    assert sorted({r["options"] for r in out}) == ["december", "record"]  # the record recipe's options too
+    assert all(r["ok"] for r in out), out
 
 
 def test_tp_size_errors_name_the_valid_values():
-    from nanochat.gpt import GPTConfig
-    from nanochat.distributed.parallel import DataParallel, TensorParallel, parallel_from_config
-    from nanochat.distributed.tensor_parallel import check_tp_size
+    """One check (parallel.check_layout), one usage error type, before any process group or model exists."""
+    from nanochat.gpt import GPTConfig, config_for_depth
+    from nanochat.distributed.parallel import DataParallel, check_layout, parallel_from_config
+    from nanochat.usage import UsageError
 
     c = GPTConfig(sequence_len=8, vocab_size=64, n_layer=1, n_head=6, n_kv_head=3, n_embd=96)
-    check_tp_size(c, 3, 6)
-    with pytest.raises(ValueError, match=r"does not divide n_kv_head=3.*use one of: 1, 3"):
-        check_tp_size(c, 2, 4 * 3)
-    with pytest.raises(ValueError, match=r"does not divide the world size 4.*use one of: 1"):
-        check_tp_size(c, 3, 4)
-    with pytest.raises(ValueError, match="use one of: 1, 2, 4"):
-        TensorParallel(3).data_rank_and_world(0, 4)
-    assert TensorParallel(2).data_rank_and_world(3, 8) == (1, 4)
+    check_layout(c, 3, 6)
+    with pytest.raises(UsageError, match=r"does not divide n_kv_head=3.*use one of: 1, 3"):
+        check_layout(c, 2, 4 * 3)
+    with pytest.raises(UsageError, match=r"does not divide the world size 4.*use one of: 1"):
+        check_layout(c, 3, 4)
+    with pytest.raises(UsageError, match=r"--tp_size=4 does not divide n_head=10 .*use one of: 1, 2"):
+        check_layout(config_for_depth(20, 65536, 2048), 4, 8)  # d20 has 10 heads: what a start-up check asks
+    with pytest.raises(UsageError, match="use one of: 1, 2, 4"):
+        parallel_from_config({"tp_size": 3}).data_rank_and_world(0, 4)  # the plan asks the same function
+    assert parallel_from_config({"tp_size": 2}).data_rank_and_world(3, 8) == (1, 4)
     assert isinstance(parallel_from_config({"tp_size": 1}), DataParallel)
     tp = parallel_from_config({"tp_size": 2})
     assert tp.name == "tp" and tp.flag == "--tp_size=2" and tp.collective_forward
-    with pytest.raises(ValueError, match="--tp_size must be a whole number >= 1"):
+    with pytest.raises(UsageError, match="--tp_size must be a whole number >= 1"):
         parallel_from_config({"tp_size": 0})
-    # optimizer state of another layout: the message names the flag to resume with
+    # single-file optimizer state of another layout: the message names the flag to resume with
     with pytest.raises(ValueError, match="resume with --tp_size=4"):
         tp.check_resume({"parallel": "tp", "tp_size": 4}, 10)
     with pytest.raises(ValueError, match="resume with --use_fsdp=1"):
@@ -183,6 +190,11 @@ def test_tp_size_errors_name_the_valid_values():
     with pytest.raises(ValueError, match="resume with --tp_size=2"):
         DataParallel().check_resume({"parallel": "tp", "tp_size": 2}, 10)
     tp.check_resume({"parallel": "tp", "tp_size": 2}, 10)
+    # a sharded step resumes on either DTensor layout, whatever saved it; not on the DDP path
+    tp.check_resume({"parallel": "fsdp"}, 10, "sharded")
+    parallel_from_config({"use_fsdp": True}).check_resume({"parallel": "tp", "tp_size": 2}, 10, "sharded")
+    with pytest.raises(ValueError, match="step 10 is a sharded checkpoint .*resume with --tp_size=2"):
+        DataParallel().check_resume({"parallel": "tp", "tp_size": 2}, 10, "sharded")
 
 
 @pytest.mark.dist
@@ -196,7 +208,7 @@ def test_mid_and_sft_tp2_match_one_process(tmp_path, monkeypatch):
     from nanochat.gpt import config_for_depth
     from nanochat.metrics import read_metrics
     from nanochat.tokenizer import compute_token_bytes, save_token_bytes
-    from nanochat.training import build_model
+    from nanochat.training import init_model
     from scripts import chat_sft, mid_train
     from tests.chat_fixtures import tiny_tokenizer
 
@@ -210,7 +222,7 @@ def test_mid_and_sft_tp2_match_one_process(tmp_path, monkeypatch):
     save_token_bytes(compute_token_bytes(tok), str(base / "tokenizer"))
     torch.manual_seed(0)
     config = config_for_depth(3, tok.get_vocab_size(), 128)  # 2 heads
-    model = build_model(config, "cpu")
+    model = init_model(config, "cpu")
     for tag in ("one", "tp"):
         save_checkpoint(str(base / "base_checkpoints" / tag), 0, model.state_dict(), None, {"model_config": vars(config), "step": 0})
 

@@ -2,8 +2,9 @@
 The command line of the pretraining shards, `python -m nanochat.dataset` (nanochat's command; nanochat/dataset.py
 hands its arguments here):
 
-    python -m nanochat.dataset -n 8 -w 4          # download FineWeb-Edu 100B shards 0..7 (download is the default)
-    python -m nanochat.dataset import PATH ...    # import local .txt / .jsonl / .json / .parquet text (offline)
+    python -m nanochat.dataset -n 8 -w 4                 # download FineWeb-Edu 100B shards 0..7 (the default)
+    python -m nanochat.dataset --data=climbmix -n 170    # ClimbMix 400B train shards 0..169 + validation shard 6542
+    python -m nanochat.dataset import PATH ...           # import local .txt / .jsonl / .json / .parquet text (offline)
 
 It sits above the downloader (download.py) and the importer (corpus_import.py), which sit above the shard layout
 (nanochat/dataset.py); the layout imports none of them.
@@ -13,48 +14,56 @@ import sys
 
 from nanochat.configurator import Flag, Flags
 from nanochat.data.corpus_import import SUPPORTED_FORMATS, TXT_SPLITS, import_corpus
-from nanochat.data.download import download_shards, refuse_imported_corpus
-from nanochat.dataset import BASE_URL, MAX_SHARD, base_data_dir, index_to_filename
+from nanochat.data.download import download_shards, refuse_imported_corpus, shard_indices
+from nanochat.dataset import DEFAULT_SOURCE, SOURCES, base_data_dir, data_flag, index_to_filename
 from nanochat.usage import report
 
+DATA_HELP = ("which web data: fineweb_edu (FineWeb-Edu 100B into base_data/, nanochat's December data) or climbmix "
+             "(ClimbMix 400B into base_data_climbmix/, the record recipe's, as nanochat 92d63d4)")
 
 
 def download_main(argv):
+    fineweb, climbmix = SOURCES["fineweb_edu"], SOURCES["climbmix"]
     parser = Flags(
-        Flag("num_files", -1, f"number of shards to download, shards 0..N-1; -1 = all {MAX_SHARD + 1}", short="n"),
+        Flag("num_files", -1, f"FineWeb-Edu: shards 0..N-1, the last of them is validation (-1 = all "
+             f"{fineweb.max_shard + 1}); ClimbMix: train shards 0..N-1 plus validation shard {climbmix.val_shard} "
+             f"(-1 = all {climbmix.max_shard + 1})", short="n"),
         Flag("num_workers", 4, "parallel download processes", short="w"),
-        Flag("base_url", None, f"mirror to fetch from; auto = $NANOCHAT_DATA_URL or {BASE_URL}", type=str),
+        Flag("data", DEFAULT_SOURCE, DATA_HELP, choices=list(SOURCES)),
+        Flag("base_url", None, f"mirror to fetch from; auto = ${fineweb.url_env} or {fineweb.base_url} (ClimbMix: "
+             f"${climbmix.url_env} or {climbmix.base_url})", type=str),
         Flag("max_attempts", 5, "attempts per shard"),
         prog="python -m nanochat.dataset",
-        description="Download FineWeb-Edu 100B shuffled pretraining shards (or: `python -m nanochat.dataset import "
-                    "--help`).",
+        description="Download FineWeb-Edu 100B or ClimbMix 400B shuffled pretraining shards (or: `python -m "
+                    "nanochat.dataset import --help`).",
     )
     args = parser.parse_args(argv)
+    source = SOURCES[args.data]
     if args.num_files == 0 or args.num_files < -1:
-        parser.error(f"-n must be a positive number of shards or -1 for all {MAX_SHARD + 1}, got {args.num_files}")
+        parser.error(f"-n must be a positive number of shards or -1 for all {source.max_shard + 1}, got {args.num_files}")
     if args.num_workers < 1:
         parser.error(f"-w must be at least 1, got {args.num_workers}")
     if args.max_attempts < 1:
         parser.error(f"--max_attempts must be at least 1, got {args.max_attempts}")
-    num = MAX_SHARD + 1 if args.num_files == -1 else args.num_files
-    if num > MAX_SHARD + 1:
-        print(f"note: there are only {MAX_SHARD + 1} shards; downloading all of them")
-        num = MAX_SHARD + 1
-    data_dir = base_data_dir()
+    indices = shard_indices(args.data, args.num_files)
+    if args.num_files > len(indices) - (source.val_shard is not None):
+        print(f"note: {source.title} has only {source.max_shard + 1} shards; downloading all of them")
+    num = len(indices)
+    data_dir = base_data_dir(source=args.data)
     try:
-        refuse_imported_corpus(data_dir)
+        refuse_imported_corpus(data_dir, args.data)
     except FileExistsError as e:
         report(e)
         return 1
     workers = min(args.num_workers, num)
-    print(f"Downloading {num} shards using {workers} workers...")
+    print(f"Downloading {num} {source.title} shards using {workers} workers...")
     print(f"Target directory: {data_dir}")
-    failed = download_shards(range(num), data_dir, args.base_url, workers, args.max_attempts)
+    failed = download_shards(indices, data_dir, args.base_url, workers, args.max_attempts, source=args.data)
     print(f"Done! Downloaded: {num - len(failed)}/{num} shards to {data_dir}")
     if failed:
         report(f"{len(failed)} shard(s) failed: {', '.join(index_to_filename(i) for i in failed[:10])}"
                f"{' ...' if len(failed) > 10 else ''}; run the same command again to resume (partial files are kept). "
-               f"Offline? Import local text instead: python -m nanochat.dataset import PATH")
+               f"Offline? Import local text instead: python -m nanochat.dataset import PATH{data_flag(data_dir)}")
         return 1
     return 0
 
@@ -63,7 +72,9 @@ def import_main(argv):
     parser = Flags(
         Flag("paths", None, "files or directories: .txt, .jsonl, .json, .parquet (optionally .gz)", type=str,
              positional=True, required=True, many=True),
-        Flag("out", None, "output directory; auto = $NANOCHAT_BASE_DIR/base_data", type=str),
+        Flag("out", None, "output directory; auto = --data's directory under $NANOCHAT_BASE_DIR", type=str),
+        Flag("data", None, "which layout to write: fineweb_edu (base_data/) or climbmix (base_data_climbmix/, what "
+             "the record recipe reads by default); auto = fineweb_edu", type=str, choices=list(SOURCES)),
         Flag("overwrite", False, "replace the shards already in the output directory"),
         Flag("format", None, "force the input format; auto = by extension", type=str, choices=list(SUPPORTED_FORMATS)),
         Flag("text_field", "text", "JSON field / parquet column holding the text"),
@@ -87,9 +98,11 @@ def import_main(argv):
     args = parser.parse_args(argv)
     if args.val_paths and args.val_docs is not None:
         parser.error("give either --val_paths or --val_docs, not both")
+    if args.out is not None and args.data is not None:
+        parser.error("give either --out DIR or --data (which picks the directory under $NANOCHAT_BASE_DIR), not both")
     try:
         import_corpus(
-            args.paths, out_dir=args.out, val_paths=args.val_paths, val_docs=args.val_docs, val_fraction=args.val_fraction,
+            args.paths, out_dir=args.out if args.out is not None else base_data_dir(source=args.data or DEFAULT_SOURCE), val_paths=args.val_paths, val_docs=args.val_docs, val_fraction=args.val_fraction,
             rows_per_group=args.rows_per_group, docs_per_shard=args.docs_per_shard, shuffle=not args.no_shuffle,
             seed=args.seed, overwrite=args.overwrite, fmt=args.format, text_field=args.text_field,
             txt_split=args.txt_split, separator=args.separator, split_on=args.split_on,

@@ -11,9 +11,9 @@ SFT (`sft_batches`, `collate_sft`): one conversation per row, padded to the long
 the padding, so the loss is exactly the assistant's own tokens.
 
 Stage setup: `load_stage_model` (load the previous stage's checkpoint, or say which command makes one) and
-`scale_initial_lr`; saving a stage's model is nanochat.training.save_stage_model. Which tasks a stage trains and
-validates on, and how they become one mixture, is tasks/suites.py: this library never imports tasks/ (the scripts
-pass the tasks in).
+`scale_initial_lr`; saving a stage's model is nanochat.checkpoint.train_state.save_stage_model. Which tasks a stage
+trains and validates on, and how they become one mixture, is tasks/suites.py: this library never imports tasks/ (the
+scripts pass the tasks in).
 
 Under torchrun every rank looks for the task data itself (local files, a hub probe), so ranks could disagree about
 what exists: one would then evaluate or train on a task another left out, and their collectives would pair up wrong

@@ -2,8 +2,9 @@
 Fetching files over HTTP.
 
 - `download_file(url, dest)`: one small file (task data, the CORE eval bundle), written atomically.
-- `download_single_file(index)` / `download_shards(indices)`: the FineWeb-Edu 100B shuffled pretraining shards that
-  nanochat trains on, into the shard directory of nanochat/dataset.py. A shard's body goes to `<name>.tmp`, is
+- `download_single_file(index)` / `download_shards(indices)`: the pretraining shards of a web source of
+  nanochat/dataset.py's SOURCES (FineWeb-Edu 100B, nanochat's December data, by default; ClimbMix 400B, the record
+  recipe's, with source="climbmix"), into that source's shard directory. A shard's body goes to `<name>.tmp`, is
   resumed with an HTTP Range request after an interrupted attempt, is checked to be a whole readable parquet file,
   then renamed into place; failed attempts are retried with exponential backoff.
 
@@ -24,7 +25,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from nanochat.atomic import atomic_write, fsync_dir
-from nanochat.dataset import BASE_URL, IMPORT_INFO, base_data_dir, check_text_column, index_to_filename
+from nanochat.dataset import DEFAULT_SOURCE, IMPORT_INFO, SOURCES, base_data_dir, check_text_column, index_to_filename
 
 
 def download_file(url, dest, timeout=15.0):
@@ -132,15 +133,18 @@ def _fetch_to_tmp(url, tmp_path, timeout):
         raise DownloadError(f"connection ended at {written} of {total} bytes")
 
 
-def download_single_file(index, data_dir=None, base_url=None, max_attempts=5, backoff=2.0, timeout=60):
+def download_single_file(index, data_dir=None, base_url=None, max_attempts=5, backoff=2.0, timeout=60,
+                         source=DEFAULT_SOURCE):
     """
-    Download shard `index` into the data dir. Returns True when the shard is present afterwards.
-    Complete shards are skipped without a request; the body goes to `<name>.tmp` (resumed with an HTTP Range
-    request when a previous attempt left one), is checked to be a readable parquet file, then renamed into place.
-    Failed attempts are retried after backoff * 2**(attempt-1) seconds.
+    Download shard `index` of `source` into the data dir (default: the source's). Returns True when the shard is
+    present afterwards. Complete shards are skipped without a request; the body goes to `<name>.tmp` (resumed with an
+    HTTP Range request when a previous attempt left one), is checked to be a readable parquet file, then renamed into
+    place. Failed attempts are retried after backoff * 2**(attempt-1) seconds. base_url: a mirror; default the
+    source's environment variable (NANOCHAT_DATA_URL, NANOCHAT_CLIMBMIX_URL), else its Hugging Face address.
     """
-    data_dir = base_data_dir(data_dir)
-    base_url = (base_url or os.environ.get("NANOCHAT_DATA_URL") or BASE_URL).rstrip("/")
+    data_dir = base_data_dir(data_dir, source)
+    src = SOURCES[source]
+    base_url = (base_url or os.environ.get(src.url_env) or src.base_url).rstrip("/")
     filename = index_to_filename(index)
     path = os.path.join(data_dir, filename)
     if os.path.exists(path):
@@ -163,7 +167,7 @@ def download_single_file(index, data_dir=None, base_url=None, max_attempts=5, ba
             print(f"Successfully downloaded {filename}")
             return True
         except _NotRetryable as e:
-            print(f"Failed to download {filename}: {e} (not retrying; check the base URL, --base_url or $NANOCHAT_DATA_URL)")
+            print(f"Failed to download {filename}: {e} (not retrying; check the base URL, --base_url or ${src.url_env})")
             return False
         except (DownloadError, ValueError, OSError, http.client.HTTPException) as e:  # URLError, timeouts: OSError
             if attempt == max_attempts:
@@ -175,21 +179,35 @@ def download_single_file(index, data_dir=None, base_url=None, max_attempts=5, ba
     return False
 
 
-def refuse_imported_corpus(data_dir):
+def refuse_imported_corpus(data_dir, source=DEFAULT_SOURCE):
     if os.path.exists(os.path.join(data_dir, IMPORT_INFO)):
         raise FileExistsError(
-            f"{data_dir} holds an imported corpus ({IMPORT_INFO}); downloading FineWeb-Edu shards next to it would "
-            f"mix the two and shift the validation shard. Move that directory away or set NANOCHAT_BASE_DIR elsewhere."
+            f"{data_dir} holds an imported corpus ({IMPORT_INFO}); downloading {SOURCES[source].title} shards next to "
+            f"it would mix the two and shift the validation shard. Move that directory away or set NANOCHAT_BASE_DIR "
+            f"elsewhere."
         )
 
 
-def download_shards(indices, data_dir=None, base_url=None, num_workers=4, max_attempts=5, backoff=2.0, timeout=60):
-    """Download the given shard indices with a pool of `num_workers` processes. Returns the indices that failed."""
-    data_dir = base_data_dir(data_dir)
-    refuse_imported_corpus(data_dir)
+def shard_indices(source, num_files):
+    """The shards `python -m nanochat.dataset -n N` fetches: FineWeb-Edu 0..N-1 (the last of them is the validation
+    split); ClimbMix, as nanochat 92d63d4, N train shards 0..N-1 and its validation shard, the last one (-1: all)."""
+    src = SOURCES[source]
+    if src.val_shard is None:
+        return list(range(src.max_shard + 1 if num_files == -1 else min(num_files, src.max_shard + 1)))
+    train = src.max_shard if num_files == -1 else min(num_files, src.max_shard)
+    return list(range(train)) + [src.val_shard]  # the validation shard is the last index
+
+
+def download_shards(indices, data_dir=None, base_url=None, num_workers=4, max_attempts=5, backoff=2.0, timeout=60,
+                    source=DEFAULT_SOURCE):
+    """Download the given shard indices of `source` with a pool of `num_workers` processes. Returns the indices that
+    failed."""
+    data_dir = base_data_dir(data_dir, source)
+    refuse_imported_corpus(data_dir, source)
     indices = list(indices)
     fetch = functools.partial(
-        download_single_file, data_dir=data_dir, base_url=base_url, max_attempts=max_attempts, backoff=backoff, timeout=timeout
+        download_single_file, data_dir=data_dir, base_url=base_url, max_attempts=max_attempts, backoff=backoff,
+        timeout=timeout, source=source
     )
     if num_workers <= 1:
         results = [fetch(i) for i in indices]

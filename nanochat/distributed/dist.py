@@ -6,7 +6,7 @@ torch.distributed in one place: process-group setup and the few collectives the 
   groups are really torn down (`release_process_groups`), not left to interpreter shutdown.
 - `dist_world_size`, `collective_device`: the initialised world (1 without a process group) and where a small tensor for a
   collective must live.
-- `all_reduce_mean`, `all_reduce_sum`, `any_rank`, `gather_objects`: python values across ranks.
+- `all_reduce_mean`, `all_reduce_sum`, `any_rank`, `max_over_ranks`, `gather_objects`: python values across ranks.
 - `raise_on_every_rank`: an error one rank hits before a collective becomes an error on every rank (not a hang).
 - `DataRanks`, `process_data_ranks`: how loaders and evaluations split work: (data rank, data world, tp rank). The run's
   parallel plan (nanochat/distributed/parallel.py) owns the answer under tensor parallelism (the tp ranks of a group
@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from nanochat.usage import BadValue, CannotRun
+from nanochat.usage import BadValue, BrokenSetup, CannotRun
 
 # Before any process group exists: torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when
 # it is imported, and torch._dynamo imports it (a script's first torch.compile or optimizer). Imported after
@@ -86,11 +86,21 @@ def collective_device():
 
 
 def autodetect_device_type():
-    """cuda > mps > cpu."""
+    """
+    cuda > mps > cpu. A machine whose nvidia-smi lists GPUs that this torch cannot use (a CPU-only wheel, one built for
+    a newer CUDA than the driver) is refused with nanochat.setup_check's message, what the launchers check: a script
+    started directly never trains on the CPU of a GPU node by accident. Hiding the GPUs on purpose
+    (CUDA_VISIBLE_DEVICES="" or -1) or passing --device_type=cpu runs on the CPU.
+    """
     if torch.cuda.is_available():
         return "cuda"
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         return "mps"
+    from nanochat.setup_check import gpu_problem, nvidia_smi_gpus
+
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1")
+    if not hidden and nvidia_smi_gpus():
+        raise BrokenSetup(f"{gpu_problem()} Or pass --device_type=cpu to run on the CPU on purpose.")
     return "cpu"
 
 
@@ -172,7 +182,7 @@ def compute_init(device_type=None, seed=42):
 
 def compute_cleanup():
     global _release_registered
-    sharded = sys.modules.get("nanochat.sharded_checkpoint")  # loaded only by runs that write sharded checkpoints
+    sharded = sys.modules.get("nanochat.checkpoint.sharded")  # loaded only by runs that write sharded checkpoints
     if sharded is not None:
         sharded.wait_for_pending_save()  # an --async_save checkpoint still being written needs the group to finish
     if is_ddp_initialized():
@@ -242,11 +252,16 @@ def all_reduce_sum(values, device):
 
 def any_rank(flag, device):
     """True on every rank if `flag` is true on any (e.g. ranks pass an epoch end at slightly different steps)."""
+    return bool(max_over_ranks(int(bool(flag)), device))
+
+
+def max_over_ranks(value, device):
+    """The largest of a python int across ranks (the value itself in one process)."""
     if dist_world_size() == 1:
-        return bool(flag)
-    t = torch.tensor(int(flag), device=device)
+        return int(value)
+    t = torch.tensor(int(value), device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return int(t.item())
 
 
 def gather_objects(obj):

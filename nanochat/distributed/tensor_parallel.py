@@ -12,6 +12,9 @@ API (every function is collective: call it on every rank, in the same order):
         # n_head/tp query heads, n_kv_head/tp key/value heads, 4*n_embd/tp hidden units), both c_proj row-wise
         # (Shard(1)), so attention runs on this rank's heads only. Then FSDP2 over "dp" (always, also when dp=1:
         # one code path, every parameter a DTensor). wte and lm_head are replicated over tp and FSDP-sharded over dp.
+        # The record model (RecordGPT): its value embeddings column-wise and its value gates' outputs split by kv
+        # head as c_v is (each rank mixes its own heads' values); the smear gate and the per-layer scalars are
+        # replicated over tp like wte.
     optimizers = setup_tp_optimizers(model, unembedding_lr, embedding_lr, matrix_lr, weight_decay, use_muon)
         # [FSDPAdamW, ShardedMuon] (or [FSDPAdamW]; nanochat/optim/sharded.py): GPT.setup_optimizers' groups and
         # learning rates, DTensor-aware
@@ -24,8 +27,9 @@ Collective rules (why each exists):
     split work by DATA rank (the parallel plan's `data_rank`/`data_ranks`, passed to them), never by global rank.
   * every forward is a collective (two all-reduces per block), as under FSDP: sample on every rank, and an eval that
     splits problems over data ranks must give each rank the same number of forwards.
-  * n_head, n_kv_head and 4*n_embd must be divisible by tp_size (heads are not split), checked with a message naming
-    the valid sizes. Parameter names and shapes are unchanged, so checkpoints stay one full model file.
+  * n_head, n_kv_head and 4*n_embd must be divisible by tp_size (heads are not split): the plan's check_layout
+    (nanochat/distributed/parallel.py) says so with the valid sizes, before anything is built. Parameter names and
+    shapes are unchanged, so a checkpoint's model is the same full model on every layout.
 
 Why wte and lm_head are not tensor-parallel: sharding the vocabulary would need a vocab-parallel cross-entropy and
 softcap (the logits would be sharded); at nanochat's sizes they are a small part of the model and FSDP over dp
@@ -67,35 +71,23 @@ def _require_dist():
     return dist.get_rank(), dist.get_world_size()
 
 
-def valid_tp_sizes(config, world):
-    """tp sizes that divide the world size and the head counts (what the errors suggest)."""
-    return [t for t in range(1, world + 1) if world % t == 0 and config.n_head % t == 0 and config.n_kv_head % t == 0 and (4 * config.n_embd) % t == 0]
-
-
-def check_tp_size(config, tp_size, world):
-    """Raise ValueError naming the valid sizes when tp_size does not divide the world, the heads or the MLP."""
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"--tp_size must be a whole number >= 1, got {tp_size!r}")
-    ok = ", ".join(map(str, valid_tp_sizes(config, world)))
-    if world % tp_size != 0:
-        raise ValueError(f"--tp_size={tp_size} does not divide the world size {world} (ranks = data ranks x tp_size); use one of: {ok}")
-    for what, n in (("n_head", config.n_head), ("n_kv_head", config.n_kv_head), ("the MLP width 4*n_embd", 4 * config.n_embd)):
-        if n % tp_size != 0:
-            raise ValueError(f"--tp_size={tp_size} does not divide {what}={n} (each tp rank takes whole heads); use one of: {ok}")
-
-
 def tp_mesh(device_type, tp_size):
     """The 2-D ("dp", "tp") mesh over all ranks; tp is the inner (fastest-varying) dimension."""
     _, world = _require_dist()
     return init_device_mesh(device_type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
 
 
-def block_plan():
-    """The parallelize_module plan of one Block (module paths relative to the block)."""
-    return {
+def block_plan(block=None):
+    """The parallelize_module plan of one Block (module paths relative to the block). A record-model block
+    (nanochat/gpt.py RecordBlock) hands its attention six inputs (x, ve, cos_sin, window, kv_cache, backend; ve is
+    already this rank's kv heads: apply_tp splits the value embeddings too) and may have a value-embedding gate, whose
+    outputs (one per kv head) are split like c_v's."""
+    record = block is not None and hasattr(block.attn, "ve_gate")
+    others = (None,) * (5 if record else 3)  # the inputs after x: not tensors to lay out
+    plan = {
         # attention's input becomes one replicated DTensor shared by c_q, c_k and c_v: their three partial input
         # gradients add up as DTensors and are all-reduced once (not three times) in the backward
-        "attn": PrepareModuleInput(input_layouts=(Replicate(), None, None, None), desired_input_layouts=(Replicate(), None, None, None)),
+        "attn": PrepareModuleInput(input_layouts=(Replicate(), *others), desired_input_layouts=(Replicate(), *others)),
         # column-wise: output feature dim sharded, returned as a local tensor (this rank's heads / hidden units)
         "attn.c_q": ColwiseParallel(),
         "attn.c_k": ColwiseParallel(),
@@ -105,19 +97,25 @@ def block_plan():
         "mlp.c_fc": ColwiseParallel(),
         "mlp.c_proj": RowwiseParallel(),
     }
+    if record and block.attn.ve_gate is not None:
+        plan["attn.ve_gate"] = ColwiseParallel()  # the gate of this rank's kv heads
+    return plan
 
 
 def apply_tp(model, tp_size, param_dtype=None, reduce_dtype=torch.float32, mesh=None):
     """Tensor-parallel blocks over "tp", then FSDP2 over "dp" (see the module docstring); mesh: the run's
-    ("dp", "tp") mesh (the parallel plan's), default tp_mesh(). Returns the model."""
-    _, world = _require_dist()
-    check_tp_size(model.config, tp_size, world)
+    ("dp", "tp") mesh (the parallel plan's, built in its bind), default tp_mesh() for tools that use this module
+    alone. Returns the model."""
+    _require_dist()  # the sizes were checked by the plan (nanochat/distributed/parallel.py check_layout)
     device = model.get_device()
     if device.type == "meta":
         raise ValueError("apply_tp: the model is on the meta device; call model.to_empty(device=...) and model.init_weights() first")
     mesh = mesh if mesh is not None else tp_mesh(device.type, tp_size)
     for block in model.transformer.h:
-        parallelize_module(block, mesh["tp"], block_plan())
+        parallelize_module(block, mesh["tp"], block_plan(block))
+    value_embeds = getattr(model, "value_embeds", None)  # the record model's: column-wise, this rank's kv heads
+    if value_embeds is not None and len(value_embeds):
+        parallelize_module(model, mesh["tp"], {f"value_embeds.{k}": ColwiseParallel() for k in value_embeds})
     if param_dtype is None:
         param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -134,11 +132,10 @@ def apply_tp(model, tp_size, param_dtype=None, reduce_dtype=torch.float32, mesh=
 # optimizers
 
 
-def setup_tp_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, use_muon=True):
+def setup_tp_optimizers(model, **kwargs):
     """FSDPAdamW for wte/lm_head (and the matrices when use_muon is false), ShardedMuon for the block matrices; the
-    groups and learning rates of GPT.setup_optimizers (via setup_fsdp_optimizers)."""
-    return setup_fsdp_optimizers(model, unembedding_lr=unembedding_lr, embedding_lr=embedding_lr, matrix_lr=matrix_lr,
-                                 weight_decay=weight_decay, use_muon=use_muon, muon_cls=ShardedMuon)
+    groups, learning rates and options of the model's setup_optimizers(**kwargs) (via setup_fsdp_optimizers)."""
+    return setup_fsdp_optimizers(model, muon_cls=ShardedMuon, **kwargs)
 
 
 # -----------------------------------------------------------------------------

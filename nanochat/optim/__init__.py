@@ -8,6 +8,17 @@ matrices; GPT.setup_optimizers picks the classes and the learning rates, nanocha
     FSDP2 (--use_fsdp=1)    FSDPAdamW           FSDPMuon      nanochat/optim/sharded.py
     FSDP2 x TP (--tp_size)  FSDPAdamW           ShardedMuon   nanochat/optim/sharded.py
 
+The param groups are the interface (GPT.setup_optimizers fills them; every class on every path reads each group's own
+values at every step, so a schedule writes them into the groups):
+    AdamW: dict(params, lr, betas, eps, weight_decay)   per group in all three AdamW classes (92d63d4's record recipe
+                                                        gives lm_head, wte, value embeddings, the residual and x0
+                                                        scalars and smear each their own)
+    Muon:  dict(params, lr, momentum, nesterov, ns_steps, ns, row_equilibrate, renormalize, normuon, beta2,
+                weight_decay, cautious_wd)              nanochat/muon.py's docstring; muon.RECORD_MUON holds the record
+                                                        recipe's options. Groups are split by shape inside.
+Every group also carries "initial_lr" (the schedule's base). The N-ranks-equal-one-process tests run the December
+and the record options on every path (tests/test_dist_optim.py, test_fsdp.py, test_tp.py, test_record_optim.py).
+
 Why this layout: nanochat's own optimizer modules keep their paths and class names (nanochat.muon holds Muon's math,
 `zeropower_via_newtonschulz5` and `muon_update`, and Muon/DistMuon; nanochat.adamw holds DistAdamW), so code and
 habits from nanochat carry over, and those two files still read side by side with nanochat's. What this project adds

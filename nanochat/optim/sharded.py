@@ -2,11 +2,11 @@
 Optimizers for DTensor parameters: what FSDP2 (`--use_fsdp=1`, nanochat/distributed/fsdp.py) and FSDP x TP (`--tp_size`,
 nanochat/distributed/tensor_parallel.py) hand the optimizer. nanochat/optim/__init__.py has the map of all the optimizers.
 
-    optimizers = setup_fsdp_optimizers(model, unembedding_lr, embedding_lr, matrix_lr, weight_decay, use_muon)
+    optimizers = setup_fsdp_optimizers(model, **GPT.setup_optimizers' kwargs)
         # [FSDPAdamW, FSDPMuon] (or [FSDPAdamW] when use_muon is false; muon_cls=ShardedMuon for FSDP x TP). The
-        # group layout and learning rates come from GPT.setup_optimizers itself (same LR scaling rules), rebuilt for
-        # DTensor parameters. Every group has "initial_lr"; the training loop sets group["lr"] and the Muon's
-        # group["momentum"] as for the DDP path.
+        # group layout, learning rates and options come from GPT.setup_optimizers itself (same LR scaling rules),
+        # rebuilt for DTensor parameters. Every group has "initial_lr"; the training loop sets group["lr"] and the
+        # Muon's group["momentum"] (and "weight_decay") as for the DDP path.
     opt.state_dict() / opt.load_state_dict(sd)   # per rank, plain local tensors (one optim file per rank); loading
                                                  # checks the class, rank and world size match (optim/base.py)
 
@@ -20,17 +20,23 @@ matrix to its owner (each rank sends and receives 1/world of the group), the own
 (batched), and a second all-to-all returns each rank its rectangle of the updates. Each full matrix is orthogonalised
 exactly once per step, so the update equals the unsharded one; the all-to-alls carry the Newton-Schulz dtype (bf16 on
 CUDA, which Newton-Schulz would cast to anyway), and each shape group's communication overlaps the previous group's
-compute. FSDPMuon is ShardedMuon checked for apply_fsdp's layout (dim-0 shards on a 1-D mesh), with its own
+compute. With the record options (nanochat/muon.py) the owner also computes each matrix's whole-matrix statistics
+(Muon+'s norm factor, NorMuon's mean squares per row or column: rows + 1 floats) and one all-gather per group gives
+them to every rank, which updates its copy of the NorMuon buffer and scales and decays its own rectangle with exactly
+the numbers one process would use. FSDPMuon is ShardedMuon checked for apply_fsdp's layout (dim-0 shards on a 1-D mesh), with its own
 state-dict kind so FSDP checkpoints load only into the FSDP path. docs/distributed.md compares its communication per
 step with FSDP+AdamW.
 """
+
+import math
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private; the one helper that knows FSDP x TP (_StridedShard) layouts
 
-from nanochat.muon import Muon, muon_momentum_, muon_orthogonalize, ns_dtype
+from nanochat.muon import (Muon, muon_apply_, muon_direction, muon_finish, muon_momentum_, muon_orthogonalize,
+                           normuon_buffer_shape, ns_dtype, shape_lr_scale, step_momentum, uses_record_options)
 from nanochat.optim.base import PerRankState, run_closure
 
 
@@ -91,13 +97,15 @@ class ShardedMuon(PerRankState, Muon):
     """
     Muon for DTensor matrices sharded over any mesh that spans all ranks, 1-D (FSDP) or 2-D (FSDP x TP): each rank
     holds a rectangle of each matrix (see the module docstring). State: one momentum buffer per parameter, the size
-    of this rank's shard (so the state is sharded exactly like the parameters). Groups are split by shape; the
-    hyperparameters per group are Muon's (lr, momentum, nesterov, ns_steps). state_dict() is per rank, tagged with
-    the class name and checked on load.
+    of this rank's shard (so the state is sharded exactly like the parameters), and with normuon the whole matrix's
+    NorMuon second moment ((rows, 1) or (1, cols)), the same on every rank: a checkpoint resharded to another number
+    of ranks finds it whole. Groups are split by shape; the hyperparameters per group are Muon's (lr, momentum,
+    nesterov, ns_steps and the record options of nanochat/muon.py). state_dict() is per rank, tagged with the class
+    name and checked on load.
     """
 
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5):
-        super().__init__(params, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps)
+    def __init__(self, params, **hyperparameters):
+        super().__init__(params, **hyperparameters)
         for group in self.param_groups:
             for p in group["params"]:
                 if not isinstance(p, DTensor):
@@ -131,7 +139,7 @@ class ShardedMuon(PerRankState, Muon):
             send = torch.zeros((W, K, slot), dtype=ns_dtype(device), device=device)
             for m, p in enumerate(ps):
                 g = self.grad_of(p).to_local()
-                d = muon_momentum_(g, self.momentum_buffer(p, like=g), group["momentum"], group["nesterov"])
+                d = muon_momentum_(g, self.momentum_buffer(p, like=g), step_momentum(group), group["nesterov"])
                 k, j = divmod(m, W)
                 send[j, k, : d.numel()] = d.reshape(-1)
             recv = torch.empty_like(send)
@@ -139,32 +147,62 @@ class ShardedMuon(PerRankState, Muon):
             pending.append((gi, group, K, recv, work, send))  # send kept alive until the all-to-all is done
 
         # 2) Per group: assemble my matrices from every rank's rectangles, orthogonalise them in one batch, send each
-        #    rank its rectangles of the updates.
+        #    rank its rectangles of the updates. Record step: the rectangles are of the orthogonalised X, and every
+        #    rank also gets each matrix's statistics (Muon+'s factor, NorMuon's mean squares) to finish its own part.
         returns = []
         for gi, group, K, recv, work, _ in pending:
             work.wait()
+            record = uses_record_options(group)
             rows, cols = group["params"][0].shape
+            dtype = group["params"][0].to_local().dtype
             mine = list(range(rank, len(group["params"]), W))  # my matrices: m = k*W + rank
             send = torch.zeros_like(recv)
+            stats = None  # record step, per slot: [Muon+ factor, NorMuon's mean squares of the rows (or columns)...]
+            if record:
+                stats = torch.zeros((K, 1 + math.prod(normuon_buffer_shape((rows, cols)))), dtype=torch.float32, device=recv.device)
             if mine:
                 full = torch.empty((len(mine), rows, cols), dtype=recv.dtype, device=recv.device)
                 for k, m in enumerate(mine):
                     for i, (r, c, r0, c0) in enumerate(boxes[gi][m]):
                         full[k, r0 : r0 + r, c0 : c0 + c] = recv[i, k, : r * c].view(r, c)
-                upd = muon_orthogonalize(full, group["ns_steps"]).to(recv.dtype)
+                if record:
+                    upd, factor, v_mean = muon_direction(full, group, dtype)
+                    if factor is not None:
+                        stats[: len(mine), 0] = factor.view(-1).float()
+                    if v_mean is not None:
+                        stats[: len(mine), 1:] = v_mean.reshape(len(mine), -1)
+                else:
+                    upd = muon_orthogonalize(full, group["ns_steps"])
+                upd = upd.to(recv.dtype)
                 for k, m in enumerate(mine):
                     for i, (r, c, r0, c0) in enumerate(boxes[gi][m]):
                         send[i, k, : r * c] = upd[k, r0 : r0 + r, c0 : c0 + c].reshape(-1)
             back = torch.empty_like(send)
-            returns.append((group, back, dist.all_to_all_single(back, send, async_op=True), send))
+            work = dist.all_to_all_single(back, send, async_op=True)
+            gathered = stats_work = None
+            if record:
+                gathered = torch.empty((W * K, stats.size(1)), dtype=stats.dtype, device=stats.device)  # gloo: dim-0 concat
+                stats_work = dist.all_gather_into_tensor(gathered, stats, async_op=True)
+            returns.append((gi, group, back, work, send, gathered, stats_work, stats))
 
-        # 3) Apply my rectangles: back[j, k] holds my part of matrix k*W + j.
-        for group, back, work, _ in returns:
+        # 3) Apply my rectangles: back[j, k] holds my part of matrix k*W + j (and gathered[j, k] its statistics).
+        for gi, group, back, work, _, gathered, stats_work, _ in returns:
             work.wait()
+            if stats_work is not None:
+                stats_work.wait()
+                gathered = gathered.view(W, -1, gathered.size(1))
             for m, p in enumerate(group["params"]):
                 k, j = divmod(m, W)
                 local = p.to_local()
-                local.add_(back[j, k, : local.numel()].view_as(local).to(local.dtype), alpha=-group["lr"])
+                X = back[j, k, : local.numel()].view_as(local)
+                if gathered is None:
+                    local.add_(X.to(local.dtype), alpha=-group["lr"])
+                    continue
+                factor = gathered[j, k, :1].view(1, 1).to(local.dtype) if group["renormalize"] else None
+                v_mean = gathered[j, k, 1:].view(normuon_buffer_shape(p.shape)) if group["normuon"] else None
+                buf = self.second_moment(p, group, local.dtype)  # the whole matrix's, the same on every rank
+                g = muon_finish(X, factor, v_mean, buf, group, local.dtype, p.shape, box=boxes[gi][m][rank])
+                muon_apply_(local, g, group["lr"] * shape_lr_scale(p.shape), group["weight_decay"], group["cautious_wd"])
         return loss
 
 
@@ -172,27 +210,25 @@ class FSDPMuon(ShardedMuon):
     """ShardedMuon for apply_fsdp's layout (dim-0 shards on a 1-D mesh of all ranks; checked), with its own
     state-dict kind so FSDP checkpoints keep loading only into the FSDP path."""
 
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5):
-        super().__init__(params, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps)
+    def __init__(self, params, **hyperparameters):
+        super().__init__(params, **hyperparameters)
         for group in self.param_groups:
             for p in group["params"]:
                 _dim0_rows(p)  # raises unless Shard(0) on a 1-D mesh
 
 
-def setup_fsdp_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, use_muon=True,
-                          muon_cls=None):
+def setup_fsdp_optimizers(model, muon_cls=None, **kwargs):
     """
     The optimizers for an apply_fsdp()-sharded GPT: FSDPAdamW for lm_head and wte (and the matrices when use_muon is
     false), FSDPMuon (or `muon_cls`: the tensor-parallel path passes ShardedMuon) for the block
-    matrices. The groups, learning rates (with GPT's width scaling), betas, eps and weight decay are taken from
-    GPT.setup_optimizers so the paths cannot drift apart; only the optimizer classes change. Every group carries
-    "initial_lr".
+    matrices. The groups, learning rates (with GPT's width scaling), betas, eps and weight decay, and the Muon groups'
+    options, are taken from the model's own setup_optimizers(**kwargs) (GPT's or RecordGPT's: unembedding_lr,
+    embedding_lr, matrix_lr, weight_decay, use_muon, ...) so the paths cannot drift apart; only the optimizer classes change. Every group
+    carries "initial_lr".
     """
-    from nanochat.gpt import GPT
-
-    # GPT.setup_optimizers only groups the parameters here (its optimizers allocate state lazily); each one is
+    # setup_optimizers only groups the parameters here (its optimizers allocate state lazily); each one is
     # rebuilt below with the same groups for DTensor parameters.
-    reference = GPT.setup_optimizers(model, unembedding_lr=unembedding_lr, embedding_lr=embedding_lr, matrix_lr=matrix_lr, weight_decay=weight_decay, use_muon=use_muon)
+    reference = model.setup_optimizers(**kwargs)
     optimizers = []
     for ref in reference:
         groups = [dict(g) for g in ref.param_groups]
@@ -201,8 +237,6 @@ def setup_fsdp_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_
             groups = [{k: g[k] for k in keep} for g in groups]
             # foreach on CUDA (torch's default) works with DTensors; the fused kernel is not used for them
             optimizers.append(FSDPAdamW(groups, lr=groups[0]["lr"], betas=groups[0]["betas"], eps=groups[0]["eps"], weight_decay=groups[0]["weight_decay"]))
-        else:  # a Muon
-            keep = ("params", "lr", "momentum", "nesterov", "ns_steps", "initial_lr")
-            groups = [{k: g[k] for k in keep} for g in groups]
+        else:  # a Muon: every group key is a Muon hyperparameter (nanochat/muon.py), kept as they are
             optimizers.append((muon_cls or FSDPMuon)(groups))
     return optimizers

@@ -70,6 +70,21 @@ class Worker:
         return out
 
 
+def check_kv_plans(workers, max_batch, max_context=None, kv_cache_gb=None, prefix_cache=True):
+    """chat_web's start-up check: the KV slots and prefix cache each replica's scheduler will allocate fit, else a
+    usage error saying which setting to change (before the server listens)."""
+    from nanochat.serving.kv_slots import plan_kv
+    from nanochat.usage import BadValue
+
+    budget = None if kv_cache_gb is None else int(kv_cache_gb * 2**30)
+    for w in workers:
+        try:
+            plan_kv(w.engine.model.config, w.engine.max_positions(), max_batch, max_context, w.kv_dtype(), w.device,
+                    budget, prefix_cache)
+        except ValueError as e:
+            raise BadValue(str(e)) from None
+
+
 class Admission:
     """Counts the requests a pool has admitted (running or waiting) and refuses one beyond `running_limit` +
     max_queue with 429 + Retry-After, rather than let it wait without end (holding a connection and its memory)."""

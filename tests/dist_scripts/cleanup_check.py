@@ -17,7 +17,7 @@ import torch
 
 from nanochat.distributed.dist import compute_cleanup, compute_init
 from nanochat.gpt import GPT, GPTConfig
-from nanochat.distributed.parallel import FSDP, DataParallel, TensorParallel
+from nanochat.distributed.parallel import FSDP, DataParallel, ParallelConfig, TensorParallel
 from nanochat.training import train_step
 
 
@@ -34,7 +34,7 @@ def gloo_threads():
 
 def main(strategy):
     _, rank, _, _, device = compute_init("cpu")
-    parallel = {"ddp": DataParallel(), "fsdp": FSDP(), "tp": TensorParallel(2)}[strategy]
+    parallel = {"ddp": DataParallel(), "fsdp": FSDP(), "tp": TensorParallel(ParallelConfig(tp_size=2))}[strategy]
     torch.manual_seed(0)
     model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=32), attn="sdpa")
     model.init_weights("nanochat")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from nanochat.adamw import DistAdamW
 from nanochat.distributed.dist import compute_cleanup
-from nanochat.muon import DistMuon, Muon
+from nanochat.muon import RECORD_MUON, DistMuon, Muon
 
 STEPS = 6
 BATCH = 8  # global batch; each rank takes BATCH // world rows
@@ -150,6 +150,23 @@ def run_checks(rank, world):
 
     results.append(compare_run("distmuon_vs_muon", muon_shapes, lambda ps: DistMuon(ps, lr=0.02), lambda ps: Muon(ps, lr=0.02), schedule=sched))
     results.append(compare_run("distmuon_vs_muon_plain_momentum", muon_shapes[:3], lambda ps: DistMuon(ps, lr=0.03, nesterov=False), lambda ps: Muon(ps, lr=0.03, nesterov=False)))
+
+    # --- the record options (Polar Express, MuonEq, Muon+, NorMuon, cautious weight decay) with a weight-decay
+    #     schedule, tall and wide matrices (NorMuon's buffer per row and per column); AdamW groups with their own betas
+    def record_sched(opt, step):
+        sched(opt, step)
+        for g in opt.param_groups:
+            g["weight_decay"] = 0.2 * (1 - step / STEPS)
+
+    results.append(compare_run("distmuon_record_vs_muon", muon_shapes, lambda ps: DistMuon(ps, lr=0.02, **RECORD_MUON),
+                               lambda ps: Muon(ps, lr=0.02, **RECORD_MUON), schedule=record_sched))
+
+    def adam_groups(ps):
+        return [dict(params=ps[:2], lr=0.01, betas=(0.8, 0.96), weight_decay=0.01), dict(params=[ps[2]], lr=0.02, betas=(0.8, 0.995), eps=1e-8),
+                dict(params=ps[3:], lr=0.03, betas=(0.96, 0.95), weight_decay=0.05)]
+
+    results.append(compare_run("distadamw_group_betas_vs_adamw", adam_shapes, lambda ps: DistAdamW(adam_groups(ps), eps=1e-10, weight_decay=0.0),
+                               lambda ps: torch.optim.AdamW(adam_groups(ps), eps=1e-10, weight_decay=0.0, foreach=False, fused=False)))
 
     # --- another rank's state must be refused with a clear message
     ps = make_params([(4, 4), (4, 4)], 0)

@@ -1,7 +1,8 @@
 """
 Emulated FP8 under FSDP2 (tests/test_fp8.py): the tiny GPT of test_fp8 converted with torchao's emulated float8
-(tensorwise and rowwise), wrapped with nanochat's apply_fsdp and trained for 3 steps on 2 gloo ranks, each taking
-half of the batch. Rank 0 prints one JSON line {"<recipe>": [losses], "scales": {...}}.
+(tensorwise and rowwise), and with nanochat's own tensorwise Float8Linear ("native": torch._scaled_mm runs on CPU),
+wrapped with nanochat's apply_fsdp and trained for 3 steps on 2 gloo ranks, each taking half of the batch. Rank 0
+prints one JSON line {"<recipe>": [losses], "scales": {...}}.
 
 The FP8 all-gather (--fp8_recipe=tensorwise under FSDP2 on CUDA: the shards are cast to float8 before the
 all-gather) cannot run here: gloo has no float8 dtypes ("RuntimeError: Invalid scalar type"), NCCL has. So the
@@ -35,7 +36,9 @@ def run(recipe, rank, world):
     with torch.no_grad():  # as test_fp8.cpu_model: the same weights
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    if recipe != "none":
+    if recipe == "native":
+        convert_to_fp8(model, "tensorwise", filter="all", impl="native")
+    elif recipe != "none":
         convert_to_fp8(model, recipe, fsdp=False, emulate=True, filter="all")
     apply_fsdp(model)
     opts = setup_fsdp_optimizers(model, use_muon=True)
@@ -68,9 +71,11 @@ def check_scales():
     from torchao.float8.float8_linear import Float8Linear
 
     detected = {}
-    for recipe in ("none", "tensorwise", "rowwise"):
+    for recipe in ("none", "tensorwise", "rowwise", "native"):
         model = GPT(CONFIG, attn="sdpa")
-        if recipe != "none":
+        if recipe == "native":  # no FP8 all-gather: the weights are gathered as they are and cast after
+            convert_to_fp8(model, "tensorwise", fsdp=True, filter="all", impl="native")
+        elif recipe != "none":
             convert_to_fp8(model, recipe, fsdp=True, emulate=True, filter="all")
         parallel = FSDP()
         parallel.wrap(model, "cpu")
@@ -100,7 +105,7 @@ def check_scales():
 def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    out = {recipe: run(recipe, rank, world) for recipe in ("none", "tensorwise", "rowwise")}
+    out = {recipe: run(recipe, rank, world) for recipe in ("none", "tensorwise", "rowwise", "native")}
     out["scales"] = check_scales()
     if rank == 0:
         print(json.dumps(out))

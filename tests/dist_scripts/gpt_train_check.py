@@ -5,6 +5,9 @@ Train a tiny GPT for a few steps in one of three modes and save what the tests c
     torchrun --nproc_per_node=2 gpt_train_check.py --mode=ddp  --use_muon=1 --out=ddp.pt   # DistAdamW + DistMuon
     torchrun --nproc_per_node=2 gpt_train_check.py --mode=fsdp --use_muon=1,0 --out=fsdp.pt  # FSDPAdamW (+FSDPMuon)
 
+--record=1 also runs the record recipe's optimizer options (nanochat/muon.py RECORD_MUON with cautious weight decay
+on a schedule; AdamW groups with their own betas) on the same model, saved under the key "record".
+
 Every mode sees the same global batch per step (the distributed ranks each take their rows of it) and the same
 initial weights. Rank 0 saves, per use_muon value, {"losses", "params" (full state dict at the end), "init",
 "probe_logits", "samples", "checks"} under the key "use_muon=<v>".
@@ -22,6 +25,7 @@ import torch.distributed as dist
 
 from nanochat.distributed.dist import compute_cleanup
 from nanochat.gpt import GPT, GPTConfig
+from nanochat.muon import RECORD_MUON
 
 STEPS = 6
 RESUME_AT = 3  # checkpoint after this many steps
@@ -59,21 +63,44 @@ def lrs(use_muon):
     return dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02 if use_muon else 0.003, weight_decay=0.01, use_muon=use_muon)
 
 
-def build(mode, use_muon, state_dict=None):
-    """(model, optimizers); state_dict: a full single-file state dict to start from (else the seeded init)."""
-    model = fresh_model()
-    if mode == "fsdp":
-        from nanochat.distributed.fsdp import apply_fsdp, load_full_model_state_dict
-        from nanochat.optim.sharded import setup_fsdp_optimizers
+RECORD_BETAS = [(0.8, 0.96), (0.8, 0.995)]  # lm_head's and wte's in 92d63d4
 
-        apply_fsdp(model)
-        if state_dict is not None:
-            load_full_model_state_dict(model, state_dict)
-        opts = setup_fsdp_optimizers(model, **lrs(use_muon))
-    else:
-        if state_dict is not None:
-            model.load_state_dict(state_dict)
-        opts = model.setup_optimizers(**lrs(use_muon))
+
+def record_options(opts):
+    """The record recipe's optimizer options on GPT's groups: RECORD_MUON and cautious weight decay on the Muon groups,
+    92d63d4's own betas on each AdamW group (the same edit on every path, so N ranks must still equal one process)."""
+    for opt in opts:
+        for i, group in enumerate(opt.param_groups):
+            if "momentum" in group:
+                group.update(RECORD_MUON, weight_decay=0.2)
+            else:
+                group["betas"] = RECORD_BETAS[i]
+    return opts
+
+
+def build(mode, use_muon, state_dict=None, record=False):
+    """(model, optimizers); state_dict: a full single-file state dict to start from (else the seeded init). record:
+    the options are set in GPT.setup_optimizers' groups, where the record GPT sets them, so the FSDP path's rebuild of
+    those groups for DTensor parameters (optim/sharded.py) has to carry them over."""
+    model = fresh_model()
+    setup = GPT.setup_optimizers
+    if record:
+        GPT.setup_optimizers = lambda self, **kwargs: record_options(setup(self, **kwargs))
+    try:
+        if mode == "fsdp":
+            from nanochat.distributed.fsdp import apply_fsdp, load_full_model_state_dict
+            from nanochat.optim.sharded import setup_fsdp_optimizers
+
+            apply_fsdp(model)
+            if state_dict is not None:
+                load_full_model_state_dict(model, state_dict)
+            opts = setup_fsdp_optimizers(model, **lrs(use_muon))
+        else:
+            if state_dict is not None:
+                model.load_state_dict(state_dict)
+            opts = model.setup_optimizers(**lrs(use_muon))
+    finally:
+        GPT.setup_optimizers = setup
     return model, opts
 
 
@@ -97,6 +124,8 @@ def train_steps(model, opts, steps, rank, world):
                 group["lr"] = group["initial_lr"] * (1.0 - 0.05 * step)
                 if "momentum" in group:
                     group["momentum"] = 0.85 + 0.01 * step
+                if group.get("cautious_wd"):
+                    group["weight_decay"] = 0.2 * (1 - step / STEPS)
         x, y = global_batch(step)
         loss = model(rank_rows(x, rank, world), rank_rows(y, rank, world))
         loss.backward()
@@ -117,11 +146,11 @@ def roundtrip(obj):
     return torch.load(buf, weights_only=True)
 
 
-def run(mode, use_muon, rank, world, ddp_ckpt=None):
+def run(mode, use_muon, rank, world, ddp_ckpt=None, record=False):
     """Train STEPS steps; returns the results dict described in the module docstring (meaningful on rank 0)."""
     distributed = mode != "single"
     checks = {}
-    model, opts = build(mode, use_muon)
+    model, opts = build(mode, use_muon, record=record)
     init = full_state(model, mode)
     losses = train_steps(model, opts, range(RESUME_AT), rank, world)
 
@@ -139,7 +168,7 @@ def run(mode, use_muon, rank, world, ddp_ckpt=None):
 
     if distributed:
         # resume in a fresh model and fresh optimizers from the mid-run checkpoint
-        model2, opts2 = build(mode, use_muon, state_dict=ckpt_model)
+        model2, opts2 = build(mode, use_muon, state_dict=ckpt_model, record=record)
         for opt, sd in zip(opts2, ckpt_optim):
             opt.load_state_dict(sd)
         resumed_losses = train_steps(model2, opts2, range(RESUME_AT, STEPS), rank, world)
@@ -147,6 +176,9 @@ def run(mode, use_muon, rank, world, ddp_ckpt=None):
         checks["resume_losses_equal"] = resumed_losses == losses[RESUME_AT:]
         checks["resume_params_equal"] = all(torch.equal(resumed[k], final[k]) for k in final)
         checks["optimizer_classes"] = [type(o).__name__ for o in opts]
+        # what the distributed optimizers were built with (the record options must reach them through every path)
+        checks["muon_ns"] = sorted({g["ns"] for o in opts for g in o.param_groups if "momentum" in g})
+        checks["adamw_betas"] = [tuple(g["betas"]) for o in opts for g in o.param_groups if "betas" in g][:2]
 
     with torch.no_grad():
         final_logits = model(PROBE)  # the live (sharded, under FSDP) model after training
@@ -167,6 +199,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["single", "ddp", "fsdp"], required=True)
     ap.add_argument("--use_muon", default="1", help="comma-separated values to run, e.g. 1,0")
+    ap.add_argument("--record", type=int, default=0, help="also train with the record recipe's optimizer options (key 'record')")
     ap.add_argument("--synthetic", type=int, default=0, help="also run the shape checks: fsdp_synthetic.py (fsdp) or dist_optim_check.py (ddp)")
     ap.add_argument("--ddp_ckpt", default=None, help="fsdp mode: a single-file model state dict to load into a fresh sharded model")
     ap.add_argument("--out", required=True)
@@ -180,10 +213,13 @@ def main():
     results = {}
     for flag in args.use_muon.split(","):
         results[f"use_muon={int(flag)}"] = run(args.mode, bool(int(flag)), rank, world, args.ddp_ckpt)
+    if args.record:
+        results["record"] = run(args.mode, True, rank, world, record=True)
     if args.synthetic and args.mode == "fsdp":
         import fsdp_synthetic  # next to this script
 
         results["synthetic"] = fsdp_synthetic.run(rank, world)
+        results["synthetic_record"] = fsdp_synthetic.run(rank, world, record=True)
     elif args.synthetic and args.mode == "ddp":
         import dist_optim_check  # next to this script
 

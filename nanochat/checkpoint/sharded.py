@@ -1,7 +1,9 @@
 """
-Sharded checkpoints for the FSDP path (--use_fsdp=1, the d40+ presets): every rank writes its own shard of the model
-and of the optimizer state with torch.distributed.checkpoint (DCP), in parallel, with no gather of the whole model to
-rank 0. Loading reshards: a step saved by W ranks resumes on any number of ranks (fewer nodes after a failure).
+Sharded checkpoints for the FSDP and tensor-parallel paths (--use_fsdp=1, the d40+ presets; --tp_size): every rank
+writes its own shard of the model and of the optimizer state with torch.distributed.checkpoint (DCP), in parallel,
+with no gather of the whole model to rank 0. Loading reshards: a step saved by W ranks resumes on any number of ranks
+(fewer nodes after a failure), and on either layout (DCP finds each tensor's rows, or its (dp, tp) rectangle, by
+global offset, whatever layout wrote it).
 
     <checkpoint_dir>/sharded_{step:06d}/           a complete step (it only ever appears whole: see below)
                         .metadata                  DCP's index: every tensor's global shape and where its pieces are
@@ -12,11 +14,11 @@ rank 0. Loading reshards: a step saved by W ranks resumes on any number of ranks
 Completeness: the ranks write into `.partial`; DCP writes `.metadata` after every rank has written its file; then
 rank 0 writes the meta json and renames the directory to its final name (one atomic rename). A crash at any point
 before the rename leaves no `sharded_<step>` directory, so the previous step stays the latest complete one
-(`is_sharded_step_complete`), and the next save of that step clears the leftover `.partial`.
+(steps.step_format), and the next start of the run removes the leftover `.partial` (files.remove_stale_temp_files).
 
 What is in it (one flat DCP state dict, keyed by parameter names, so no key depends on the number of ranks):
 
-    model.<name>                      the parameters (DTensors sharded along dim 0; DCP stores each rank's rows)
+    model.<name>                      the parameters (DTensors; DCP stores each rank's rows or rectangle)
     optim.<i>.<name>.<key>            optimizer i's state for parameter <name> (AdamW's exp_avg/exp_avg_sq, Muon's
                                       momentum_buffer as a DTensor laid out like the parameter, AdamW's step scalar)
     layout                            (a pickled object) the model's key order and, per optimizer, its kind, its
@@ -47,36 +49,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from nanochat.atomic import fsync_dir
+from nanochat.checkpoint.files import META_FILE, PARTIAL_SUFFIX, atomic_json_save, atomic_torch_save, sharded_step_dir, step_paths
+from nanochat.checkpoint.steps import read_meta
+from nanochat.usage import BadValue
 
 logger = logging.getLogger(__name__)
-
-SHARDED_DIR = "sharded_{step:06d}"
-PARTIAL_SUFFIX = ".partial"
-META_FILE = "meta_{step:06d}.json"
-
-
-def sharded_step_dir(checkpoint_dir, step):
-    return os.path.join(checkpoint_dir, SHARDED_DIR.format(step=step))
-
-
-def is_sharded_step_complete(checkpoint_dir, step):
-    """True when step `step` of `checkpoint_dir` is a complete sharded checkpoint (renamed into place, with DCP's
-    .metadata and the meta json): what "the latest complete step" may pick. A save cut short never passes this."""
-    d = sharded_step_dir(checkpoint_dir, step)
-    return os.path.isfile(os.path.join(d, ".metadata")) and os.path.isfile(os.path.join(d, META_FILE.format(step=step)))
-
-
-def sharded_steps(checkpoint_dir):
-    """The complete sharded steps in a checkpoint directory, sorted (`.partial` directories are not steps)."""
-    if not os.path.isdir(checkpoint_dir):
-        return []
-    steps = []
-    for name in os.listdir(checkpoint_dir):
-        head, _, num = name.partition("_")
-        if head == "sharded" and num.isdigit() and is_sharded_step_complete(checkpoint_dir, int(num)):
-            steps.append(int(num))
-    return sorted(steps)
-
 
 # -----------------------------------------------------------------------------
 # the state dict DCP saves and loads
@@ -181,8 +158,6 @@ def wait_for_pending_save():
 def _finish(partial, final, meta, step):
     """Rank 0, after every rank's shard and DCP's .metadata are on disk: the meta json, then the rename that makes
     the step complete."""
-    from nanochat.checkpoint_manager import atomic_json_save
-
     atomic_json_save(meta, os.path.join(partial, META_FILE.format(step=step)))
     fsync_dir(partial)
     if os.path.isdir(final):  # saving a step again (a rerun): the new one replaces it
@@ -301,23 +276,23 @@ def load_sharded(step_dir, model, optimizers=(), fix=""):
     names = _names(model)
     params = {n: p for p, n in names.items()}
     if len(layout["optimizers"]) != len(optimizers) and optimizers:
-        raise ValueError(f"{step_dir} holds {len(layout['optimizers'])} optimizer states but this run built "
+        raise BadValue(f"{step_dir} holds {len(layout['optimizers'])} optimizer states but this run built "
                          f"{len(optimizers)}: {fix}")
     model_sd = {f"model.{k.removeprefix('_orig_mod.')}": v for k, v in model.state_dict().items()}
     missing = sorted(k for k in model_sd if k not in md)
     if missing:
-        raise ValueError(f"{step_dir} has no {missing[0].removeprefix('model.')} ({len(missing)} model tensor(s) "
+        raise BadValue(f"{step_dir} has no {missing[0].removeprefix('model.')} ({len(missing)} model tensor(s) "
                          f"missing): it holds another model; resume with the model flags of the run that saved it")
     for k, v in model_sd.items():
         if tuple(md[k].size) != tuple(v.shape):
-            raise ValueError(f"{k.removeprefix('model.')}: {step_dir} holds shape {tuple(md[k].size)}, this model "
+            raise BadValue(f"{k.removeprefix('model.')}: {step_dir} holds shape {tuple(md[k].size)}, this model "
                              f"{tuple(v.shape)}: resume with the model flags of the run that saved it")
     sd = dict(model_sd)
     plan = []  # (optimizer, parameter, key, kind, state-dict key)
     for i, (opt, saved) in enumerate(zip(optimizers, layout["optimizers"])):
         mine = [[names[p] for p in g["params"]] for g in opt.param_groups]
         if mine != [g["params"] for g in saved["param_groups"]]:
-            raise ValueError(f"{step_dir}: optimizer {i} ({saved['kind']}) grouped the parameters differently from "
+            raise BadValue(f"{step_dir}: optimizer {i} ({saved['kind']}) grouped the parameters differently from "
                              f"this run's {type(opt).__name__}: {fix}")
         for name, keys in saved["state_keys"].items():
             for key, kind in keys.items():
@@ -354,18 +329,23 @@ def consolidate(step_dir, out_dir, step, optimizer=True):
     full model, rank 0's file on the gather path), meta_<step>.json (unchanged) and, with optimizer=True, one
     optim_<step>_rank<r>.pt per rank of the world size that saved it, each what that rank's FSDPAdamW/FSDPMuon
     state_dict() held (the single-file format resumes on that world size only); a step saved without optimizer state
-    (save_stage_model) gets none. Files are written atomically, meta last. Returns the paths written.
+    (save_stage_model) gets none, and a tensor-parallel step's optimizer state is refused (BadValue: it resumes from
+    the sharded step). Files are written atomically, meta last. Returns the paths written.
     """
-    from nanochat.checkpoint_manager import _paths, atomic_json_save, atomic_torch_save, read_meta
-
     meta = read_meta(os.path.join(step_dir, META_FILE.format(step=step)), os.path.dirname(step_dir), step)
     world = meta.get("world_size", 1)
-    model_path, meta_path, _ = _paths(out_dir, step)
+    layout = read_layout(step_dir)
+    if optimizer and layout["optimizers"] and meta.get("parallel") == "tp":
+        # per-rank files hold each rank's rectangle of the (dp, tp) mesh, which only that layout's world reproduces;
+        # the sharded step itself resumes on any layout and number of ranks
+        raise BadValue(f"step {step} was saved by the --tp_size={meta.get('tp_size', '?')} path: its optimizer state "
+                       f"stays in {step_dir} (it resumes from there with --use_fsdp=1 or --tp_size, any number of "
+                       f"ranks); consolidate the model and meta only (--optimizer=0)")
+    model_path, meta_path, _ = step_paths(out_dir, step)
     os.makedirs(out_dir, exist_ok=True)
     model = read_model_state_dict(step_dir)
     atomic_torch_save(model, model_path)
     written = [model_path]
-    layout = read_layout(step_dir)
     if optimizer and layout["optimizers"]:  # a stage's model-only step (SFT, RL) has no optimizer files, as today
         md = _reader(step_dir).read_metadata().state_dict_metadata
         full = {}
@@ -388,7 +368,7 @@ def consolidate(step_dir, out_dir, step, optimizer=True):
                           for g in saved["param_groups"]]
                 per_rank.append({"state": state, "param_groups": groups,
                                  "dist": {"world_size": world, "rank": r, "kind": saved["kind"]}})
-            path = _paths(out_dir, step, r)[2]
+            path = step_paths(out_dir, step, r)[2]
             atomic_torch_save(per_rank, path)
             written.append(path)
     atomic_json_save(meta, meta_path)  # last: the step is complete once meta is there

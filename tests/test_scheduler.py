@@ -389,3 +389,37 @@ def test_compiled_decode_gives_the_eager_tokens_in_two_compiles(tok, threads):
     compiled = run(scheduler, jobs, arrivals=[0, 0, 3, 3, 3, 3, 3, 3, 9, 9])  # buckets 4, 8, 16
     assert [r.sequences() for r in compiled] == eager
     assert counters["stats"]["unique_graphs"] - before <= 2
+
+
+def test_the_record_model_batches_with_its_windows_and_smear(threads):
+    """RecordGPT (--recipe=record: sliding windows, smear of the previous token, value embeddings, backout) in the
+    scheduler. Its windows (128 short, 64 long) bite in these 150-230 token sequences, and smear reaches back across
+    prefill chunks, prefix-cache hits and decode steps (the scheduler hands each row its previous token). Alone ==
+    in a crowd of changing size, tokens and logits bit for bit; and the tokens are the Engine's, one prompt at a time
+    (the reference for what the model computes); a conversation's turn 2 through the prefix cache answers as without."""
+    from test_record_model import NoToolTokenizer, decode_model
+
+    model = decode_model(sequence_len=64)
+    assert model.windows == [128, 128, 128, 64]
+    engine = Engine(model, NoToolTokenizer(), decode_compile="0")
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 150, 70, 200, 20, 130, 180, 40, 160, 90)]
+    jobs = [Job(p, max_tokens=[6, 17, 30][i % 3], temperature=0.0) for i, p in enumerate(prompts)]
+    options = dict(max_batch=4, max_context=256, kv_budget_bytes=BUDGET, prefill_chunk=64)
+    crowd_scheduler = Recording(engine, prefix_cache=False, **options)
+    crowd = run(crowd_scheduler, jobs, arrivals=[0, 0, 0, 1, 2, 2, 5, 9, 9, 14])
+    for i, job in enumerate(jobs):
+        solo_scheduler = Recording(engine, prefix_cache=False, **options)
+        (solo,) = run(solo_scheduler, [job])
+        assert solo.tokens == crowd[i].tokens, f"prompt {i} ({len(job.prompt)} tokens)"
+        assert all(torch.equal(v, crowd_scheduler.logits[(i, row, step)]) for (_, row, step), v in solo_scheduler.logits.items())
+        (seq,), _ = engine.generate_batch(job.prompt, max_tokens=job.max_tokens, temperature=0.0)
+        assert crowd[i].tokens[0] == seq[len(job.prompt):], f"prompt {i}: not the Engine's tokens"
+
+    cached = Scheduler(engine, prefix_cache=True, **options)
+    (first,) = run(cached, [jobs[1]])
+    turn2 = prompts[1] + first.tokens[0] + prompts[4]
+    (second,) = run(cached, [Job(turn2, max_tokens=20, temperature=0.0)])
+    assert second.prefix_hit >= BLOCK
+    (plain,) = run(Scheduler(engine, prefix_cache=False, **options), [Job(turn2, max_tokens=20, temperature=0.0)])
+    assert second.tokens == plain.tokens

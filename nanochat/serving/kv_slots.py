@@ -144,8 +144,10 @@ class PrefillView:
     attn_mask = None
     last_only = True  # a prefill needs the last position's logits only
 
-    def __init__(self, pool, row, start):
+    def __init__(self, pool, row, start, prev_id=None):
         self.pool, self.row, self.start = pool, row, start
+        # a model that mixes in the previous token (RecordGPT's smear) reads it here: the token before the chunk
+        self.prev_ids = None if prev_id is None else torch.tensor([[prev_id]], dtype=torch.long, device=pool.device)
 
     def get_pos(self):
         return self.start
@@ -210,16 +212,24 @@ class DecodeView:
 
     last_only = False
 
-    def __init__(self, pool, batch, invariant, trim=True):
+    def __init__(self, pool, batch, invariant, trim=True, windows=()):
         device = pool.device
         self.pool, self.batch, self.invariant, self.trim = pool, batch, invariant, trim
         self.rows = torch.arange(batch, device=device)
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.prev_ids = torch.full((batch, 1), -1, dtype=torch.long, device=device)  # each row's previous token
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.column = torch.zeros(batch, dtype=torch.long, device=device)  # where each row writes: pos, or scratch
         self.mask = torch.zeros(batch, 1, 1, pool.columns, dtype=torch.bool, device=device)
+        # sliding-window layers (RecordGPT): per window, the columns pos - window .. pos
+        self.window_masks = {w: torch.zeros_like(self.mask) for w in sorted(set(windows))}
         self.columns = torch.arange(pool.columns, device=device)
         self.span = pool.columns
+
+    def tensors(self):
+        """The step's input tensors (a compiled step marks their addresses static)."""
+        return [self.ids, self.prev_ids, self.pos, self.column, self.mask, self.rows, self.columns,
+                *self.window_masks.values()]
 
     @property
     def positions(self):
@@ -228,14 +238,20 @@ class DecodeView:
     def get_pos(self):  # the model reads `positions` instead; an int makes no sense for rows at different lengths
         raise TypeError("a decode view has one position per row: read .positions")
 
-    def set_step(self, ids, positions):
-        """Host lists of B ids and positions (None: a filler row) -> the device tensors (one copy each), the mask."""
+    def set_step(self, ids, positions, prev_ids=None):
+        """Host lists of B ids and positions (None: a filler row), and the tokens before them (-1: none) -> the
+        device tensors (one copy each), the masks."""
         pos = [0 if p is None else p for p in positions]
         column = [self.pool.scratch if p is None else p for p in positions]
         self.ids.copy_(torch.tensor(ids, dtype=torch.long).view(-1, 1), non_blocking=True)
+        if prev_ids is not None:
+            self.prev_ids.copy_(torch.tensor(prev_ids, dtype=torch.long).view(-1, 1), non_blocking=True)
         self.pos.copy_(torch.tensor(pos, dtype=torch.long).view(-1, 1), non_blocking=True)
         self.column.copy_(torch.tensor(column, dtype=torch.long), non_blocking=True)
         torch.le(self.columns.view(1, -1), self.pos, out=self.mask.view(self.batch, -1))
+        for window, mask in self.window_masks.items():
+            torch.ge(self.columns.view(1, -1), self.pos - window, out=mask.view(self.batch, -1))
+            mask &= self.mask
         if self.trim:
             self.span = -(-(max(pos) + 1) // ATTN_BLOCK) * ATTN_BLOCK
 
@@ -246,11 +262,12 @@ class DecodeView:
         B = self.rows.size(0)
         return kv[0, :B], kv[1, :B]
 
-    def attend(self, layer_idx, q, k, v):
+    def attend(self, layer_idx, q, k, v, window=None):
         span = self.span
+        mask = self.mask if window is None else self.window_masks[window]  # window: the layer's sliding window
         if self.invariant:
-            return invariant_attention(q, k, v, self.mask, span)
-        return F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=self.mask[..., :span],
+            return invariant_attention(q, k, v, mask, span)
+        return F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask[..., :span],
                                               enable_gqa=q.size(1) != k.size(1))
 
 
@@ -277,8 +294,8 @@ class SlotPool:
     def nbytes(self):
         return sum(t.numel() * t.element_size() for t in self.layers)
 
-    def prefill_view(self, row, start):
-        return PrefillView(self, row, start)
+    def prefill_view(self, row, start, prev_id=None):
+        return PrefillView(self, row, start, prev_id)
 
     def copy_prefix(self, src, dst, n):
         """The first n positions of slot src into slot dst (a request's extra samples start from its prompt)."""

@@ -27,8 +27,8 @@ Every step, in order:
 
 Same answers alone or in a crowd: a request's tokens do not depend on which requests share its steps. Its prefill runs
 alone (batch 1, chunks fixed by its own prompt and prefix hit), and the decode step is made batch-invariant: the batch
-is padded to a bucket of at least 4 rows (decode_buckets), attention spans the whole slot under a per-row mask, and
-on CPU it runs SDPA's math kernel (torch's CPU flash kernel splits the keys differently by batch size when it has
+is padded to a bucket of at least 4 rows (decode_buckets), attention runs under a per-row mask, and on CPU through
+kv_slots.invariant_attention (torch's CPU flash kernel splits the keys differently by batch size when it has
 several threads). tests/test_scheduler.py checks it token for token, for 32+ prompts arriving at different steps. A
 prefix-cache hit is the one thing that changes a request's arithmetic: its cached keys/values were computed in
 another chunking (or by decode steps), equal to recomputing them up to float rounding; --prefix_cache=0 turns it off
@@ -36,7 +36,9 @@ where bit-for-bit reproducibility matters more than the time to first token.
 
 Decode runs on fixed shapes: a compiled step per bucket where the Engine would compile (`decode_compile`, auto = on
 CUDA, captured as a CUDA graph), eager elsewhere. The model is called through the same forward API as the Engine's
-(`model(ids, kv_cache=view)`, the views of nanochat/serving/kv_slots.py).
+(`model(ids, kv_cache=view)`, the views of nanochat/serving/kv_slots.py). The record model (RecordGPT) batches too:
+the views give its sliding-window layers per-window masks (`attend(..., window)`) and its smear each row's previous
+token id (`prev_ids`), so a row carries no model state beyond its keys/values.
 """
 
 import itertools
@@ -180,7 +182,9 @@ class Scheduler:
         if batch_invariant is None:
             batch_invariant = self.device.type == "cpu"
         self.compiled = engine.decode_compiled
-        self.views = {b: DecodeView(self.pool, b, batch_invariant, trim=not self.compiled) for b in self.buckets}
+        windows = getattr(model, "windows", ())  # RecordGPT's sliding windows, one per layer
+        self.views = {b: DecodeView(self.pool, b, batch_invariant, trim=not self.compiled, windows=windows)
+                      for b in self.buckets}
         self._step_fn = None
         self._checked = set()
         # the requests; `inbox` is the only structure other threads touch (append / popleft are atomic)
@@ -286,7 +290,8 @@ class Scheduler:
             row = request.rows[0]
             ids = torch.tensor([request.prompt[start:end]], dtype=torch.long, device=self.device)
             try:
-                logits = self.model(ids, kv_cache=self.pool.prefill_view(row.slot, start))[:, -1, :]
+                view = self.pool.prefill_view(row.slot, start, request.prompt[start - 1] if start else None)
+                logits = self.model(ids, kv_cache=view)[:, -1, :]
             except Exception as e:  # this request fails; the others go on
                 logger.exception(f"prefill failed on scheduler {self.name}")
                 self.prefilling.pop(0)
@@ -328,11 +333,13 @@ class Scheduler:
             top = max(r.slot for r in rows) + 1
         B = next(b for b in self.buckets if b >= top)
         view = self.views[B]
-        ids, positions = [0] * B, [None] * B  # filler rows: see DecodeView
+        ids, positions, prev = [0] * B, [None] * B, [-1] * B  # filler rows: see DecodeView
         for r in rows:
             ids[r.slot], positions[r.slot] = r.next_token, r.length
+            P, before = len(r.request.prompt), r.length - 1  # the token before next_token (RecordGPT's smear)
+            prev[r.slot] = r.request.prompt[before] if before < P else r.request.tokens[r.index][before - P]
         try:
-            view.set_step(ids, positions)
+            view.set_step(ids, positions, prev)
             logits = self._forward(view)
         except Exception as e:
             logger.exception(f"decode step failed on scheduler {self.name}")
@@ -369,7 +376,7 @@ class Scheduler:
             for t in self.pool.layers:
                 torch._dynamo.mark_static_address(t)
             for v in self.views.values():
-                for t in (v.ids, v.pos, v.column, v.mask, v.rows, v.columns):
+                for t in v.tensors():
                     torch._dynamo.mark_static_address(t)
 
             def step(model, ids, cache):

@@ -46,6 +46,7 @@ def main(argv=None):
     from bench.serve_bench import get_tokenizer
     from nanochat.chat_eval import run_generative_eval
     from nanochat.common import autodetect_device_type
+    from nanochat.distributed.dist import DataRanks
     from nanochat.engine import Engine
     from nanochat.gpt import GPT, config_for_depth
     from scripts.chat_rl import rollouts
@@ -84,7 +85,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         with autocast:
             acc = run_generative_eval(test, tokenizer, model, engine, 1, args.max_new_tokens, 0.0, 50,
-                                      max_problems=args.problems, batch_size=b)
+                                      max_problems=args.problems, ranks=DataRanks(0, 1), batch_size=b)
         rows.append(("chat_eval GSM8K, greedy", key, b, time.perf_counter() - t0, acc))
     same_eval = sorted(completions["engine"]) == sorted(completions["batched"])
 

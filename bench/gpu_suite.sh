@@ -95,7 +95,7 @@ serve)
     # 16 five-turn conversations with and without the prefix cache. The servers share the GPU, so the batching
     # one gets 48 GiB of KV (256 slots of 1536 positions at d20 bf16: 41 GiB, the rest the prefix cache).
     if ((CPU)); then
-        SERVE="--depth=4 --sequence_len=1024 --device_type=cpu --threads=1 --concurrency=1,4,16 --requests_per_client=2
+        SERVE="--depth=4 --sequence_len=1024 --device_type=cpu --threads=1 --train_steps=60 --concurrency=1,4,16 --requests_per_client=2
             --conversations=1 --turns=3"
     else
         TOKENIZER=repo_docs

@@ -48,6 +48,24 @@ def test_dry_run_prints_the_commands_within_nine_minutes(tmp_path):
     assert "dry run: nothing ran" in r.stdout and list(tmp_path.iterdir()) == []  # nothing ran, nothing written
 
 
+def test_serve_part_fits_nine_minutes_and_serve_bench_takes_its_flags(tmp_path):
+    """`bash bench/gpu_suite.sh serve` (issue 30's rows): one serve_bench step at d20 with 1/16/64/256 clients that
+    fits the 9-minute slot with a minute to spare (nvidia-smi, the bench's own start), and --cpu the same at d4 on
+    this CPU; every flag either passes is one serve_bench accepts (a renamed flag fails here, not on a lent GPU)."""
+    from bench.serve_bench import FLAGS
+
+    for extra, depth in (([], "--depth=20"), (["--cpu"], "--depth=4")):
+        r = subprocess.run(["bash", "bench/gpu_suite.sh", "serve", "--dry-run", *extra], cwd=REPO, capture_output=True,
+                           text=True, env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "PY": "python3"}, timeout=30)
+        assert r.returncode == 0, r.stderr
+        (step,) = re.findall(r"^=== (\w+) \(limit (\d+) s\): (.*)$", r.stdout, flags=re.M)
+        name, limit, command = step[0], int(step[1]), step[2].split()
+        assert name == "serve_batching" and command[:3] == ["python3", "-m", "bench.serve_bench"] and depth in command
+        assert limit <= 480 if not extra else limit <= 960  # --cpu doubles the limits
+        args = FLAGS.parse_args(command[3:])
+        assert args.concurrency == ("1,16,64,256" if not extra else "1,4,16")
+        assert "dry run: nothing ran" in r.stdout and list(tmp_path.iterdir()) == []
+
 # What each step must fit on one H100, from what the 2026-11-25 session recorded (docs/benchmarks.md) and, where
 # nothing was recorded, an estimate said as such.
 COLD_COMPILE_D20_BF16 = 58.8  # recorded: base_train's cold compile of the d20 forward+backward

@@ -99,7 +99,7 @@ def test_32_prompts_8_at_a_time_give_the_same_tokens_and_logits_as_alone(tok, d4
     """The issue's bar on CPU fp32 at d4: 36 mixed-length prompts with mixed max_tokens, at most 8 decoding at once,
     arriving at different steps (some wait in the queue). Each one's tokens equal the tokens it gets alone, and so
     do its logits at every decode step, bit for bit: the decode batch is invariant by construction (buckets of >= 4
-    rows, whole-slot math attention), so the neighbours cannot change a single bit. With two threads (where torch's
+    rows, kv_slots.invariant_attention), so the neighbours cannot change a single bit. With two threads (where torch's
     CPU flash kernel would split differently by batch) on 12 prompts: two threads on this shared 2-core machine run
     these small ops ~15x slower."""
     engine = Engine(d4, tok)

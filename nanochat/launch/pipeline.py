@@ -185,7 +185,7 @@ def recipe_args(s):
 
 def model_args(s):
     """The model-memory flags every GPU training stage gets, each only when it is not the scripts' default (none, 1,
-    DDP; tests/test_launch.py checks those defaults)."""
+    DDP; tests/integration/test_launch.py checks those defaults)."""
     L = s.launch
     args = [] if L.activation_checkpointing == "none" else [f"--activation_checkpointing={L.activation_checkpointing}"]
     args += [] if s.ac_every is None else [f"--ac_every={s.ac_every}"]

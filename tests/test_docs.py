@@ -1,0 +1,86 @@
+"""
+README.md and docs/ send the reader to each other: every relative link in them leads to a file of the repository and,
+with a `#section`, to a heading of that file (GitHub's anchors), so moving a section cannot leave a dead link behind.
+(The README's size and first screen: tests/test_layers.py. What the docs promise is tested where the code is.)
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^\s*```")
+
+
+def prose_lines(text):
+    """The lines of a markdown text outside fenced code blocks."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced:
+            out.append(line)
+    return out
+
+
+def anchor(heading):
+    """GitHub's anchor of a heading: lower case, punctuation other than - and _ dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path):
+    return {anchor(line.lstrip("#")) for line in prose_lines(path.read_text(encoding="utf-8")) if line.startswith("#")}
+
+
+def dead_links(page, root=REPO):
+    """'page: target (why)' for every relative link of a markdown page that leads nowhere."""
+    dead = []
+    for line in prose_lines(page.read_text(encoding="utf-8")):
+        for target in LINK.findall(line):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            file, _, section = target.partition("#")
+            dest = (page.parent / file).resolve() if file else page
+            if not dest.exists() or root.resolve() not in dest.parents:
+                dead.append(f"{page.relative_to(root)}: {target} (no such file)")
+            elif section and dest.suffix == ".md" and section not in anchors(dest):
+                dead.append(f"{page.relative_to(root)}: {target} (no heading #{section} in {file or page.name})")
+    return dead
+
+
+def pages(root=REPO):
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def test_the_docs_links_lead_somewhere():
+    assert len(pages()) > 10
+    dead = [d for page in pages() for d in dead_links(page)]
+    assert not dead, "dead links:\n" + "\n".join(dead)
+
+
+def test_the_readme_links_every_docs_page():
+    """Each docs/ page is reachable from the README (the 'Read more' table)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    unlinked = [p.name for p in pages()[1:] if f"(docs/{p.name}" not in readme]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
+
+
+@pytest.mark.parametrize("heading, expected", [
+    ("Tensor parallelism: FSDP2 x TP (`--tp_size=N`)", "tensor-parallelism-fsdp2-x-tp---tp_sizen"),
+    ("Attention (`--attn`, `nanochat/attention.py`)", "attention---attn-nanochatattentionpy"),
+    ("runcpu.sh: the whole pipeline on a CPU", "runcpush-the-whole-pipeline-on-a-cpu"),
+])
+def test_anchor_is_githubs(heading, expected):
+    assert anchor(heading) == expected
+
+
+def test_dead_links_are_caught(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# A\n\n## Two words\n")
+    page = tmp_path / "README.md"
+    page.write_text("[ok](docs/a.md#two-words) [ok](https://x.org/#y) [ok](#top)\n# Top\n"
+                    "[gone](docs/b.md) [moved](docs/a.md#three-words)\n```\n[in code](docs/c.md)\n```\n")
+    assert dead_links(page, tmp_path) == ["README.md: docs/b.md (no such file)",
+                                          "README.md: docs/a.md#three-words (no heading #three-words in docs/a.md)"]

@@ -67,6 +67,25 @@ def test_the_readme_links_every_docs_page():
     assert not unlinked, f"docs pages the README does not link: {unlinked}"
 
 
+def map_names(root=REPO):
+    """The words of the code map in docs/architecture.md (the fenced block under '## The map')."""
+    text = (root / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = text[text.index("## The map"):].split("```")[1]
+    return set(re.findall(r"[A-Za-z_]\w*", block))
+
+
+def test_the_code_map_names_every_module():
+    """docs/architecture.md's map names every module and subpackage of nanochat/ and every script: a new one is
+    placed on it."""
+    names = map_names()
+    modules = [p.stem for p in (REPO / "nanochat").glob("*.py") if p.stem != "__init__"]
+    modules += [p.parent.name for p in (REPO / "nanochat").glob("*/__init__.py")]
+    modules += [p.stem for p in (REPO / "scripts").glob("*.py") if p.stem != "__init__"]
+    assert {"gpt", "checkpoint", "launch", "base_train"} <= set(modules)
+    missing = sorted(m for m in modules if m not in names)
+    assert not missing, f"modules the map in docs/architecture.md does not name: {missing}"
+
+
 @pytest.mark.parametrize("heading, expected", [
     ("Tensor parallelism: FSDP2 x TP (`--tp_size=N`)", "tensor-parallelism-fsdp2-x-tp---tp_sizen"),
     ("Attention (`--attn`, `nanochat/attention.py`)", "attention---attn-nanochatattentionpy"),

@@ -13,11 +13,14 @@ import sys
 import torch
 
 from nanochat.attention import torch_sdpa_order
+from nanochat.configurator import Flag, Flags
+
+FLAGS = Flags(Flag("device", "cuda", "the device whose SDPA order to report", choices=["cuda", "cpu"], positional=True),
+              prog="python -m bench.sdpa_env", description=__doc__)
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    device = torch.device(argv[0] if argv else "cuda")
+    device = torch.device(FLAGS.parse(sys.argv[1:] if argv is None else argv)["device"])
     where = (f"{torch.cuda.get_device_name(device)}, compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
              if device.type == "cuda" else device.type)
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}, "

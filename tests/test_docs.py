@@ -67,23 +67,48 @@ def test_the_readme_links_every_docs_page():
     assert not unlinked, f"docs pages the README does not link: {unlinked}"
 
 
-def map_names(root=REPO):
-    """The words of the code map in docs/architecture.md (the fenced block under '## The map')."""
+def map_block(root=REPO):
+    """The code map in docs/architecture.md: the fenced block under '## The map'."""
     text = (root / "docs" / "architecture.md").read_text(encoding="utf-8")
-    block = text[text.index("## The map"):].split("```")[1]
-    return set(re.findall(r"[A-Za-z_]\w*", block))
+    return text[text.index("## The map"):].split("```")[1]
+
+
+def code_files(root=REPO):
+    """What the map must place: every Python module of nanochat/ (its subpackages' modules too), scripts/, tasks/ and
+    bench/, every subpackage, and every shell script of the repository's own code."""
+    py = [p for d in ("nanochat", "scripts", "tasks", "bench") for p in (root / d).rglob("*.py")]
+    modules = {p.stem for p in py if p.stem != "__init__"} | {p.parent.name for p in py if p.stem == "__init__"}
+    modules -= {"scripts", "tasks", "bench"}  # the top-level folders are the map's rows
+    shells = {p.name for d in ("", "scripts", "bench", "tests", "volc") for p in (root / d).glob("*.sh")}
+    return modules, shells
+
+
+def unmapped(root=REPO):
+    block = map_block(root)
+    words = set(re.findall(r"[A-Za-z_]\w*", block))
+    modules, shells = code_files(root)
+    return sorted(m for m in modules if m not in words) + sorted(s for s in shells if s not in block)
 
 
 def test_the_code_map_names_every_module():
-    """docs/architecture.md's map names every module and subpackage of nanochat/ and every script: a new one is
-    placed on it."""
-    names = map_names()
-    modules = [p.stem for p in (REPO / "nanochat").glob("*.py") if p.stem != "__init__"]
-    modules += [p.parent.name for p in (REPO / "nanochat").glob("*/__init__.py")]
-    modules += [p.stem for p in (REPO / "scripts").glob("*.py") if p.stem != "__init__"]
-    assert {"gpt", "checkpoint", "launch", "base_train"} <= set(modules)
-    missing = sorted(m for m in modules if m not in names)
-    assert not missing, f"modules the map in docs/architecture.md does not name: {missing}"
+    """docs/architecture.md's map names every module, subpackage and shell script: a new one is placed on it."""
+    modules, shells = code_files()
+    assert {"gpt", "checkpoint", "train_state", "launch", "pipeline", "base_train", "arc", "train_bench"} <= modules
+    assert {"runcpu.sh", "lib.sh", "gpu_suite.sh", "run.sh", "volc_submit.sh"} <= shells
+    missing = unmapped()
+    assert not missing, f"not on the map in docs/architecture.md (add them to it): {missing}"
+
+
+def test_unmapped_modules_are_caught(tmp_path):
+    for f in ("nanochat/gpt.py", "nanochat/optim/__init__.py", "nanochat/optim/sharded.py", "scripts/base_train.py",
+              "bench/new_bench.py", "runcpu.sh", "bench/x.sh"):
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "architecture.md").write_text(
+        "# A\n\ngpt new_bench x.sh\n\n## The map\n\n```\nnanochat/ gpt, optim/ (sharded)\nscripts/ base_train\n"
+        "runcpu.sh\n```\n")
+    assert unmapped(tmp_path) == ["new_bench", "x.sh"]
 
 
 @pytest.mark.parametrize("heading, expected", [

@@ -111,6 +111,48 @@ def test_unmapped_modules_are_caught(tmp_path):
     assert unmapped(tmp_path) == ["new_bench", "x.sh"]
 
 
+# The commands the pages show: `python -m scripts.X --flag`, `torchrun ... -m scripts.X`, `bash runcpu.sh --flag`.
+# tests/test_configurator.py checks each flag against the entry point's own --help (it imports them all already).
+SCRIPTS = "|".join(sorted(p.stem for p in (REPO / "scripts").glob("*.py") if p.stem != "__init__"))
+COMMAND = re.compile(r"(?:python3?|torchrun)\b[^`\n]*?\s-m\s+((?:scripts|bench|nanochat)\.\w+)([^`\n#|;&]*)"
+                     r"|\bbash\s+((?:runcpu|speedrun|run1000|pretrain)\.sh)([^`\n#|;&]*)"
+                     rf"|`(?:scripts\.)?({SCRIPTS})(\s[^`]*)`")  # inline: `base_train --fp8=1`
+SHOWN_AS_MISTAKES = {"dpeth"}  # docs/flags.md and multinode.md show what a misspelt flag does
+
+
+def doc_commands(pages_=None):
+    """(page, entry point, subcommand words, flag names) of every command the pages show, flags as --help spells them
+    (dashes inside a name -> underscores; a short flag as its letter)."""
+    out = []
+    for page in pages_ or pages():
+        for line in page.read_text(encoding="utf-8").splitlines():
+            for m in COMMAND.finditer(line):
+                entry, rest = next((m.group(i), m.group(i + 1)) for i in (1, 3, 5) if m.group(i))
+                entry = f"scripts.{entry}" if m.group(5) else entry
+                if entry == "scripts.X":
+                    continue
+                words = rest.split()
+                sub = words[:1] if words and re.fullmatch(r"[a-z]+", words[0]) and entry == "nanochat.dataset" else []
+                flags = {f.lstrip("-").split("=")[0].replace("-", "_")
+                         for f in re.findall(r"(?<![\w./-])(--?[A-Za-z][\w-]*(?:=\S*)?)", rest)}
+                out.append((page.name, entry, sub, sorted(flags - SHOWN_AS_MISTAKES)))
+    return out
+
+
+def test_doc_commands_are_found(tmp_path):
+    page = tmp_path / "a.md"
+    page.write_text("```bash\ntorchrun --nproc_per_node=8 -m scripts.base_train --depth=20 --device-batch-size 32\n"
+                    ".venv/bin/python -m scripts.chat_cli -i sft -p \"Why?\"   # -x in a comment\n```\n"
+                    "Run `bash pretrain.sh --dpeth=4 --run=x` or `python -m nanochat.dataset import a.txt --out d`,\n"
+                    "`chat_rl --use_fsdp=1` not `chat_rl` or `chat_rlx --y`.\n")
+    assert doc_commands([page]) == [("a.md", "scripts.base_train", [], ["depth", "device_batch_size"]),
+                                    ("a.md", "scripts.chat_cli", [], ["i", "p"]),
+                                    ("a.md", "pretrain.sh", [], ["run"]),
+                                    ("a.md", "nanochat.dataset", ["import"], ["out"]),
+                                    ("a.md", "scripts.chat_rl", [], ["use_fsdp"])]
+    assert len(doc_commands()) > 50
+
+
 @pytest.mark.parametrize("heading, expected", [
     ("Tensor parallelism: FSDP2 x TP (`--tp_size=N`)", "tensor-parallelism-fsdp2-x-tp---tp_sizen"),
     ("Attention (`--attn`, `nanochat/attention.py`)", "attention---attn-nanochatattentionpy"),

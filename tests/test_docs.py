@@ -1,7 +1,9 @@
 """
 README.md and docs/ send the reader to each other: every relative link in them leads to a file of the repository and,
 with a `#section`, to a heading of that file (GitHub's anchors), so moving a section cannot leave a dead link behind.
-(The README's size and first screen: tests/test_layers.py. What the docs promise is tested where the code is.)
+The code map of docs/architecture.md names every module and script, and the commands the pages show are found here
+so that tests/test_configurator.py can check each flag against that command's --help. (The README's size and first
+screen: tests/test_layers.py. What the docs promise is tested where the code is.)
 """
 
 import re

@@ -224,7 +224,7 @@ def toy_banner(s, name):
 
 def toy_stage_args(s):
     """runcpu.sh's flags: a d4 model on 256-token rows, a few hundred steps per stage, evaluations cut to a few dozen
-    problems. The point is to run every stage end to end on a CPU (~25 minutes on 2 cores), not a good model."""
+    problems. The point is to run every stage end to end on a CPU (hours on 2 cores), not a good model."""
     return {"base_train": ["--depth=4", "--max_seq_len=256", "--device_batch_size=8", "--total_batch_size=2048",
                            f"--num_iterations={s.base_steps}", "--eval_every=100", "--eval_tokens=16384",
                            "--core_metric_every=-1", "--sample_every=100", "--warmdown_ratio=0.3", *recipe_args(s)],

@@ -4,6 +4,7 @@ The flag parser every entry point uses (nanochat/configurator.py): the accepted 
 """
 
 import importlib
+import re
 import subprocess
 import sys
 
@@ -212,6 +213,37 @@ def test_every_entry_point_explains_its_flags(module, argv, capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: ")
     assert check_help(out) >= 1  # at least one flag found, each with its help
+
+
+def help_flags(entry, sub, capsys):
+    """The flag names an entry point's --help lists (long names, and the letters of short ones)."""
+    if entry.endswith(".sh"):  # the launchers' flags are scripts/launch.py's; run1000.sh is speedrun.sh at d32
+        module, argv = "scripts.launch", ["speedrun.sh" if entry == "run1000.sh" else entry, "--help"]
+    else:
+        module, argv = entry, [*sub, "--help"]
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).main(argv)
+    assert e.value.code == 0, (entry, sub)
+    out = capsys.readouterr().out
+    names = set(re.findall(r"^  (?:-\w, )?--(\w+)", out, re.M)) | set(re.findall(r"^  -(\w), --", out, re.M))
+    return names | ({"h", "help"} if names else set())
+
+
+def test_every_flag_the_docs_show_exists(capsys):
+    """Each `python -m X --flag` / `bash launcher.sh --flag` in README.md and docs/*.md names a flag that entry point
+    takes (pretrain.sh passes the flags it does not know on to base_train, which checks them)."""
+    from tests.test_docs import doc_commands
+    known, wrong = {}, []
+    for page, entry, sub, flags in doc_commands():
+        key = (entry, tuple(sub))
+        if flags and key not in known:
+            known[key] = help_flags(entry, sub, capsys)
+            if entry == "pretrain.sh":
+                known[key] |= help_flags("scripts.base_train", [], capsys)
+        wrong += [f"{page}: {' '.join([entry, *sub])} {'-' if len(f) == 1 else '--'}{f}"
+                  for f in flags if f not in known.get(key, ())]
+    assert len(known) > 20
+    assert not wrong, "flags the docs show that the command does not take:\n" + "\n".join(wrong)
 
 
 @pytest.mark.slow

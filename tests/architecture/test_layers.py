@@ -340,6 +340,40 @@ def test_script_main_lengths_are_measured(tmp_path):
     assert script_main_lengths(tmp_path) == {"a.py": 3}
 
 
+# Issue 32's README for a newcomer: one page from clone to chat, the two commands on its first screen; the rest is in
+# docs/ (tests/architecture/test_docs.py checks that its links lead somewhere)
+README_MAX_LINES = 170
+README_FIRST_SCREEN = 40
+README_FIRST_COMMANDS = ("bash runcpu.sh", "bash tests/run.sh")
+
+
+def readme_problems(text):
+    """What keeps `text` (a README) from being a first page: too long, or a first command not on its first screen."""
+    lines = text.splitlines()
+    problems = [f"README.md has {len(lines)} lines (at most {README_MAX_LINES}): move details into docs/"] \
+        if len(lines) > README_MAX_LINES else []
+    shown = {line.strip().split("  #")[0].strip() for line in lines[:README_FIRST_SCREEN]}
+    problems += [f"`{cmd}` is not a command line in the README's first {README_FIRST_SCREEN} lines"
+                 for cmd in README_FIRST_COMMANDS if cmd not in shown]
+    return problems
+
+
+def test_the_readme_is_a_first_page():
+    problems = readme_problems((REPO / "README.md").read_text(encoding="utf-8"))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("# x\n```bash\nbash runcpu.sh   # all\nbash tests/run.sh\n```\n", None),
+    ("# x\n" + "text\n" * 40 + "bash runcpu.sh\nbash tests/run.sh\n", "`bash runcpu.sh` is not a command line"),
+    ("# x\nrun `bash runcpu.sh` and `bash tests/run.sh`\n", "`bash runcpu.sh` is not a command line"),
+    ("bash runcpu.sh\nbash tests/run.sh\n" + "more\n" * 169, "README.md has 171 lines"),
+])
+def test_readme_problems_are_caught(text, problem):
+    found = readme_problems(text)
+    assert (found == []) if problem is None else any(problem in p for p in found), found
+
+
 # Issue 32's sandbox split: nanochat's API and the orchestration in execution.py; the sandboxed side in sandbox.py, run
 # by path with nothing of the project readable, so it may import the standard library only
 EXECUTION_MAX_LINES = 450

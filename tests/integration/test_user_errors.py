@@ -536,11 +536,11 @@ def test_launcher(script, args, status, needle, env, tmp_path):
     assert not base.exists() and not venv.exists() and not (tmp_path / "home").exists()
 
 
-def test_readme_shows_the_launchers_help():
-    """README shows what `bash runcpu.sh --help` prints (the flags part), so the two cannot drift apart."""
+def test_docs_show_the_launchers_help():
+    """docs/flags.md shows what `bash runcpu.sh --help` prints (the flags part), so the two cannot drift apart."""
     p = run(["bash", str(REPO / "runcpu.sh"), "--help"], REPO / "nonexistent-base")
     flags_part = p.stdout[p.stdout.index("Flags:"):].strip()
-    assert flags_part in (REPO / "README.md").read_text()
+    assert flags_part in (REPO / "docs" / "flags.md").read_text()
 
 
 @pytest.mark.dist

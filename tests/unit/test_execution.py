@@ -449,7 +449,7 @@ def test_execute_code_is_the_programs_own_account_and_check_function_is_not():
     for forgery in (REWRITE_FRAMES, THREAD_EXIT):
         r = execute_code(forgery + "assert False, 'wrong answer'")
         assert not r.success, r
-    # ...but a program that means to lie about its own end can (README, 'Code sandbox'): it writes the runner's end
+    # ...but a program that means to lie about its own end can (docs/sandbox.md, 'Threat model'): it writes the runner's end
     # mark itself and exits. That is why grading goes through check_function, where the same trick changes nothing.
     lie = ("import os\nfor fd in range(3, 300):\n    try:\n        os.write(fd, b'end\\n')\n    except OSError:\n"
            "        pass\nos._exit(0)\n")

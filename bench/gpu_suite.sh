@@ -120,7 +120,7 @@ pipeline)
     ;;
 speed)
     # The limits add up to 540 s, so the part fits a 9-minute slot whatever happens; each is at least the floor that
-    # tests/test_speed_suite.py derives from the recorded H100 times (cold compile of d20: 58.8 s bf16, 115-131 s
+    # tests/integration/test_speed_suite.py derives from the recorded H100 times (cold compile of d20: 58.8 s bf16, 115-131 s
     # FP8). Cold compiles dominate: three d20 training compiles (sdpa, sdpa_flash, flex: the rows record which SDPA
     # kernel each ran, and torch's own order is in env.log), one FP8 compile, two CUDA-graph decode compiles (batch 1
     # and 8). The profile traces two more steps of the first backend in the attention step (no compile of its own).

@@ -40,7 +40,7 @@ FLAGS = Flags(
     Flag("max_problems", None, "evaluate at most this many problems per task; auto = all", type=int, short="x", min=1),
     Flag("data_dir", None, "local task data dir; auto = $NANOCHAT_DATA_DIR", type=str),
     Flag("unsafe_sandbox", False, "run HumanEval's generated code even where the sandbox lacks its process, "
-         "filesystem or network layer (see README, 'Code sandbox')"),
+         "filesystem or network layer (see docs/sandbox.md)"),
     "generation",
     Flag("temperature", 0.0, "sampling temperature of generative tasks (0 = greedy)", short="t", min=0.0),
     Flag("max_new_tokens", 512, "most tokens per generated answer", short="m", min=1),

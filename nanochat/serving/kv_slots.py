@@ -190,7 +190,7 @@ def blockwise_attention(q, k, v, mask, span):
 
 def invariant_attention(q, k, v, mask, span):
     """Decode attention whose result for a row does not depend on the batch: torch's flash kernel with one CPU
-    thread (it then computes each row and head alone, measured bit for bit in tests/test_scheduler.py, and it is the
+    thread (it then computes each row and head alone, measured bit for bit in tests/unit/test_scheduler.py, and it is the
     fastest), else blockwise_attention."""
     if torch.get_num_threads() == 1:
         return F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask[..., :span],

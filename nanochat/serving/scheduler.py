@@ -29,7 +29,7 @@ Same answers alone or in a crowd: a request's tokens do not depend on which requ
 alone (batch 1, chunks fixed by its own prompt and prefix hit), and the decode step is made batch-invariant: the batch
 is padded to a bucket of at least 4 rows (decode_buckets), attention runs under a per-row mask, and on CPU through
 kv_slots.invariant_attention (torch's CPU flash kernel splits the keys differently by batch size when it has
-several threads). tests/test_scheduler.py checks it token for token, for 32+ prompts arriving at different steps. A
+several threads). tests/unit/test_scheduler.py checks it token for token, for 32+ prompts arriving at different steps. A
 prefix-cache hit is the one thing that changes a request's arithmetic: its cached keys/values were computed in
 another chunking (or by decode steps), equal to recomputing them up to float rounding; --prefix_cache=0 turns it off
 where bit-for-bit reproducibility matters more than the time to first token.

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.engine import RowState, sample_next_token
+from nanochat.engine import RowState, check_generation_args, sample_next_token
 from nanochat.serving.kv_slots import ATTN_BLOCK, BLOCK, DecodeView, PrefixCache, SlotPool, decode_buckets, kv_bytes_per_token, plan_kv
 
 logger = logging.getLogger("nanochat.serving")
@@ -82,16 +82,7 @@ class Request:
 
     def __init__(self, prompt, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, top_p=None, seed=42,
                  stop_tokens=None, on_event=None):
-        if not isinstance(prompt, (list, tuple)) or not prompt or not all(isinstance(t, int) for t in prompt):
-            raise ValueError("prompt must be a non-empty list of int token ids")
-        if not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise ValueError(f"max_tokens must be None or an int >= 1, got {max_tokens!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_p is not None and not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        check_generation_args(prompt, num_samples, max_tokens, temperature, top_p, name="prompt", min_max_tokens=1)
         self.id = next(Request._ids)
         self.prompt = list(prompt)
         self.num_samples, self.max_tokens = num_samples, max_tokens

@@ -960,3 +960,39 @@ def test_connections_beyond_the_cap_get_a_503_until_some_close(tok, model):
                 sock.close()
         wait_for(lambda: httpx.get(s.base_url + "/health").status_code == 200)
         assert post_chat(s.base_url, {"model": "nanochat", "messages": msgs("hi")}, "/v1/chat/completions").status_code == 200
+
+
+def test_the_record_model_is_served_batched(tok):
+    """A record model (--recipe=record: windows, smear, value embeddings) behind chat_web's default continuous
+    batching: four concurrent greedy requests, each reply the model's own (full forwards, no cache), with a long
+    system prompt so the short window (128) slides."""
+    from nanochat.gpt import RecordConfig, RecordGPT
+
+    torch.manual_seed(2)
+    config = RecordConfig(sequence_len=512, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=1,
+                          n_embd=64, window_pattern="SL")
+    record = RecordGPT(config, attn="sdpa")
+    record.init_weights()
+    with torch.no_grad():
+        for p in record.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    record.eval()
+    assert record.windows == [128, 512]
+    app = create_app([Worker(Engine(record, tok))], api_key=API_KEY, max_batch=8, max_context=512)
+    system = "Answer briefly. " * 40
+    bodies = [{"model": "nanochat", "max_tokens": 12, "temperature": 0,
+               "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}?"}]}
+              for i in range(4)]
+    with ServerThread(app, **server_options()) as s:
+        async def main():
+            async with httpx.AsyncClient(base_url=s.base_url, timeout=120, headers=AUTH) as client:
+                return await asyncio.gather(*[client.post("/v1/chat/completions", json=b) for b in bodies])
+
+        replies = asyncio.run(main())
+    for body, r in zip(bodies, replies):
+        assert r.status_code == 200, r.text
+        prompt = tok.render_for_completion({"messages": body["messages"]}, strict=False)
+        assert len(prompt) > 128
+        text, finish = expected_reply(record, tok, prompt, 12)
+        assert r.json()["choices"][0]["message"]["content"] == text
+        assert r.json()["choices"][0]["finish_reason"] == finish

@@ -148,10 +148,11 @@ def test_rollout_rewards_gsm8k_answers():
     assert all(s[: len(prompt)] == prompt and m[: len(prompt)] == [0] * len(prompt) for s, m in zip(seqs, masks))
 
 
+@pytest.mark.slow  # 17-29 s on the shared 2-core CPU (the fast lane's batched-vs-Engine check: test_chat_eval)
 def test_batched_rollouts_are_the_engines_and_ignore_the_other_questions():
     """--rollout_batch: every question's passes decode together through the scheduler. At temperature 0 the samples,
     masks and rewards are the Engine's (one question at a time); sampled, a question's rollouts are the same whether
-    it shares the batch with other questions or not (what makes 1 rank x 4 questions == 2 ranks x 2)."""
+    it shares the batch with other questions or not (what makes 1 rank x N questions == 2 ranks x N/2)."""
     require_chat_data()
     from nanochat.engine import Engine
     from scripts.chat_rl import evaluate_pass_at_k, rollouts
@@ -162,12 +163,12 @@ def test_batched_rollouts_are_the_engines_and_ignore_the_other_questions():
     model = tiny_model(tok.get_vocab_size(), depth=2, sequence_len=256, seed=2)
     engine = Engine(model, tok)
     task = GSM8K(subset="main", split="train", data_dir=str(SHARED_DATA))
-    convs = [task[i] for i in range(4)]
-    greedy = dict(max_tokens=12, temperature=0.0, top_k=50)
-    seeds = [10, 20, 30, 40]
+    convs = [task[i] for i in range(3)]
+    greedy = dict(max_tokens=8, temperature=0.0, top_k=50)
+    seeds = [10, 20, 30]
     by_engine = rollouts(engine, tok, task, convs, 3, 2, seeds, 0, **greedy)
     assert rollouts(engine, tok, task, convs, 3, 2, seeds, 8, **greedy) == by_engine
-    sampled = dict(max_tokens=12, temperature=1.0, top_k=50)
+    sampled = dict(max_tokens=8, temperature=1.0, top_k=50)
     together = rollouts(engine, tok, task, convs, 5, 2, seeds, 6, **sampled)
     apart = [rollouts(engine, tok, task, [c], 5, 2, [seed], 6, **sampled)[0] for c, seed in zip(convs, seeds)]
     assert together == apart and len({tuple(s) for s in together[0][0]}) > 1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole nanochat pipeline at toy scale on a CPU (a laptop, or a 2-core box in ~25 minutes):
+# The whole nanochat pipeline at toy scale on a CPU (a laptop or a 2-core box; hours there, docs/install.md):
 # data -> tokenizer -> base (d4) -> mid -> SFT -> RL (a few steps) -> evals -> report card.
 # The point is to exercise every stage end to end, not to get a good model.
 #

@@ -5,7 +5,10 @@
 #   bash bench/gpu_suite.sh fp8      # d20 FP8 tensorwise and rowwise (each: a ~2-minute cold compile, then the steps)
 #   bash bench/gpu_suite.sh fp8ac    # d20 FP8 tensorwise with full activation checkpointing
 #   bash bench/gpu_suite.sh fp8impl  # d20 FP8 tensorwise: torchao's Float8Linear vs nanochat's own (--fp8_impl=native)
-#   bash bench/gpu_suite.sh serve    # short real base_train (data, eval, checkpoint), Engine decode, chat_web + the
+#   bash bench/gpu_suite.sh serve    # issue 30 in <= 9 minutes: chat_web's continuous batching, d20, 1/16/64/256
+#                                    # concurrent streams beside the one-request-per-worker server (1/16), and the
+#                                    # multi-turn prefix-cache TTFT; --cpu: the same at d4 on this CPU
+#   bash bench/gpu_suite.sh pipeline # short real base_train (data, eval, checkpoint), Engine decode, chat_web + the
 #                                    # openai client, then the largest device batch for d26/d32/d40
 #   bash bench/gpu_suite.sh speed    # issue 20 in <= 9 minutes: d20 training per attention backend that loads,
 #                                    # with the SDPA kernel each ran, a profile of two steps (time shares), FP8
@@ -16,15 +19,17 @@
 #                                    # backend (sliding windows), then FP8 tensorwise with torchao's and nanochat's own
 #   bash bench/gpu_suite.sh speed --dry-run   # print the commands only;  --cpu: the same steps at CPU sizes (training d4,
 #                                              # decode d2) under doubled limits
-# Settings: PY (default python3), OUT (logs; default /tmp/gpu_suite), NANOCHAT_BASE_DIR (for `serve`: holds
-# tokenizer/ and base_data/ shards, e.g. made by runcpu.sh's import step and scripts.tok_train --vocab_size=65536).
+# Settings: PY (default python3), OUT (logs; default /tmp/gpu_suite), NANOCHAT_BASE_DIR (for `pipeline`: holds
+# tokenizer/ and base_data/ shards, e.g. made by runcpu.sh's import step and scripts.tok_train --vocab_size=65536;
+# `serve` uses its tokenizer/ when there is one).
 # Each command runs under `timeout --signal=INT` so one hang cannot eat the slot; the benches print (and write) each
 # row as it finishes, so a step stopped by its limit keeps its finished rows; a failure is logged and the next one runs.
-# Needs torch with CUDA, and for `options`/`serve` torchao, fastapi, uvicorn and openai (pip install -e .[dev] has
-# them all; on an offline GPU box, put their wheels on PYTHONPATH). FA3 rows need `kernels` or flash_attn_interface.
+# Needs torch with CUDA, and for `options`/`serve`/`pipeline` torchao, fastapi, uvicorn, httpx and openai (pip install
+# -e .[dev] has them all; on an offline GPU box, put their wheels on PYTHONPATH). FA3 rows need `kernels` or
+# flash_attn_interface.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART="${1:?usage: bash bench/gpu_suite.sh train|options|fp8|fp8impl|fp8ac|serve|speed|record [--dry-run] [--cpu]}"
+PART="${1:?usage: bash bench/gpu_suite.sh train|options|fp8|fp8impl|fp8ac|serve|pipeline|speed|record [--dry-run] [--cpu]}"
 DRY_RUN=0; CPU=0
 for arg in "${@:2}"; do
     case "$arg" in
@@ -85,7 +90,29 @@ fp8ac)
     step d20_fp8_ac_full 330 "$PY" -m bench.train_bench $D20 --device_batch_size=32 --attn=sdpa --fp8=1 --activation_checkpointing=full
     ;;
 serve)
-    : "${NANOCHAT_BASE_DIR:?serve needs NANOCHAT_BASE_DIR with tokenizer/ and base_data/}"
+    # Continuous batching (bench/serve_bench.py): real HTTP clients against scripts.chat_web, random-init weights
+    # (throughput does not depend on their values). One step of <= 8 minutes: three servers start at once (batching,
+    # one request per worker, batching without the prefix cache), the compiled decode step warms up (two compiles:
+    # the batch size becomes symbolic after the second bucket, later buckets are recorded as CUDA graphs), then
+    # 1/16/64/256 closed-loop clients (the baseline at 1 and 16: at 256 it would serialise 512 replies), then 1 and
+    # 16 five-turn conversations with and without the prefix cache. The servers share the GPU, so the batching
+    # one gets 48 GiB of KV (256 slots of 1536 positions at d20 bf16: 41 GiB, the rest the prefix cache).
+    if ((CPU)); then
+        SERVE="--depth=4 --sequence_len=1024 --device_type=cpu --threads=1 --train_steps=60 --concurrency=1,4,16 --requests_per_client=2
+            --conversations=1 --turns=3"
+    else
+        TOKENIZER=repo_docs
+        [[ -f "${NANOCHAT_BASE_DIR:-/nonexistent}/tokenizer/tokenizer.pkl" ]] && TOKENIZER=base_dir
+        SERVE="--depth=20 --sequence_len=2048 --device_type=cuda --tokenizer=$TOKENIZER --concurrency=1,16,64,256
+            --baseline_up_to=16 --requests_per_client=2 --max_batch=256 --prompt_tokens=32-1024
+            --max_tokens=64-256 --conversations=1,16 --turn_tokens=150 --turn_max_tokens=128 --startup_timeout=240
+            --max_context=1536 --kv_cache_gb=48"
+        ((DRY_RUN)) || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/env.log"
+    fi
+    step serve_batching 480 "$PY" -m bench.serve_bench $SERVE --json_out="$OUT/serve.json"
+    ;;
+pipeline)
+    : "${NANOCHAT_BASE_DIR:?pipeline needs NANOCHAT_BASE_DIR with tokenizer/ and base_data/}"
     step base_train_d20 200 "$PY" -m scripts.base_train --device_type=cuda --depth=20 --device_batch_size=32 \
         --total_batch_size=65536 --num_iterations=20 --eval_every=10 --eval_tokens=131072 --core_metric_every=-1 \
         --sample_every=20 --compile=1 --attn=sdpa
@@ -96,7 +123,7 @@ serve)
     ;;
 speed)
     # The limits add up to 540 s, so the part fits a 9-minute slot whatever happens; each is at least the floor that
-    # tests/test_speed_suite.py derives from the recorded H100 times (cold compile of d20: 58.8 s bf16, 115-131 s
+    # tests/integration/test_speed_suite.py derives from the recorded H100 times (cold compile of d20: 58.8 s bf16, 115-131 s
     # FP8). Cold compiles dominate: three d20 training compiles (sdpa, sdpa_flash, flex: the rows record which SDPA
     # kernel each ran, and torch's own order is in env.log), one FP8 compile, two CUDA-graph decode compiles (batch 1
     # and 8). The profile traces two more steps of the first backend in the attention step (no compile of its own).
@@ -144,7 +171,7 @@ record)
             --fp8=1 --fp8_recipe=tensorwise --fp8_impl=$impl --fp8_filter=auto
     done
     ;;
-*) echo "unknown part $PART (train|options|fp8|fp8impl|fp8ac|serve|speed|record)" >&2; exit 2 ;;
+*) echo "unknown part $PART (train|options|fp8|fp8impl|fp8ac|serve|pipeline|speed|record)" >&2; exit 2 ;;
 esac
 if ((DRY_RUN)); then echo "dry run: nothing ran"; exit 0; fi
 if ((${#FAILED[@]})); then echo "FAILED: ${FAILED[*]}"; exit 1; fi

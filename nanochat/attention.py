@@ -274,7 +274,7 @@ def _causal_block_mask(T, device, window=None):
     window are skipped, which is where flex gains on a windowed layer. Eager: built once per (T, window, device)
     (building it costs a kernel launch per block row, and every layer and step asks for the same one). Compiled: built
     inside the graph, where it is a few fused ops; reading the cache while dynamo traces would guard on its keys, and
-    the key added by the first call would recompile the whole model at the second (tests/test_speed_suite.py)."""
+    the key added by the first call would recompile the whole model at the second (tests/integration/test_speed_suite.py)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     mask_mod = _causal if window is None else _sliding(window)

@@ -3,8 +3,10 @@ Chat evaluation: a chat model's accuracy on a task, and ChatCORE, the summary ov
 
 Categorical tasks (ARC, MMLU) read the model's next-token logits right after <|assistant_start|>, restricted to the
 answer letters' tokens, and take the argmax: no sampling, and a small model is not penalised for formatting.
-Generative tasks sample num_samples completions with the Engine (tool use included) and count a problem as solved
-if any sample is right (pass@num_samples). Problems are strided over the ranks and the counts summed.
+Generative tasks sample num_samples completions (tool use included) and count a problem as solved if any sample is
+right (pass@num_samples): one problem at a time with the Engine, or with batch_size > 1 many problems decoding
+together through the continuous-batching scheduler (nanochat/serving/scheduler.py). Problems are strided over the
+ranks and the counts summed.
 
 ChatCORE is the mean over the six tasks of the centered accuracy (acc - baseline) / (1 - baseline), baseline 0.25
 for the 4-way multiple choice tasks and 0 for the generative ones.
@@ -89,14 +91,21 @@ def run_categorical_eval(task, tokenizer, model, batch_size, max_problems=None, 
 
 
 def run_generative_eval(task, tokenizer, model, engine, num_samples, max_new_tokens, temperature, top_k,
-                        max_problems=None, *, ranks):
-    """Fraction of problems where any of num_samples sampled completions is right. Problems are strided over data
-    ranks (`ranks`, DataRanks)."""
+                        max_problems=None, *, ranks, batch_size=1):
+    """
+    Fraction of problems where any of num_samples sampled completions is right. Problems are strided over data
+    ranks (`ranks`, DataRanks).
+    batch_size > 1: this rank's problems go through the continuous-batching scheduler (nanochat/serving/scheduler.py)
+    with up to batch_size sequences decoding together, whatever problem they belong to; each problem keeps the
+    Engine's seed, so at temperature 0 the answers are the ones of one problem at a time (up to float rounding:
+    the batched decode step rounds differently from the Engine's batch-1 step).
+    """
     rank, world = ranks.rank, ranks.world
     device = model.get_device()
     max_len = _max_positions(model)
     n = len(task) if max_problems is None else min(len(task), max_problems)
     passed = total = too_long = 0
+    problems = []  # (conversation, prompt) of the problems that leave room to answer
     for i in range(rank, n, world):
         conv = task[i]
         prompt = tokenizer.render_for_completion(conv)
@@ -104,13 +113,27 @@ def run_generative_eval(task, tokenizer, model, engine, num_samples, max_new_tok
             too_long += 1  # no room left to answer: counts as not solved
             total += 1
             continue
-        sequences, _ = engine.generate_batch(prompt, num_samples=num_samples, max_tokens=max_new_tokens,
-                                             temperature=temperature, top_k=top_k)
+        problems.append((conv, prompt))
+
+    def grade(conv, prompt, sequences):
+        nonlocal passed, total
         completions = [tokenizer.decode(seq[len(prompt):]) for seq in sequences]
         passed += int(any(task.evaluate(conv, c) for c in completions))
         total += 1
         if rank == 0:
             print(f"\r\033[K{passed}/{total} ({100 * passed / total:.1f}%) on rank 0", end="", flush=True)
+
+    sampling = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k)
+    if batch_size > 1 and problems:
+        from nanochat.serving.scheduler import Job, generate_many
+
+        jobs = [Job(prompt, num_samples=num_samples, **sampling) for _, prompt in problems]
+        generate_many(engine, jobs, max_batch=batch_size, prefix_cache=False,
+                      on_finish=lambda i, sequences, _: grade(*problems[i], sequences))
+    else:
+        for conv, prompt in problems:
+            sequences, _ = engine.generate_batch(prompt, num_samples=num_samples, **sampling)
+            grade(conv, prompt, sequences)
     if rank == 0:
         print()
     if too_long:
@@ -134,7 +157,7 @@ def evaluate_task(task, model, tokenizer, engine, batch_size=1, num_samples=1, m
                          f"model with scripts.chat_eval")
     if task.eval_type == "generative":
         return run_generative_eval(task, tokenizer, model, engine, num_samples, max_new_tokens, temperature, top_k,
-                                   max_problems, ranks=ranks)
+                                   max_problems, ranks=ranks, batch_size=batch_size)
     raise ValueError(f"task {type(task).__name__} has unknown eval_type {task.eval_type!r}")
 
 

@@ -332,6 +332,20 @@ def cache_capacity(needed, limit):
     return min(limit, max(256, 1 << (max(1, needed) - 1).bit_length()))
 
 
+def check_generation_args(tokens, num_samples, max_tokens, temperature, top_p, name="tokens", min_max_tokens=0):
+    """What Engine.generate and the serving scheduler's Request check first: a ValueError saying which is wrong."""
+    if not isinstance(tokens, (list, tuple)) or not tokens or not all(isinstance(t, int) for t in tokens):
+        raise ValueError(f"{name} must be a non-empty list of int token ids")
+    if not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < min_max_tokens):
+        raise ValueError(f"max_tokens must be None or an int >= {min_max_tokens}, got {max_tokens!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
 class Engine:
     def __init__(self, model, tokenizer, decode_compile="auto"):
         self.model = model
@@ -416,6 +430,20 @@ class Engine:
             state.forced_tokens.append(self.output_end)
         state.python_expr_tokens = []
 
+    def observe(self, row, token):
+        """A row's bookkeeping once `token` is its next token: completion at a stop token, and the calculator (at
+        <|python_end|> its answer is queued to be forced). Shared with the serving scheduler's rows."""
+        if token == self.assistant_end or token == self.bos:
+            row.completed = True
+        if token == self.python_start:
+            row.in_python_block = True
+            row.python_expr_tokens = []
+        elif token == self.python_end and row.in_python_block:
+            row.in_python_block = False
+            self._run_tool(row)
+        elif row.in_python_block:
+            row.python_expr_tokens.append(token)
+
     @torch.inference_mode()
     def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42, top_p=None):
         """
@@ -425,16 +453,7 @@ class Engine:
         every row has produced <|assistant_end|> or <|bos|> (a finished row keeps yielding filler tokens until then;
         generate_batch drops them). The same seed gives the same samples.
         """
-        if not isinstance(tokens, (list, tuple)) or not tokens or not all(isinstance(t, int) for t in tokens):
-            raise ValueError("tokens must be a non-empty list of int token ids")
-        if not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
-            raise ValueError(f"max_tokens must be None or an int >= 0, got {max_tokens!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_p is not None and not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        check_generation_args(tokens, num_samples, max_tokens, temperature, top_p)
         room = self.max_positions() - len(tokens)
         if room < 1:
             raise ValueError(f"prompt of {len(tokens)} tokens leaves no room to generate (the model addresses {self.max_positions()} positions)")
@@ -487,16 +506,7 @@ class Engine:
             for i, _ in forced:
                 token_masks[i] = 0
             for token, row in zip(token_column, rows):
-                if token == self.assistant_end or token == self.bos:
-                    row.completed = True
-                if token == self.python_start:
-                    row.in_python_block = True
-                    row.python_expr_tokens = []
-                elif token == self.python_end and row.in_python_block:
-                    row.in_python_block = False
-                    self._run_tool(row)
-                elif row.in_python_block:
-                    row.python_expr_tokens.append(token)
+                self.observe(row, token)
             yield token_column, token_masks
             if step == steps - 1 or all(row.completed for row in rows):
                 return

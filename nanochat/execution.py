@@ -13,7 +13,7 @@ their work dirs on every way out of execute_code, Ctrl-C included. Which layers 
 (isolation()) and logged; execute_code refuses to run without at least the process + filesystem + network layers
 unless called with unsafe=True (--unsafe_sandbox in the scripts).
 
-Two verdicts, and what each one can be trusted for (the threat model, also in README 'Code sandbox'):
+Two verdicts, and what each one can be trusted for (the threat model, also in docs/sandbox.md):
 - execute_code(program).success: P ended by the runner's own last step after the program's last line (status 0 and
   the runner's end mark, which L reads and reports: P does not hold the report pipe). An exception, exit(),
   os._exit(), the end of the main thread alone (SYS_exit), a signal, a timeout or the memory cap is a failure. This
@@ -188,7 +188,7 @@ def require_isolation(unsafe=False):
     elif missing:
         raise SandboxUnavailable(
             f"the code sandbox lacks the {', '.join(missing)} layer(s) on this machine ({describe(layers)}); "
-            f"{UNSAFE_HINT}. Linux >= 5.13 with Landlock and seccomp gives all three (see README, 'Code sandbox').")
+            f"{UNSAFE_HINT}. Linux >= 5.13 with Landlock and seccomp gives all three (see docs/sandbox.md).")
     return layers
 
 

@@ -88,7 +88,7 @@ def fp8_config(recipe, fsdp=False, emulate=False):
     """
     torchao's Float8LinearConfig for `recipe`; FP8 all-gather under FSDP2 where torchao supports it (tensorwise).
     emulate=True: the same casts and scales, with the matmul done in high precision instead of torch._scaled_mm, so
-    FP8 numerics run on any device (tests/test_fp8.py trains with it on CPU). No speedup; not a training option.
+    FP8 numerics run on any device (tests/unit/test_fp8.py trains with it on CPU). No speedup; not a training option.
     """
     if recipe not in FP8_RECIPES:
         raise BadValue(f"--fp8_recipe must be one of {'|'.join(FP8_RECIPES)}, got {recipe!r}")

@@ -186,7 +186,11 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.insert_kv(self.layer_idx, k, v)
             mask = getattr(kv_cache, "attn_mask", None)  # the engine's fixed-shape decode step: valid cache positions
-        y = attention(q, k, v, backend, mask)  # backend: the model's resolved nanochat.attention.Attn
+        attend = getattr(kv_cache, "attend", None)  # a cache that attends over its own layout (the serving scheduler's)
+        if attend is not None:
+            y = attend(self.layer_idx, q, k, v)
+        else:
+            y = attention(q, k, v, backend, mask)  # backend: the model's resolved nanochat.attention.Attn
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.c_proj(y)
 
@@ -407,7 +411,9 @@ class GPT(nn.Module):
     def rotary_tables(self, idx, kv_cache):
         """full_rotary_tables for the positions of idx: after what kv_cache holds (0 without one)."""
         T = idx.size(1)
-        positions = getattr(kv_cache, "positions", None)  # the engine's fixed-shape decode step: a device tensor
+        # the engine's fixed-shape decode step: a device tensor, (1,) or one position per row (B, 1) for the serving
+        # scheduler's batch of sequences at different lengths (nanochat/serving/kv_slots.py)
+        positions = getattr(kv_cache, "positions", None)
         pos = kv_cache.get_pos() if kv_cache is not None and positions is None else 0
         if pos + T > self.cos.size(1):
             raise ValueError(
@@ -419,7 +425,7 @@ class GPT(nn.Module):
         if positions is None:
             return full_rotary_tables(self.cos[:, pos : pos + T], self.sin[:, pos : pos + T])
         # read from the tensor, so a compiled/graphed step does not change (and recompile) with every position
-        return full_rotary_tables(self.cos[:, positions], self.sin[:, positions])
+        return full_rotary_tables(self.cos[0, positions], self.sin[0, positions])
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
         cos_sin = self.rotary_tables(idx, kv_cache)
@@ -428,6 +434,8 @@ class GPT(nn.Module):
         x = norm(x.to(compute_dtype(x)))  # the residual stream runs in the compute dtype (see the top)
         for block in self.transformer.h:
             x = block(x, cos_sin, kv_cache, backend)
+        if targets is None and getattr(kv_cache, "last_only", False):  # a serving prefill reads the next token's logits only
+            x = x[:, -1:]
         return self.head(x, self.lm_head.weight, self.config.vocab_size, targets, loss_reduction)
 
     @torch.inference_mode()
@@ -555,12 +563,13 @@ class RecordAttention(CausalSelfAttention):
         q, k = rotate(q, *cos_sin), rotate(k, *cos_sin)
         q, k = norm(q) * QK_SCALE, norm(k) * QK_SCALE
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        mask = None
+        mask = attend = None
         if kv_cache is not None:
             k, v = kv_cache.insert_kv(self.layer_idx, k, v)
-            if getattr(kv_cache, "positions", None) is not None:  # fixed-shape decode: filled slots in the window
-                mask = kv_cache.attn_mask_for(window)
-        y = attention(q, k, v, backend, mask, window)
+            attend = getattr(kv_cache, "attend", None)  # a cache with its own layout (the serving scheduler's)
+            if attend is None and getattr(kv_cache, "positions", None) is not None:  # fixed-shape decode
+                mask = kv_cache.attn_mask_for(window)  # filled slots in the window
+        y = attention(q, k, v, backend, mask, window) if attend is None else attend(self.layer_idx, q, k, v, window)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.c_proj(y)
 
@@ -683,8 +692,13 @@ class RecordGPT(GPT):
 
     def smear(self, x, kv_cache):
         """x[t] += smear_lambda * sigmoid(smear_gate(x[t][:24])) * x[t-1]: the previous token's embedding mixed in.
-        With a KV cache the previous token of the first position is the last one of the cache's previous forward."""
-        prev = None if kv_cache is None else kv_cache.exchange_prev_embedding(x[:, -1:])
+        With a KV cache the previous token of the first position is the last one of the cache's previous forward; a
+        cache that knows each row's previous token id (`prev_ids`, -1 for none: the serving scheduler's) gets its
+        embedding recomputed instead, so it keeps no embeddings of its own (a prefix-cache hit, a moved row)."""
+        if kv_cache is not None and hasattr(kv_cache, "prev_ids"):
+            prev = None if kv_cache.prev_ids is None else self.embed_prev(kv_cache.prev_ids, x.dtype)
+        else:
+            prev = None if kv_cache is None else kv_cache.exchange_prev_embedding(x[:, -1:])
         lam = self.smear_lambda.to(x.dtype)
         if x.size(1) > 1:
             gate = lam * torch.sigmoid(self.smear_gate(x[:, 1:, :SMEAR_CHANNELS]))
@@ -696,6 +710,12 @@ class RecordGPT(GPT):
             return x
         gate = lam * torch.sigmoid(self.smear_gate(x[..., :SMEAR_CHANNELS]))
         return x + gate * prev
+
+    def embed_prev(self, prev_ids, dtype):
+        """(B, 1) previous token ids -> their embeddings as forward computes them, zeros where the id is -1 (no
+        previous token: adding zeros leaves the smeared token as it is, exactly)."""
+        x = norm(self.transformer.wte(prev_ids.clamp(min=0)).to(dtype))
+        return x * (prev_ids >= 0).unsqueeze(-1).to(dtype)
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
         cos_sin = self.rotary_tables(idx, kv_cache)
@@ -712,6 +732,8 @@ class RecordGPT(GPT):
             if i == backout_layer:
                 x_backout = x
         x = x - self.backout_lambda.to(x.dtype) * x_backout  # low-level features of the middle layer taken out
+        if targets is None and getattr(kv_cache, "last_only", False):  # a serving prefill reads the next token's logits only
+            x = x[:, -1:]
         return self.head(x, self.lm_head.weight, self.config.vocab_size, targets, loss_reduction)
 
 

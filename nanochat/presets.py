@@ -41,7 +41,7 @@ class Preset:
 # That is an upper bound (torch.compile fuses the elementwise ops and keeps fewer intermediates). nanochat has
 # *measured* d20 at 32 rows (its speedrun) and d32 at 8 rows (its run1000) on 80 GB H100s with the same shapes; this
 # formula puts d20 x 32 at ~92 "estimated GB". So each DDP depth gets the largest power of two whose estimate is at
-# most that of the measured d20 x 32 (tests/test_launch.py checks the table against this rule):
+# most that of the measured d20 x 32 (tests/integration/test_launch.py checks the table against this rule):
 #   d20: 32 (= nanochat's speedrun; pretrain.sh said 16 before), d22: 16, d26: 16 (was 8), d32: 8 (= nanochat's
 #   run1000; pretrain.sh said 4 before).
 # FSDP depths (d40 up) stay at 1 row until measured: their estimate with the state sharded over 8 GPUs would allow
@@ -84,7 +84,7 @@ FSDP_FROM_DEPTH = 40  # the FSDP default for a depth without a preset too
 AC_MODES = ("none", "full", "selective")  # nanochat.gpt.AC_MODES (not imported: this module runs before torch is installed)
 FINEWEB_SHARDS = 1823  # FineWeb-Edu-100B, nanochat's pretraining set; larger requests are capped (NANOCHAT_MAX_SHARDS)
 VOCAB_SIZE = 65536  # the speedrun tokenizer's
-# scripts.base_train's and scripts.chat_sft's defaults (tests/test_launch.py checks they still agree)
+# scripts.base_train's and scripts.chat_sft's defaults (tests/integration/test_launch.py checks they still agree)
 TOTAL_BATCH_SIZE = 524288
 MAX_SEQ_LEN = 2048
 SFT_DEVICE_BATCH_SIZE = 4

@@ -75,7 +75,7 @@ LL_FS_RIGHTS_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: 
 
 # seccomp: the syscalls the program may not make. Numbers are per architecture (x86_64: asm/unistd_64.h, aarch64:
 # asm-generic/unistd.h, which has no fork/vfork/mknod); another architecture runs without the seccomp layer,
-# and isolation() says so. tests/test_execution.py checks these tables against the kernel headers when installed.
+# and isolation() says so. tests/unit/test_execution.py checks these tables against the kernel headers when installed.
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 SYSCALLS = {"x86_64": {
     "clone": 56, "clone3": 435, "socket": 41,

@@ -40,13 +40,14 @@ FLAGS = Flags(
     Flag("max_problems", None, "evaluate at most this many problems per task; auto = all", type=int, short="x", min=1),
     Flag("data_dir", None, "local task data dir; auto = $NANOCHAT_DATA_DIR", type=str),
     Flag("unsafe_sandbox", False, "run HumanEval's generated code even where the sandbox lacks its process, "
-         "filesystem or network layer (see README, 'Code sandbox')"),
+         "filesystem or network layer (see docs/sandbox.md)"),
     "generation",
     Flag("temperature", 0.0, "sampling temperature of generative tasks (0 = greedy)", short="t", min=0.0),
     Flag("max_new_tokens", 512, "most tokens per generated answer", short="m", min=1),
     Flag("num_samples", 1, "samples per generative problem (pass@n)", short="n", min=1),
     Flag("top_k", 50, "sample among the k most likely tokens (0 = all)", short="k", min=0),
-    Flag("batch_size", 8, "batch size of categorical evaluation", short="b", min=1),
+    Flag("batch_size", 8, "problems per forward in categorical tasks; sequences decoded together in generative ones "
+         "(continuous batching; 1 = one problem at a time through the Engine)", short="b", min=1),
     description=__doc__,
 )
 

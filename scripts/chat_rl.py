@@ -48,6 +48,9 @@ FLAGS = Flags(
     Flag("max_new_tokens", 256, "most tokens per completion", min=1),
     Flag("temperature", 1.0, "sampling temperature", min=0.0),
     Flag("top_k", 50, "sample among the k most likely tokens (0 = all)", min=0),
+    Flag("rollout_batch", 64, "sequences sampled together across questions by the continuous-batching scheduler "
+         "(nanochat/serving/scheduler.py); 0 = one question at a time through the Engine, device_batch_size "
+         "samples per call", min=0),
     attn_flag(),
     decode_compile_flag(),
     "horizon and batch",
@@ -98,6 +101,34 @@ def rollout(engine, tokenizer, task, conversation, num_samples, device_batch_siz
     return sequences, masks, rewards
 
 
+def rollouts(engine, tokenizer, task, conversations, num_samples, device_batch_size, seeds, rollout_batch, **sampling):
+    """
+    rollout() for each conversation (seeds[i] for the i-th): with rollout_batch > 0 every question's samples decode
+    together through the continuous-batching scheduler, at most rollout_batch sequences at a time. The same passes
+    of device_batch_size samples with the same seeds as rollout(), so at temperature 0 the same sequences (up to float
+    rounding of the batched decode step); a question's passes share its prompt through the prefix cache.
+    """
+    if rollout_batch == 0:
+        return [rollout(engine, tokenizer, task, c, num_samples, device_batch_size, seed, **sampling)
+                for c, seed in zip(conversations, seeds)]
+    from nanochat.serving.scheduler import Job, generate_many
+
+    prompts = [tokenizer.render_for_completion(c) for c in conversations]
+    jobs, owner = [], []
+    for q, (prompt, seed) in enumerate(zip(prompts, seeds)):
+        for p in range(math.ceil(num_samples / device_batch_size)):
+            n = min(device_batch_size, num_samples - p * device_batch_size)
+            jobs.append(Job(prompt, num_samples=n, seed=seed + p, max_tokens=sampling["max_tokens"],
+                            temperature=sampling["temperature"], top_k=sampling["top_k"]))
+            owner.append(q)
+    out = [([], []) for _ in conversations]
+    for q, (seqs, masks) in zip(owner, generate_many(engine, jobs, max_batch=rollout_batch)):
+        out[q][0].extend(seqs)
+        out[q][1].extend(masks)
+    return [(seqs, masks, [float(task.reward(c, tokenizer.decode(s[len(p):]))) for s in seqs])
+            for c, p, (seqs, masks) in zip(conversations, prompts, out)]
+
+
 def advantages_from_rewards(rewards):
     """REINFORCE baseline: each sample's reward minus the mean reward of its question's samples."""
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
@@ -126,18 +157,28 @@ def micro_batches(sequences, masks, advantages, device_batch_size, pad_id, devic
 
 
 @torch.no_grad()
-def evaluate_pass_at_k(task, engine, tokenizer, num_examples, num_samples, device, seed=0, **sampling):
+def evaluate_pass_at_k(task, engine, tokenizer, num_examples, num_samples, device, seed=0, rollout_batch=0, **sampling):
     """
     pass@k for k = 1..num_samples on the first num_examples of `task`: the fraction of questions where one of the
-    first k samples is correct. Ranks split the questions; the counts are summed over ranks.
+    first k samples is correct. Ranks split the questions; the counts are summed over ranks. rollout_batch > 0: the
+    questions decode together through the continuous-batching scheduler (same seeds), as rollouts() does.
     """
     _, rank, _, world_size = get_dist_info()
     hits = torch.zeros(num_samples, dtype=torch.float64, device=device)
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for idx in range(rank, min(num_examples, len(task)), world_size):
-        conversation = task[idx]
-        prompt = tokenizer.render_for_completion(conversation)
-        seqs, _ = engine.generate_batch(prompt, num_samples=num_samples, seed=seed + idx, **sampling)
+    indices = list(range(rank, min(num_examples, len(task)), world_size))
+    conversations = [task[idx] for idx in indices]
+    prompts = [tokenizer.render_for_completion(c) for c in conversations]
+    if rollout_batch:
+        from nanochat.serving.scheduler import Job, generate_many
+
+        jobs = [Job(p, num_samples=num_samples, seed=seed + idx, max_tokens=sampling["max_tokens"],
+                    temperature=sampling["temperature"], top_k=sampling["top_k"]) for p, idx in zip(prompts, indices)]
+        outputs = [seqs for seqs, _ in generate_many(engine, jobs, max_batch=rollout_batch)]
+    else:
+        outputs = [engine.generate_batch(p, num_samples=num_samples, seed=seed + idx, **sampling)[0]
+                   for p, idx in zip(prompts, indices)]
+    for conversation, prompt, seqs in zip(conversations, prompts, outputs):
         correct = [bool(task.evaluate(conversation, tokenizer.decode(s[len(prompt):]))) for s in seqs]
         hits += torch.tensor(list(itertools.accumulate(correct, lambda a, b: a or b)), dtype=torch.float64, device=device)
         total += 1
@@ -156,16 +197,15 @@ def collect_rollouts(model, engine, tokenizer, task, questions, step, config, pa
     and micro-batches. Returns (micro-batches, sum of rewards, sum of sequence lengths)."""
     model.eval()
     batches, reward_sum, length_sum = [], 0.0, 0
-    with parallel.full_weights(model):  # FSDP: gathered once; each rank's rollouts stop at their own lengths
-        for idx in questions:
-            with autocast():
-                seqs, masks, rewards = rollout(engine, tokenizer, task, task[idx], config["num_samples"],
-                                               config["device_batch_size"], sample_seed(config["seed"], step, idx, 0),
-                                               **sampling)
-            advantages = advantages_from_rewards(rewards)
-            batches.extend(micro_batches(seqs, masks, advantages, config["device_batch_size"], pad_id, device))
-            reward_sum += sum(rewards)
-            length_sum += sum(len(s) for s in seqs)
+    with parallel.full_weights(model), autocast():  # FSDP: gathered once; each rank's rollouts stop at their own lengths
+        sampled = rollouts(engine, tokenizer, task, [task[idx] for idx in questions], config["num_samples"],
+                           config["device_batch_size"], [sample_seed(config["seed"], step, idx, 0) for idx in questions],
+                           config["rollout_batch"], **sampling)
+    for seqs, masks, rewards in sampled:
+        advantages = advantages_from_rewards(rewards)
+        batches.extend(micro_batches(seqs, masks, advantages, config["device_batch_size"], pad_id, device))
+        reward_sum += sum(rewards)
+        length_sum += sum(len(s) for s in seqs)
     model.train()
     return batches, reward_sum, length_sum
 
@@ -246,7 +286,7 @@ def main(argv=None):
         if stage.due(step, "eval_every", last_step):
             with stage.evaluating(model), parallel.full_weights(model):  # each rank samples its own questions
                 passk = evaluate_pass_at_k(val_task, engine, tokenizer, config["eval_examples"], config["device_batch_size"],
-                                           device, seed=config["seed"], **sampling)
+                                           device, seed=config["seed"], rollout_batch=config["rollout_batch"], **sampling)
             metrics.log(step, {f"eval/pass@{k + 1}": p for k, p in enumerate(passk)},
                         console=f"step {step:05d} | " + " | ".join(f"pass@{k + 1}: {p:.4f}" for k, p in enumerate(passk)))
 

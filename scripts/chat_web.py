@@ -13,11 +13,19 @@ Endpoints
     POST /v1/chat/completions   OpenAI Chat Completions (stream or not, n, system messages, top_p, seed)
     GET  /v1/models             the served model
     GET  /health                {"status", "ready", "num_gpus", "available_workers", ...}
-    GET  /stats                 per-worker busy/idle and counters
+    GET  /stats                 per-worker busy/idle and counters, the batch, the prefix cache's hit rate
 
-Requests wait in a queue for a free worker; at most --max_queue wait, the next gets 429 with Retry-After. Generation runs in a thread (the event loop only moves text); the text
-of each row is sent only at UTF-8 character boundaries. When a client goes away its generation stops and the worker
-is free again after at most one more forward pass.
+Continuous batching (the default): each replica runs one scheduler (nanochat/serving/scheduler.py) that decodes up
+to --max_batch sequences together, whatever request they belong to; a new request joins at the next step, a finished
+one leaves at once. Each sequence holds a KV slot of --max_context positions (default the model's sequence_len: the
+longest prompt + reply; a reply that reaches it ends with finish_reason "length"); --kv_cache_gb (default a share of
+the device's free memory) bounds the slots and the prefix cache, which keeps finished conversations' keys/values so
+the next turn of a chat (or a shared system prompt) is not computed again (its hit rate is in /stats). Requests
+beyond the batch wait in the scheduler's queue; beyond --max_queue of those the next gets 429 with Retry-After.
+--batching=0 serves one request per replica at a time instead (the server before continuous batching: a prompt may
+then use every position of the model's rotary table). Generation runs off the event loop (which only moves text); the
+text of each row is sent only at UTF-8 character boundaries. When a client goes away its sequences leave the batch at
+the next step (or its worker is free again after at most one more forward pass).
 
 This script is the entry point (flags, API key, loading the replicas, uvicorn); the server itself is the library's
 nanochat/serving/: app.py (the routes), workers.py (the pool), generation.py (thread -> event loop), schema.py
@@ -37,7 +45,7 @@ from nanochat.common import setup_default_logging
 from nanochat.engine import Engine, decode_compile_flag
 from nanochat.serving.app import create_app, server_options
 from nanochat.serving.schema import MAX_MAX_TOKENS, MAX_TEMPERATURE, MAX_TOP_K, MIN_MAX_TOKENS, MIN_TEMPERATURE, MIN_TOP_K
-from nanochat.serving.workers import Worker
+from nanochat.serving.workers import Worker, check_kv_plans
 from nanochat.usage import run_main
 
 setup_default_logging()
@@ -77,6 +85,13 @@ def build_arg_parser():
         Flag("api_key_file", None, "read the API key from this file (its first line), so it shows in neither ps nor "
              "the environment", type=str),
         Flag("model_name", "nanochat", "the model id served on /v1 (clients send it as `model`)"),
+        "continuous batching",
+        Flag("batching", True, "one scheduler per replica decodes many requests together; 0 = one request per replica"),
+        Flag("max_batch", 64, "most sequences a replica decodes together (a request with n samples counts n)"),
+        Flag("max_context", None, "KV slot size: the longest prompt + reply; auto = the model's sequence_len", type=int),
+        Flag("kv_cache_gb", None, "memory for the KV slots and the prefix cache, per replica; auto = 85% of the GPU's "
+             "free memory after loading (25% of available RAM on CPU)", type=float),
+        Flag("prefix_cache", True, "keep finished sequences' keys/values for later requests that start the same way"),
         description=__doc__,
     )
 
@@ -92,6 +107,12 @@ def check_args(args):
         errors.append(f"--max_tokens must be in [{MIN_MAX_TOKENS}, {MAX_MAX_TOKENS}]")
     if args.max_queue < 0:
         errors.append("--max_queue must be >= 0 (0: refuse every request that finds all workers busy)")
+    if args.max_batch < 1:
+        errors.append("--max_batch must be >= 1")
+    if args.max_context is not None and args.max_context < 2:
+        errors.append("--max_context must be >= 2 (auto: the model's sequence_len)")
+    if args.kv_cache_gb is not None and args.kv_cache_gb <= 0:
+        errors.append("--kv_cache_gb must be > 0 (auto: a share of the free memory)")
     if args.num_gpus < 1:
         errors.append("--num_gpus must be >= 1")
     if not 0 < args.port < 65536:
@@ -189,6 +210,8 @@ def main(argv=None):
     origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
 
     workers = load_workers(args, device_type)  # before serving: a missing checkpoint stops here with its message
+    if args.batching:  # and a KV cache that cannot fit, with the setting to change
+        check_kv_plans(workers, args.max_batch, args.max_context, args.kv_cache_gb, args.prefix_cache)
     app = create_app(
         workers,
         model_name=args.model_name,
@@ -198,6 +221,11 @@ def main(argv=None):
         temperature=args.temperature,
         top_k=args.top_k,
         max_tokens=args.max_tokens,
+        batching=args.batching,
+        max_batch=args.max_batch,
+        max_context=args.max_context,
+        kv_cache_gb=args.kv_cache_gb,
+        prefix_cache=args.prefix_cache,
     )
     import uvicorn
 

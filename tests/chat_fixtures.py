@@ -75,7 +75,8 @@ class ScriptedModel(torch.nn.Module):
 
     def __init__(self, vocab_size, script, filler, delay=0.0, max_positions=640):
         super().__init__()
-        self.config = GPTConfig(sequence_len=64, vocab_size=vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=2)
+        # sequence_len = every position it addresses, so the serving scheduler's slots (max_context) default to it
+        self.config = GPTConfig(sequence_len=max_positions, vocab_size=vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=2)
         self.rotary_seq_len = max_positions
         self.script, self.filler, self.delay = script, filler, delay
         self.prompt_len = None
@@ -86,17 +87,20 @@ class ScriptedModel(torch.nn.Module):
 
     def forward(self, idx, kv_cache=None):
         B, T = idx.shape
-        if kv_cache.get_pos() == 0:  # a prefill: positions after it are generated tokens
-            self.prompt_len = T
+        positions = getattr(kv_cache, "positions", None)  # the serving scheduler's decode step: one per row
+        starts = positions[:, 0].tolist() if positions is not None else [kv_cache.get_pos()] * B
+        if positions is None and (starts[0] == 0 or getattr(kv_cache, "last_only", False)):
+            self.prompt_len = starts[0] + T  # a prefill (after a cached prefix, for the scheduler): generation follows
         self.fed.append(idx.tolist())
         if self.delay:
             time.sleep(self.delay)
         kv_cache.insert_kv(0, torch.zeros(B, 1, T, 2), torch.zeros(B, 1, T, 2))
         logits = torch.full((B, T, self.config.vocab_size), -1e9)
-        step = kv_cache.get_pos() - self.prompt_len
-        choice = self.script[step] if step < len(self.script) else self.filler
-        for c in choice if isinstance(choice, tuple) else (choice,):
-            logits[:, -1, c] = 0.0
+        for b, start in enumerate(starts):
+            step = start + T - self.prompt_len
+            choice = self.script[step] if 0 <= step < len(self.script) else self.filler
+            for c in choice if isinstance(choice, tuple) else (choice,):
+                logits[b, -1, c] = 0.0
         return logits
 
 

@@ -18,7 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # --compile=auto compiles on CPU too; in the suite's tiny runs compile time would dominate, so tests run eager
-# (tests/test_compile.py compiles on purpose). Inherited by the scripts and torchrun ranks tests launch.
+# (tests/integration/test_compile.py compiles on purpose). Inherited by the scripts and torchrun ranks tests launch.
 os.environ.setdefault("NANOCHAT_COMPILE", "0")
 TEST_DATA = REPO / "tests" / "assets" / "data"
 SHARED_DATA = REPO.parent / "shared" / "data"

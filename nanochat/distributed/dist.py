@@ -209,7 +209,7 @@ def release_process_groups():
     or TP the gloo group therefore outlived the run, its threads still running when the interpreter shut down. A gloo
     group left to process exit is the known cause of "terminate called without an active exception" (torch's own
     tests hit it and cured it with an explicit teardown), the SIGABRT CI saw now and then on 2-rank runs that had
-    already finished their work. tests/test_dist_train.py checks that no gloo thread is left after this.
+    already finished their work. tests/distributed/test_dist_train.py checks that no gloo thread is left after this.
     """
     import gc
 

@@ -7,5 +7,5 @@ The launchers' machinery (pretrain.sh, speedrun.sh and run1000.sh, runcpu.sh; sc
     bootstrap.py  a fresh machine: the venv, Rust, `pip install -e .` (tests/run.sh runs it too)
 
 Standard library only, like the nanochat modules it asks (presets, configurator, usage): the launchers run it with the
-system's python3 before anything is installed (tests/test_layers.py holds that).
+system's python3 before anything is installed (tests/architecture/test_layers.py holds that).
 """

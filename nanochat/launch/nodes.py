@@ -1,7 +1,7 @@
 """
 Where this node runs in a launch, read from the environment: Volcengine, Slurm, plain torchrun launchers started by
 hand, or one machine; and the arguments torchrun gets for one stage on this node. The launch pipeline
-(nanochat/launch/pipeline.py) asks it; tests/test_launch.py feeds it each platform's variables.
+(nanochat/launch/pipeline.py) asks it; tests/integration/test_launch.py feeds it each platform's variables.
 """
 
 import re

@@ -190,7 +190,7 @@ def recipe_args(s):
 
 def model_args(s):
     """The model-memory flags every GPU training stage gets, each only when it is not the scripts' default (none, 1,
-    DDP; tests/test_launch.py checks those defaults)."""
+    DDP; tests/integration/test_launch.py checks those defaults)."""
     L = s.launch
     args = [] if L.activation_checkpointing == "none" else [f"--activation_checkpointing={L.activation_checkpointing}"]
     args += [] if s.ac_every is None else [f"--ac_every={s.ac_every}"]
@@ -229,7 +229,7 @@ def toy_banner(s, name):
 
 def toy_stage_args(s):
     """runcpu.sh's flags: a d4 model on 256-token rows, a few hundred steps per stage, evaluations cut to a few dozen
-    problems. The point is to run every stage end to end on a CPU (~25 minutes on 2 cores), not a good model."""
+    problems. The point is to run every stage end to end on a CPU (hours on 2 cores), not a good model."""
     return {"base_train": ["--depth=4", "--max_seq_len=256", "--device_batch_size=8", "--total_batch_size=2048",
                            f"--num_iterations={s.base_steps}", "--eval_every=100", "--eval_tokens=16384",
                            "--core_metric_every=-1", "--sample_every=100", "--warmdown_ratio=0.3", *recipe_args(s)],

@@ -20,7 +20,7 @@ values at every step, so a schedule writes them into the groups):
                 weight_decay, cautious_wd)              nanochat/muon.py's docstring; muon.RECORD_MUON holds the record
                                                         recipe's options. Groups are split by shape inside.
 Every group also carries "initial_lr" (the schedule's base). The N-ranks-equal-one-process tests run the December
-and the record options on every path (tests/test_dist_optim.py, test_fsdp.py, test_tp.py, test_record_optim.py).
+and the record options on every path (tests/distributed/test_dist_optim.py, test_fsdp.py, test_tp.py, test_record_optim.py).
 
 Why this layout: nanochat's own optimizer modules keep their paths and class names (nanochat.muon holds Muon's math,
 `zeropower_via_newtonschulz5` and `muon_update`, and Muon/DistMuon; nanochat.adamw holds DistAdamW), so code and

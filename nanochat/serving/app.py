@@ -1,6 +1,7 @@
 """
 The chat server's FastAPI app: the chat page, its streaming endpoint, the OpenAI-compatible API and the monitoring
-endpoints, over a WorkerPool (nanochat/serving/workers.py) and the generation bridge (nanochat/serving/generation.py).
+endpoints, over a pool of replicas (nanochat/serving/workers.py: continuous batching by default, one request per
+worker with batching=False) and the generation bridge (nanochat/serving/generation.py).
 Request bodies are checked by nanochat/serving/schema.py; prompts are rendered by the tokenizer, the same
 render_for_completion that chat_eval and chat_rl use. scripts/chat_web.py loads the workers and runs it under uvicorn.
 """
@@ -20,7 +21,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
 from nanochat.serving.generation import generation_events
 from nanochat.serving.schema import RequestError, read_json_body, shown, validate_openai_request, validate_ui_request
-from nanochat.serving.workers import WorkerPool
+from nanochat.serving.workers import BatchingPool, WorkerPool
 
 logger = logging.getLogger("nanochat.serving")
 
@@ -72,12 +73,20 @@ def create_app(
     top_k=50,
     max_tokens=512,
     body_timeout_s=BODY_READ_TIMEOUT_S,
+    batching=True,
+    max_batch=64,
+    max_context=None,
+    kv_cache_gb=None,
+    prefix_cache=True,
 ):
     """
     The FastAPI app. `workers_or_factory` is a list of Workers, or a callable returning one (called at startup, in a
     thread, e.g. to load checkpoints). api_key: when set, every generation endpoint (/chat/completions, /v1/*) needs
     `Authorization: Bearer <key>`; the page itself, /health and /stats stay open (the page asks for the key), and
     /openapi.json needs the key too. body_timeout_s: how long a request body may take to arrive (then a 408).
+    batching: one continuous-batching Scheduler per worker (max_batch sequences together, slots of max_context
+    positions, kv_cache_gb of KV memory or a share of the free memory, the prefix cache); False: one request per
+    worker at a time (the server before continuous batching, kept as the benchmark's baseline).
     """
     defaults = {"temperature": temperature, "top_k": top_k, "max_tokens": max_tokens}
     state = {"pool": None, "started": int(time.time())}
@@ -88,10 +97,20 @@ def create_app(
         workers = workers_or_factory
         if callable(workers):
             workers = await asyncio.to_thread(workers)
-        state["pool"] = WorkerPool(workers, max_queue=max_queue)
+        if batching:
+            budget = None if kv_cache_gb is None else int(kv_cache_gb * 2**30)
+            pool = await asyncio.to_thread(BatchingPool, workers, max_queue=max_queue, max_batch=max_batch,
+                                           max_context=max_context, kv_budget_bytes=budget, prefix_cache=prefix_cache)
+            for w in workers:
+                logger.info(f"worker {w.gpu_id}: continuous batching, {w.scheduler.describe()}")
+        else:
+            pool = WorkerPool(workers, max_queue=max_queue)
+        state["pool"] = pool
         logger.info(f"serving {model_name!r} with {len(workers)} worker(s): {', '.join(str(w.device) for w in workers)}")
         yield
         state["pool"] = None
+        if batching:
+            pool.close()
 
     # no /docs or /redoc: their pages load Swagger UI from a CDN, and the server must work offline; /openapi.json is
     # served below, behind the key like the endpoints it describes
@@ -151,9 +170,9 @@ def create_app(
             prompt = engine.tokenizer.render_for_completion({"messages": messages}, strict=False)
         except (ValueError, TypeError) as e:  # the schema lets through only what renders; this is a last guard
             raise RequestError(f"messages: {e}", "messages") from None
-        limit = engine.max_positions()
+        limit = pool.max_context() if isinstance(pool, BatchingPool) else engine.max_positions()
         if len(prompt) >= limit:
-            raise RequestError(f"the conversation is {len(prompt)} tokens; this model handles at most {limit - 1} of prompt. Start a new conversation or shorten it")
+            raise RequestError(f"the conversation is {len(prompt)} tokens; this server handles at most {limit - 1} of prompt. Start a new conversation or shorten it")
         return prompt
 
     # --- UI
@@ -289,14 +308,21 @@ def create_app(
     async def stats():
         pool = state["pool"]
         workers = pool.workers if pool else []
-        busy = sum(1 for w in workers if w.busy)
-        return {
+        per_worker = [w.stats() for w in workers]
+        out = {
             "total_workers": len(workers),
             "available_workers": pool.available() if pool else 0,
-            "busy_workers": busy,
+            "busy_workers": sum(1 for w in per_worker if w["busy"]),
             "queued_requests": pool.queued() if pool else 0,
-            "workers": [w.stats() for w in workers],
+            "batching": isinstance(pool, BatchingPool),
+            "workers": per_worker,
         }
+        caches = [w["batching"]["prefix_cache"] for w in per_worker if (w.get("batching") or {}).get("prefix_cache")]
+        if caches:  # over all replicas: the share of prompt tokens served from the prefix cache
+            looked, hit = sum(c["prompt_tokens"] for c in caches), sum(c["hit_tokens"] for c in caches)
+            out["prefix_cache"] = {"hit_rate": hit / looked if looked else 0.0, "hit_tokens": hit, "prompt_tokens": looked,
+                                   "hit_requests": sum(c["hits"] for c in caches), "lookups": sum(c["lookups"] for c in caches)}
+        return out
 
     return app
 

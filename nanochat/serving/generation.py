@@ -1,7 +1,8 @@
 """
-The bridge between a generation thread and the event loop: one request's Engine.generate runs in its own thread on a
-worker from the pool, and its tokens come back to the event loop as text that is complete at UTF-8 character
-boundaries (RowText), one row per sampled completion. The event loop only moves text.
+The bridge between generation and the event loop. Tokens are made on another thread (a replica's Scheduler thread
+when batching, the default; a generation thread running Engine.generate on a worker of the one-request-per-worker
+pool) and come back to the event loop as text that is complete at UTF-8 character boundaries (RowText), one row per
+sampled completion. The event loop only moves text.
 """
 
 import asyncio
@@ -11,11 +12,12 @@ import threading
 import time
 
 from nanochat.engine import TextStreamer
-from nanochat.serving.workers import DISCONNECT_POLL_S
+from nanochat.serving.scheduler import Request
+from nanochat.serving.workers import DISCONNECT_POLL_S, BatchingPool
 
 logger = logging.getLogger("nanochat.serving")
 
-WAKE_EVERY_S = 0.02  # the generation thread wakes the event loop at most this often (see generation_events)
+WAKE_EVERY_S = 0.02  # the generating thread wakes the event loop at most this often (see Bridge)
 
 class RowText:
     """One sampled row of a request: its text (streamed at UTF-8 character boundaries) and why it ended."""
@@ -53,109 +55,115 @@ class RowText:
         return self.flush()
 
 
-async def generation_events(pool, request, prompt, params):
+class Bridge:
     """
-    Runs one generation and yields ("worker", w), then ("delta", row, text) as text becomes ready, ("finish", row,
-    reason) per row, and finally ("done", rows) or ("error", message). Stops early (and frees the worker) when the
-    client disconnects; the caller's `finally` runs when the response is torn down.
+    Items from the generating thread to the event loop for one request: the thread calls emit(), the loop reads
+    `events`. The thread wakes the loop at most every WAKE_EVERY_S (and for "done"/"error" at once): a wake-up per
+    token made the two threads take turns at the GIL on every decode step (a d1 model on CPU decoded at a third of the
+    bare Engine's speed in the server, a d4 on an H100 at 22.7 tok/s). Consecutive token items arrive as one
+    ("tokens", [...]). With a Mailbox the wake-ups are shared by every request of the same scheduler.
     """
-    worker = await pool.acquire(request)
-    if worker is None:
-        return
-    try:
-        gone = await request.is_disconnected()  # the client left just as its turn came: skip the work
-    except BaseException:
-        pool.release(worker)
-        raise
-    if gone:
-        pool.release(worker)
-        return
-    engine = worker.engine
-    n = params["n"]
-    loop = asyncio.get_running_loop()
-    events = asyncio.Queue()
-    stop = threading.Event()
-    seed = params["seed"] if params["seed"] is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
-    gen_kwargs = dict(
-        num_samples=n,
-        max_tokens=params["max_tokens"],
-        temperature=params["temperature"],
-        top_k=params["top_k"] or None,
-        top_p=params["top_p"],
-        seed=seed,
-    )
 
-    # The generation thread hands items to the event loop through `pending` and wakes the loop at most every
-    # WAKE_EVERY_S (and for "done"/"error" at once). A wake-up per token made the two threads take turns at the GIL
-    # on every decode step: a d1 model on CPU decoded at a third of the bare Engine's speed in the server, a d4 on an
-    # H100 at 22.7 tok/s. Tokens reach the client in chunks of at most WAKE_EVERY_S of generation.
-    pending, pending_lock, state = [], threading.Lock(), {"scheduled": False, "last_wake": 0.0}
+    def __init__(self, loop, mailbox=None):
+        self.loop, self.mailbox = loop, mailbox
+        self.events = asyncio.Queue()
+        self.pending, self.lock = [], threading.Lock()
+        self.scheduled, self.last_wake = False, 0.0
 
-    def deliver():  # on the event loop
-        with pending_lock:
-            items = pending[:]
-            pending.clear()
-            state["scheduled"] = False
-        columns = []  # consecutive token columns become one ("tokens", [column, ...]) event
+    def put(self, items):  # on the event loop
+        tokens = []  # (row, token) pairs of consecutive "tokens" items become one event
         for kind, payload in items:
             if kind == "tokens":
-                columns.append(payload)
+                tokens.extend(payload)
                 continue
-            if columns:
-                events.put_nowait(("tokens", columns))
-                columns = []
-            events.put_nowait((kind, payload))
-        if columns:
-            events.put_nowait(("tokens", columns))
+            if tokens:
+                self.events.put_nowait(("tokens", tokens))
+                tokens = []
+            self.events.put_nowait((kind, payload))
+        if tokens:
+            self.events.put_nowait(("tokens", tokens))
 
-    def emit(item, urgent=False):
+    def deliver(self):  # on the event loop
+        with self.lock:
+            items, self.pending = self.pending, []
+            self.scheduled = False
+        self.put(items)
+
+    def emit(self, kind, payload, urgent=False):  # on the generating thread
+        if self.mailbox is not None:
+            self.mailbox.post(self, (kind, payload), urgent)
+            return
         now = time.perf_counter()
-        with pending_lock:
-            pending.append(item)
-            if state["scheduled"] or (not urgent and now - state["last_wake"] < WAKE_EVERY_S):
+        with self.lock:
+            self.pending.append((kind, payload))
+            if self.scheduled or (not urgent and now - self.last_wake < WAKE_EVERY_S):
                 return
-            state["scheduled"], state["last_wake"] = True, now
+            self.scheduled, self.last_wake = True, now
         try:
-            loop.call_soon_threadsafe(deliver)
+            self.loop.call_soon_threadsafe(self.deliver)
         except RuntimeError:  # the event loop is gone (server shutting down)
             pass
 
-    def work():
-        # Runs in its own thread so the event loop keeps serving other clients during forward passes.
-        t0, steps = time.perf_counter(), 0
-        try:
-            with worker.autocast():
-                for token_column, _ in engine.generate(prompt, **gen_kwargs):
-                    steps += 1
-                    worker.tokens_generated += len(token_column)
-                    if stop.is_set():
-                        break
-                    emit(("tokens", token_column))
-            emit(("done", None), urgent=True)
-            dt = time.perf_counter() - t0
-            how = "stopped: client left" if stop.is_set() else "done"
-            logger.info(f"worker {worker.gpu_id}: prompt {len(prompt)} tokens, {steps} steps x {n} rows in {dt:.2f}s ({steps * n / max(dt, 1e-9):.1f} tok/s), {how}")
-        except Exception as e:  # the request fails; the worker stays in service
-            worker.errors += 1
-            logger.exception(f"generation failed on worker {worker.gpu_id}")
-            emit(("error", f"generation failed: {type(e).__name__}: {e}"), urgent=True)
-        finally:
-            worker.requests_served += 1
-            try:
-                loop.call_soon_threadsafe(pool.release, worker)
-            except RuntimeError:
-                pass
 
-    thread = threading.Thread(target=work, name=f"nanochat-gen-{worker.gpu_id}", daemon=True)
-    thread.start()
-    stop_ids = {engine.assistant_end, engine.bos}
-    rows = [RowText(engine.tokenizer, stop_ids) for _ in range(n)]
+class Mailbox:
+    """
+    The Bridges of every request a scheduler thread serves on one event loop, woken together: at most one wake-up
+    every WAKE_EVERY_S for all of them (at once for a "done"/"error"), instead of one per request. With 16 streams a
+    wake-up per request and step kept the event loop busy enough to slow the scheduler's steps by a fifth (the two
+    threads share the GIL).
+    """
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.pending, self.lock = [], threading.Lock()
+        self.scheduled, self.last_wake = False, 0.0
+
+    def post(self, bridge, item, urgent):  # on the scheduler's thread
+        now = time.perf_counter()
+        with self.lock:
+            self.pending.append((bridge, item))
+            if self.scheduled or (not urgent and now - self.last_wake < WAKE_EVERY_S):
+                return
+            self.scheduled, self.last_wake = True, now
+        try:
+            self.loop.call_soon_threadsafe(self.deliver)
+        except RuntimeError:
+            pass
+
+    def deliver(self):  # on the event loop
+        with self.lock:
+            items, self.pending = self.pending, []
+            self.scheduled = False
+        by_bridge = {}
+        for bridge, item in items:
+            by_bridge.setdefault(bridge, []).append(item)
+        for bridge, its in by_bridge.items():
+            bridge.put(its)
+
+
+def _seed(params):
+    return params["seed"] if params["seed"] is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+
+
+async def generation_events(pool, request, prompt, params):
+    """
+    Runs one generation and yields ("worker", w), then ("delta", row, text) as text becomes ready, ("finish", row,
+    reason) per row, and finally ("done", rows) or ("error", message). Stops early (and frees the rows or the
+    worker) when the client disconnects; the caller's `finally` runs when the response is torn down.
+    """
+    start = _start_batched if isinstance(pool, BatchingPool) else _start_on_worker
+    started = await start(pool, request, prompt, params)
+    if started is None:
+        return
+    worker, bridge, stop = started
+    engine = worker.engine
+    rows = [RowText(engine.tokenizer, {engine.assistant_end, engine.bos}) for _ in range(params["n"])]
     getter = None
     try:
         yield ("worker", worker)
         while True:
             if getter is None:
-                getter = asyncio.ensure_future(events.get())
+                getter = asyncio.ensure_future(bridge.events.get())
             done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
             if not done:
                 if await request.is_disconnected():
@@ -166,14 +174,13 @@ async def generation_events(pool, request, prompt, params):
             if kind == "tokens":
                 if await request.is_disconnected():  # one check per delivery, not per token
                     return
-                for column in payload:
-                    for i, token in enumerate(column):
-                        was_running = rows[i].finish_reason is None
-                        delta = rows[i].push(token)
-                        if delta:
-                            yield ("delta", i, delta)
-                        if was_running and rows[i].finish_reason is not None:
-                            yield ("finish", i, rows[i].finish_reason)
+                for i, token in payload:
+                    was_running = rows[i].finish_reason is None
+                    delta = rows[i].push(token)
+                    if delta:
+                        yield ("delta", i, delta)
+                    if was_running and rows[i].finish_reason is not None:
+                        yield ("finish", i, rows[i].finish_reason)
             elif kind == "done":
                 for i, row in enumerate(rows):
                     if row.finish_reason is None:
@@ -187,6 +194,80 @@ async def generation_events(pool, request, prompt, params):
                 yield ("error", payload)
                 return
     finally:
-        stop.set()  # the thread sees it before its next forward pass and hands the worker back
+        stop()  # the scheduler drops the rows at its next step / the thread stops before its next forward
         if getter is not None:
             getter.cancel()
+
+
+async def _start_batched(pool, request, prompt, params):
+    """Submit to a replica's scheduler: the tokens join its decode batch from the next step on."""
+    worker = pool.pick(prompt)
+    loop = asyncio.get_running_loop()
+    if worker.mailbox is None or worker.mailbox.loop is not loop:
+        worker.mailbox = Mailbox(loop)
+    bridge = Bridge(loop, worker.mailbox)
+
+    first = [True]
+
+    def on_event(kind, payload):  # on the scheduler's thread
+        if kind == "tokens":  # the first token at once (time to first token), the rest at the shared pace
+            bridge.emit("tokens", [(row, token) for row, token, _ in payload], urgent=first[0])
+            first[0] = False
+        else:
+            bridge.emit(kind, payload, urgent=True)
+
+    job = Request(prompt, num_samples=params["n"], max_tokens=params["max_tokens"], temperature=params["temperature"],
+                  top_k=params["top_k"] or None, top_p=params["top_p"], seed=_seed(params), on_event=on_event)
+    worker.scheduler.submit_request(job)
+    return worker, bridge, job.cancel
+
+
+async def _start_on_worker(pool, request, prompt, params):
+    """Wait for a free worker, then run Engine.generate on it in a thread of its own."""
+    worker = await pool.acquire(request)
+    if worker is None:
+        return None
+    try:
+        gone = await request.is_disconnected()  # the client left just as its turn came: skip the work
+    except BaseException:
+        pool.release(worker)
+        raise
+    if gone:
+        pool.release(worker)
+        return None
+    engine = worker.engine
+    n = params["n"]
+    loop = asyncio.get_running_loop()
+    bridge = Bridge(loop)
+    stop = threading.Event()
+    gen_kwargs = dict(num_samples=n, max_tokens=params["max_tokens"], temperature=params["temperature"],
+                      top_k=params["top_k"] or None, top_p=params["top_p"], seed=_seed(params))
+
+    def work():
+        # Runs in its own thread so the event loop keeps serving other clients during forward passes.
+        t0, steps = time.perf_counter(), 0
+        try:
+            with worker.autocast():
+                for token_column, _ in engine.generate(prompt, **gen_kwargs):
+                    steps += 1
+                    worker.tokens_generated += len(token_column)
+                    if stop.is_set():
+                        break
+                    bridge.emit("tokens", list(enumerate(token_column)))
+            bridge.emit("done", None, urgent=True)
+            dt = time.perf_counter() - t0
+            how = "stopped: client left" if stop.is_set() else "done"
+            logger.info(f"worker {worker.gpu_id}: prompt {len(prompt)} tokens, {steps} steps x {n} rows in {dt:.2f}s ({steps * n / max(dt, 1e-9):.1f} tok/s), {how}")
+        except Exception as e:  # the request fails; the worker stays in service
+            worker.errors += 1
+            logger.exception(f"generation failed on worker {worker.gpu_id}")
+            bridge.emit("error", f"generation failed: {type(e).__name__}: {e}", urgent=True)
+        finally:
+            worker.requests_served += 1
+            try:
+                loop.call_soon_threadsafe(pool.release, worker)
+            except RuntimeError:
+                pass
+
+    threading.Thread(target=work, name=f"nanochat-gen-{worker.gpu_id}", daemon=True).start()
+    return worker, bridge, stop.set

@@ -1,6 +1,11 @@
 """
-The chat server's model replicas: a Worker is one Engine on one device, used by one request at a time; the
-WorkerPool hands free workers to requests in arrival order and bounds how many may wait.
+The chat server's model replicas and how requests reach them. A Worker is one Engine on one device.
+- BatchingPool (the default): each worker runs a Scheduler (nanochat/serving/scheduler.py) on its own thread, and
+  every request joins the decode batch of one of them (the replica whose prefix cache holds most of its prompt, else
+  the least loaded). At most max_batch sequences per replica generate together; admitted requests beyond that wait
+  in the scheduler's queue, and beyond --max_queue of those the next request gets 429.
+- WorkerPool (chat_web --batching=0, and the serving benchmark's baseline): one request per worker at a time;
+  requests wait for a free worker in arrival order.
 """
 
 import asyncio
@@ -29,25 +34,83 @@ class Worker:
         self.requests_served = 0
         self.tokens_generated = 0
         self.errors = 0
+        self.scheduler = None  # set by a BatchingPool
+        self.mailbox = None  # the wake-ups of its requests' streams (nanochat/serving/generation.py), per event loop
 
     def autocast(self):
         if self.device.type == "cuda" and self.dtype != torch.float32:
             return torch.amp.autocast(device_type="cuda", dtype=self.dtype)
         return nullcontext()
 
+    def kv_dtype(self):
+        """The dtype the forward's keys come out in, so the KV cache holds them as they are: autocast's on CUDA."""
+        from nanochat.serving.scheduler import kv_dtype
+
+        with self.autocast():
+            return kv_dtype(self.engine.model)
+
+    def is_busy(self):
+        return self.scheduler.pending() > 0 if self.scheduler is not None else self.busy
+
     def stats(self):
-        return {
+        busy = self.is_busy()
+        out = {
             "gpu_id": self.gpu_id,
             "device": str(self.device),
-            "busy": self.busy,
-            "status": "busy" if self.busy else "idle",
+            "busy": busy,
+            "status": "busy" if busy else "idle",
             "requests_served": self.requests_served,
             "tokens_generated": self.tokens_generated,
             "errors": self.errors,
         }
+        if self.scheduler is not None:
+            s = self.scheduler
+            out.update(requests_served=s.requests_served, tokens_generated=s.tokens_generated, errors=s.errors,
+                       batching=s.stats())
+        return out
 
 
-class WorkerPool:
+def check_kv_plans(workers, max_batch, max_context=None, kv_cache_gb=None, prefix_cache=True):
+    """chat_web's start-up check: the KV slots and prefix cache each replica's scheduler will allocate fit, else a
+    usage error saying which setting to change (before the server listens)."""
+    from nanochat.serving.kv_slots import plan_kv
+    from nanochat.usage import BadValue
+
+    budget = None if kv_cache_gb is None else int(kv_cache_gb * 2**30)
+    for w in workers:
+        try:
+            plan_kv(w.engine.model.config, w.engine.max_positions(), max_batch, max_context, w.kv_dtype(), w.device,
+                    budget, prefix_cache)
+        except ValueError as e:
+            raise BadValue(str(e)) from None
+
+
+class Admission:
+    """Counts the requests a pool has admitted (running or waiting) and refuses one beyond `running_limit` +
+    max_queue with 429 + Retry-After, rather than let it wait without end (holding a connection and its memory)."""
+
+    running_limit = 0
+    max_queue = None
+    admitted = 0
+
+    def admit(self):
+        """A place for one request, or RequestError(429); call the returned function (once) when the request ends."""
+        if self.max_queue is not None and self.admitted >= self.running_limit + self.max_queue:
+            raise RequestError(self.busy_message(), status=429, code="rate_limit_exceeded",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.admitted += 1
+        released = False
+
+        def release():
+            nonlocal released
+            if not released:
+                released = True
+                self.admitted -= 1
+
+        return release
+
+
+class WorkerPool(Admission):
     """
     Free workers wait in an asyncio.Queue; requests take one (first come, first served) and give it back.
     At most len(workers) + max_queue requests are admitted at once (running or waiting); the next one is refused
@@ -59,7 +122,7 @@ class WorkerPool:
             raise ValueError("the worker pool needs at least one worker")
         self.workers = list(workers)
         self.max_queue = max_queue  # None: no bound
-        self.admitted = 0
+        self.running_limit = len(self.workers)
         self.free = asyncio.Queue()
         for w in self.workers:
             self.free.put_nowait(w)
@@ -71,23 +134,8 @@ class WorkerPool:
         """Admitted requests not (yet) on a worker."""
         return max(0, self.admitted - sum(1 for w in self.workers if w.busy))
 
-    def admit(self):
-        """A place for one request, or RequestError(429); call the returned function (once) when the request ends."""
-        if self.max_queue is not None and self.admitted >= len(self.workers) + self.max_queue:
-            raise RequestError(
-                f"the server is busy: all {len(self.workers)} worker(s) are generating and {self.max_queue} request(s) are waiting; retry shortly",
-                status=429, code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
-        self.admitted += 1
-        released = False
-
-        def release():
-            nonlocal released
-            if not released:
-                released = True
-                self.admitted -= 1
-
-        return release
+    def busy_message(self):
+        return f"the server is busy: all {len(self.workers)} worker(s) are generating and {self.max_queue} request(s) are waiting; retry shortly"
 
     async def acquire(self, request):
         """A free worker, or None if the client disconnected while waiting (its place in the queue is kept)."""
@@ -112,3 +160,56 @@ class WorkerPool:
     def release(self, worker):
         worker.busy = False
         self.free.put_nowait(worker)
+
+
+class BatchingPool(Admission):
+    """
+    One Scheduler per worker, each stepping on its own thread; a request goes to one of them and shares its decode
+    batch. At most sum(max_batch) + max_queue requests are admitted at once (generating or waiting in a scheduler's
+    queue); the next one is refused with 429. scheduler_options go to every Scheduler (max_batch, max_context,
+    kv_budget_bytes, prefix_cache, prefill_chunk).
+    """
+
+    def __init__(self, workers, max_queue=None, **scheduler_options):
+        from nanochat.serving.scheduler import Scheduler
+
+        if not workers:
+            raise ValueError("the worker pool needs at least one worker")
+        self.workers = list(workers)
+        self.max_queue = max_queue
+        for w in self.workers:
+            w.scheduler = Scheduler(w.engine, autocast=w.autocast, dtype=w.kv_dtype(), name=str(w.gpu_id),
+                                    log_requests=True, **scheduler_options)
+            w.scheduler.start()
+        self.running_limit = sum(w.scheduler.max_batch for w in self.workers)
+
+    def close(self):
+        for w in self.workers:
+            w.scheduler.stop()
+
+    def available(self):
+        """Workers that would start a new request at once."""
+        return sum(1 for w in self.workers if w.scheduler.load() < w.scheduler.max_batch)
+
+    def queued(self):
+        return sum(len(w.scheduler.inbox) + len(w.scheduler.waiting) for w in self.workers)
+
+    def max_context(self):
+        return min(w.scheduler.max_context for w in self.workers)
+
+    def busy_message(self):
+        return (f"the server is busy: {self.running_limit} sequence(s) are generating on {len(self.workers)} worker(s) "
+                f"and {self.max_queue} request(s) are waiting; retry shortly")
+
+    def pick(self, prompt):
+        """The worker for `prompt`: the one whose prefix cache holds the most of it (a conversation's next turn goes
+        where its earlier turns are), else the least loaded."""
+        if len(self.workers) == 1:
+            return self.workers[0]
+
+        def score(w):
+            s = w.scheduler
+            cached = s.prefix.cached_tokens(prompt) if s.prefix is not None else 0
+            return (-cached, s.load() / s.max_batch)
+
+        return min(self.workers, key=score)

@@ -1,5 +1,5 @@
 """
-Runs inside nanochat 92d63d4 (its extracted copy goes first on sys.path; tests/test_record_model.py launches it with
+Runs inside nanochat 92d63d4 (its extracted copy goes first on sys.path; tests/integration/test_record_model.py launches it with
 NANOCHAT_BASE_DIR set): loads a base checkpoint with 92d63d4's own checkpoint_manager and saves, per prompt, its
 logits (one forward of the prompt) and its Engine's greedy continuation.
 

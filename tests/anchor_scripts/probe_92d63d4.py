@@ -1,5 +1,5 @@
 """
-Runs inside nanochat 92d63d4 (its extracted copy goes first on sys.path; tests/test_record_model.py launches it) and
+Runs inside nanochat 92d63d4 (its extracted copy goes first on sys.path; tests/integration/test_record_model.py launches it) and
 saves what 92d63d4's own code computes, for the test to compare with the record recipe here:
 
 - its GPT at init (seed 0) and, with every weight perturbed so that no zero-initialised projection hides a module,

@@ -1,5 +1,5 @@
 """
-Activation checkpointing on the two data-parallel paths (tests/test_ac.py): the same tiny GPT trained for 3 steps
+Activation checkpointing on the two data-parallel paths (tests/unit/test_ac.py): the same tiny GPT trained for 3 steps
 with --activation_checkpointing none, full and selective (every 2nd block), under FSDP2 and on the DDP path (the whole
 model on each rank, DistAdamW/DistMuon average the gradients), eager and with nanochat.compile's compile (FSDP: per
 block; DDP: the whole model; backend aot_eager: no C++ compiler needed, fast). Rank 0 prints one JSON line

@@ -1,5 +1,5 @@
 """
-scripts.base_train with a planned kill -9, for the chaos test (tests/test_resume_dist.py). Run by torchrun in place
+scripts.base_train with a planned kill -9, for the chaos test (tests/distributed/test_resume_dist.py). Run by torchrun in place
 of `-m scripts.base_train`, with base_train's flags. CHAOS_PLAN (JSON) maps torchrun's restart count (the "life" of
 the job, TORCHELASTIC_RESTART_COUNT) to what kills this life:
 

@@ -1,5 +1,5 @@
 """
-nanochat.distributed.dist.compute_cleanup really tears the gloo process groups down (tests/test_dist_train.py). A d1 GPT trains one
+nanochat.distributed.dist.compute_cleanup really tears the gloo process groups down (tests/distributed/test_dist_train.py). A d1 GPT trains one
 step under the given strategy (ddp: the DDP path, fsdp: --use_fsdp=1, tp: --tp_size=2), then the script ends as every
 script does: compute_cleanup() inside main, then main returns. Rank 0 prints two JSON lines with the names of the
 process's gloo threads: {"at": "cleanup", ...} right after compute_cleanup (the model still alive), and {"at": "exit",

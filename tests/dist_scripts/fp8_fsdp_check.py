@@ -1,5 +1,5 @@
 """
-Emulated FP8 under FSDP2 (tests/test_fp8.py): the tiny GPT of test_fp8 converted with torchao's emulated float8
+Emulated FP8 under FSDP2 (tests/unit/test_fp8.py): the tiny GPT of test_fp8 converted with torchao's emulated float8
 (tensorwise and rowwise), and with nanochat's own tensorwise Float8Linear ("native": torch._scaled_mm runs on CPU),
 wrapped with nanochat's apply_fsdp and trained for 3 steps on 2 gloo ranks, each taking half of the batch. Rank 0
 prints one JSON line {"<recipe>": [losses], "scales": {...}}.

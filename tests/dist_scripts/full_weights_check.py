@@ -1,5 +1,5 @@
 """
-nanochat.distributed.fsdp.full_weights on 2 gloo ranks (tests/test_fsdp.py). A 3-block GPT is trained for 2 steps as chat_rl
+nanochat.distributed.fsdp.full_weights on 2 gloo ranks (tests/distributed/test_fsdp.py). A 3-block GPT is trained for 2 steps as chat_rl
 trains under FSDP: each step, inside full_weights, rank r runs 2r+1 forwards of its own (different numbers per rank, so
 one collective inside would hang the test), then 2 micro-batches of its own rows. One process trains the same model on
 all rows. Rank 0 prints one JSON line:

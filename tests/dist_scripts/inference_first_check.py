@@ -1,5 +1,5 @@
 """
-Inference before the first training forward under FSDP, on 2 gloo ranks (tests/test_fsdp.py). FSDP2 creates its
+Inference before the first training forward under FSDP, on 2 gloo ranks (tests/distributed/test_fsdp.py). FSDP2 creates its
 unsharded parameters at a group's first all-gather; apply_fsdp creates them up front so that a first all-gather inside
 torch.inference_mode cannot leave them as inference tensors. For each way of sampling first -- GPT.generate
 (base_train's samples, e.g. a run resumed on a --sample_every step), the KV-cache Engine (chat_sft's generative

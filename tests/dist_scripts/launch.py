@@ -2,7 +2,7 @@
 Helpers for tests that launch the scripts in this folder: torchrun with gloo on CPU (`sys.executable -m
 torch.distributed.run`, a free port, a timeout) or a plain single process. Import by path from a test:
 
-    launch = load_launch()   # see tests/test_dist_optim.py
+    launch = load_launch()   # see tests/distributed/test_dist_optim.py
 """
 
 import json

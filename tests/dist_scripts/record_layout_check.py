@@ -1,6 +1,6 @@
 """
 The record model (nanochat/gpt.py RecordGPT: sliding windows, value embeddings and their gates, smear, backout,
-per-layer scalars) under the sharded layouts, on 2 gloo ranks (tests/test_record_layouts.py), against the unsharded
+per-layer scalars) under the sharded layouts, on 2 gloo ranks (tests/distributed/test_record_layouts.py), against the unsharded
 model in the same process:
 
 - fsdp: apply_fsdp over both ranks, each rank training on its half of the rows (FSDP averages the gradients)

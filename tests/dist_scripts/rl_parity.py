@@ -1,5 +1,5 @@
 """
-scripts.chat_rl with a reward a tiny model can earn (tests/test_posttrain.py): GSM8K's reward is replaced by
+scripts.chat_rl with a reward a tiny model can earn (tests/integration/test_posttrain.py): GSM8K's reward is replaced by
 `parity_reward`, 1.0 for a completion of even length, so the advantages and the policy-gradient update are not zero
 and N ranks can be checked against one process on the update itself, not only on the samples.
 

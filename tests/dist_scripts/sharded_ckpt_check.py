@@ -1,5 +1,5 @@
 """
-Sharded checkpoints (nanochat/checkpoint/sharded.py) of a tiny FSDP GPT, for tests/test_sharded_checkpoint.py:
+Sharded checkpoints (nanochat/checkpoint/sharded.py) of a tiny FSDP GPT, for tests/distributed/test_sharded_checkpoint.py:
 
     torchrun --nproc_per_node=2 sharded_ckpt_check.py --mode=save --dir=D [--crash=1]
     torchrun --nproc_per_node=N sharded_ckpt_check.py --mode=load --dir=D          # N = 1, 2, 4

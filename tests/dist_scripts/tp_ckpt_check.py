@@ -1,6 +1,6 @@
 """
 Sharded checkpoints of the tensor-parallel path (--tp_size=2), saved and resumed through nanochat/checkpoint/train_state.py
-as base_train does, for tests/test_sharded_checkpoint.py:
+as base_train does, for tests/distributed/test_sharded_checkpoint.py:
 
     torchrun --nproc_per_node=2 tp_ckpt_check.py --mode=save --dir=D                  # TP=2 (one data rank)
     torchrun --nproc_per_node=N tp_ckpt_check.py --mode=load --dir=D --layout=L       # L=tp (N=2), fsdp (N=1 or 2)

@@ -1,6 +1,6 @@
 """
 ShardedMuon (nanochat/distributed/tensor_parallel.py) on awkward layouts against Muon on the full matrices (run under torchrun,
-4 ranks, a 2 x 2 mesh; called by tests/test_tp.py). Layouts: Shard(0) x Shard(1), Shard(1) x Shard(0), replicated
+4 ranks, a 2 x 2 mesh; called by tests/distributed/test_tp.py). Layouts: Shard(0) x Shard(1), Shard(1) x Shard(0), replicated
 mesh dims, uneven rectangles (5 x 7 over 2 x 2), a 1-row matrix (some ranks hold nothing), a tall matrix, and a shape
 group of 5 matrices (not a multiple of the world size). Every rank gets the same full gradients and keeps its
 rectangle. Twice: with the December options and with the record recipe's (RECORD_MUON and cautious weight decay on a

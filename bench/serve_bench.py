@@ -1,0 +1,434 @@
+"""
+Serving benchmark: real HTTP clients against `python -m scripts.chat_web`, the continuous-batching server beside the
+one-request-per-worker server (--batching=0, the server before issue 30), same model, same run, alternating.
+
+    python -m bench.serve_bench                                      # CPU: d4, concurrency 1,4,16,64, multi-turn
+    python -m bench.serve_bench --device_type=cuda --depth=20 --tokenizer=base_dir --concurrency=1,16,64,256 \\
+        --baseline_up_to=16 --max_tokens=128                           # one GPU (bench/gpu_suite.sh serve)
+
+The model is random-init at --depth (nanochat's shapes; speed does not depend on the weights' values) saved as an
+SFT checkpoint in a temporary base dir, or an existing checkpoint (--source). Each server is a subprocess on a free
+local port; the clients are asyncio httpx streams in this process, each a closed loop: send, read the stream to the
+end, send the next (--requests_per_client each), prompts of mixed lengths (--prompt_tokens), greedy, --max_tokens.
+
+Measured per server and concurrency:
+- aggregate output tok/s: completion tokens (the usage the server reports) / wall time of the level;
+- TTFT: request sent -> first content chunk; ITL: gaps between content chunks (the server sends text every ~20 ms
+  at most, WAKE_EVERY_S, so one chunk may hold several tokens: ITL p50 is then the chunking, p99 the stalls);
+- multi-turn (--turns): conversations that resend their history each turn, the reply of turn N in the prompt of
+  N+1; TTFT per turn on the batching server with and without its prefix cache (a third server, --prefix_cache=0).
+Prints markdown tables for docs/benchmarks.md and the load average; --json_out keeps the raw numbers.
+"""
+
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from nanochat.common import device_type_flag
+from nanochat.configurator import Flag, Flags
+
+REPO = Path(__file__).resolve().parents[1]
+# WikiText-2 for the tokenizer and the prompts: the shared data beside the repo (or /work/shared), else the tests' excerpt
+TEXTS = [REPO.parent / "shared" / "data" / "pretrain" / "wikitext-2" / "train.txt",
+         Path("/work/shared/data/pretrain/wikitext-2/train.txt"),
+         REPO / "tests" / "assets" / "data" / "pretrain" / "wikitext-2" / "train.txt", REPO / "README.md"]
+
+FLAGS = Flags(
+    "model",
+    Flag("depth", 4, "depth of the random-init model"),
+    Flag("sequence_len", 1024, "its sequence_len (the servers' --max_context default)"),
+    Flag("vocab_size", 8192, "vocabulary of the tokenizer trained on WikiText (--tokenizer=wikitext)"),
+    Flag("tokenizer", "wikitext", "wikitext: trained on WikiText-2 at --vocab_size; base_dir: $NANOCHAT_BASE_DIR's; "
+         "repo_docs: trained on this repo's docs", choices=["wikitext", "base_dir", "repo_docs"]),
+    Flag("train_steps", 200, "train the random-init model this many steps on WikiText-2 first (batch 8 x 128 tokens, "
+         "AdamW), so its replies are text whose tokens re-encode the same: a conversation's next turn can then reuse "
+         "the reply's cached keys/values, as with a real model (0: keep the random weights)"),
+    Flag("source", "", "serve this checkpoint (chat_web's -i, with --model_tag) instead of random weights"),
+    Flag("model_tag", "", "its model tag"),
+    device_type_flag(),
+    "load",
+    Flag("concurrency", "1,4,16,64", "closed-loop clients, a comma list of levels"),
+    Flag("requests_per_client", 4, "requests each client sends at each level (more at low concurrency: --min_requests)"),
+    Flag("min_requests", 12, "requests per level at least (a lone client sends this many)"),
+    Flag("prompt_tokens", "8-128", "user message lengths in tokens: lo-hi (uniform) or a comma list (seeded)"),
+    Flag("max_tokens", "16-80", "tokens per reply, lo-hi or a comma list (seeded; greedy, a reply may stop earlier "
+         "at <|assistant_end|>): varied lengths keep closed-loop clients from arriving in lockstep"),
+    Flag("baseline", True, "also measure the one-request-per-worker server (--batching=0)"),
+    Flag("baseline_up_to", 0, "measure the baseline only up to this concurrency (0: every level)"),
+    Flag("max_batch", 64, "the batching server's --max_batch"),
+    Flag("max_context", None, "the batching servers' --max_context (auto: the model's sequence_len)", type=int),
+    Flag("kv_cache_gb", None, "the batching servers' --kv_cache_gb (auto: their default share of the free memory; "
+         "set it on a GPU, where the servers share the device)", type=float),
+    Flag("decode_compile", "auto", "both servers' --decode_compile"),
+    Flag("threads", 0, "torch threads of both servers (OMP_NUM_THREADS; 0: torch's default)"),
+    "multi-turn",
+    Flag("turns", 5, "turns per conversation (0: skip)"),
+    Flag("conversations", "1,8", "conversations at once, a comma list"),
+    Flag("turn_tokens", 100, "tokens per user message"),
+    Flag("turn_max_tokens", 64, "tokens per reply"),
+    "output",
+    Flag("startup_timeout", 300.0, "seconds to wait for a server's /health"),
+    Flag("json_out", "", "also write the raw numbers here"),
+    Flag("work_dir", "", "keep the random-init model (and the server logs) here, and reuse a model found there "
+         "(empty: a new temporary directory)"),
+    description=__doc__,
+)
+
+
+# -----------------------------------------------------------------------------
+# model, servers
+
+
+def write_random_checkpoint(args, base_dir):
+    """A random-init GPT at --depth and its tokenizer, saved as base_dir's SFT checkpoint (tag serve_bench)."""
+    from nanochat.checkpoint_manager import save_checkpoint
+    from nanochat.gpt import GPT, config_for_depth
+
+    tokenizer = get_tokenizer(args)
+    if args.tokenizer != "base_dir":
+        tokenizer.save(str(base_dir / "tokenizer"))
+    config = config_for_depth(args.depth, tokenizer.get_vocab_size(), args.sequence_len)
+    torch.manual_seed(0)
+    device = torch.device(args.device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with torch.device(device):
+        model = GPT(config, attn="sdpa")
+    model.init_weights(scheme="nanochat")  # lm_head not zero, so replies vary like a real model's
+    if args.train_steps:
+        quick_train(model, tokenizer, args.train_steps, device)
+    save_checkpoint(str(base_dir / "chatsft_checkpoints" / "serve_bench"), 1, model.state_dict(), None,
+                    {"model_config": vars(config), "step": 1})
+    return tokenizer
+
+
+def get_tokenizer(args):
+    from nanochat.tokenizer import RustBPETokenizer
+
+    if args.tokenizer == "base_dir":
+        from nanochat.tokenizer import get_tokenizer as load
+
+        return load()
+    if args.tokenizer == "repo_docs":
+        from bench.infer_bench import get_tokenizer as from_docs
+
+        return from_docs(args)
+    path = next(p for p in TEXTS if p.exists())
+    text = path.read_text(encoding="utf-8")[:3_000_000]
+    return RustBPETokenizer.train_from_iterator(iter(text.split("\n \n")), args.vocab_size)
+
+
+def quick_train(model, tokenizer, steps, device):
+    """A few hundred steps of next-token training on WikiText-2: replies become word-like (and re-encode to the same
+    tokens), which is all the benchmark needs of them."""
+    path = next(p for p in TEXTS if p.exists())
+    ids = torch.tensor(tokenizer.encode(path.read_text(encoding="utf-8")[:2_000_000]), device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    B, T = 8, 128
+    t0 = time.perf_counter()
+    for step in range(steps):
+        starts = torch.randint(0, len(ids) - T - 1, (B,), generator=gen).tolist()
+        x = torch.stack([ids[i:i + T] for i in starts])
+        y = torch.stack([ids[i + 1:i + T + 1] for i in starts])
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    print(f"trained {steps} steps in {time.perf_counter() - t0:.0f} s, last loss {loss.item():.2f}", flush=True)
+    model.eval()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """scripts.chat_web in a subprocess on a free port; its log goes to a file."""
+
+    def __init__(self, name, args, env, extra):
+        self.name, self.port = name, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(Path(env["SERVE_BENCH_LOGS"]) / f"{name}.log", "w")
+        device = ["--device_type", args.device_type] if args.device_type else []
+        cmd = [sys.executable, "-m", "scripts.chat_web", "--port", str(self.port), "-i", args.source or "sft",
+               "-g", args.model_tag or "serve_bench", "--max_queue", "1024", "--temperature", "0",
+               "--decode_compile", args.decode_compile, *device, *extra]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+
+    def wait_ready(self, timeout):
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"server {self.name} exited ({self.proc.returncode}); see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).json().get("ready"):
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"server {self.name} not ready after {timeout:.0f} s; see {self.log.name}")
+
+    def stats(self):
+        import httpx
+
+        return httpx.get(self.url + "/stats", timeout=10).json()
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+# -----------------------------------------------------------------------------
+# clients
+
+
+def lengths(spec, n, seed):
+    """n lengths from "lo-hi" (uniform) or "a,b,c" (one of them), seeded."""
+    rng = random.Random(seed)
+    spec = str(spec)
+    if "-" in spec:
+        lo, hi = (int(x) for x in spec.split("-"))
+        return [rng.randint(lo, hi) for _ in range(n)]
+    choices = [int(x) for x in spec.split(",")]
+    return [rng.choice(choices) for _ in range(n)]
+
+
+def message_pool(tokenizer, sizes, seed):
+    """A user message of each size in tokens: WikiText excerpts from seeded positions."""
+    path = next(p for p in TEXTS if p.exists())
+    text = path.read_text(encoding="utf-8")[:400_000]
+    ids = tokenizer.encode(text)
+    rng = random.Random(seed)
+    out = []
+    for k in sizes:
+        start = rng.randrange(0, len(ids) - k)
+        out.append(tokenizer.decode(ids[start:start + k]).strip() or "hello")
+    return out
+
+
+async def chat(client, messages, max_tokens):
+    """One streamed /v1/chat/completions: (ttft_s, [chunk gap s], completion tokens, text, latency_s)."""
+    body = {"model": "nanochat", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    arrivals, tokens, text = [], 0, []
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                raise RuntimeError(obj["error"])
+            if obj.get("usage"):
+                tokens = obj["usage"]["completion_tokens"]
+            for choice in obj.get("choices", []):
+                piece = choice["delta"].get("content")
+                if piece:
+                    arrivals.append(time.perf_counter())
+                    text.append(piece)
+    end = time.perf_counter()
+    ttft = arrivals[0] - t0 if arrivals else end - t0
+    return ttft, [b - a for a, b in zip(arrivals, arrivals[1:])], tokens, "".join(text), end - t0
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+async def load_level(url, concurrency, messages, requests_per_client, max_tokens, first=0):
+    """`concurrency` closed-loop clients; request r of client c sends message and max_tokens number first + c*R + r
+    (each level its own messages: a prompt seen before would be a prefix-cache hit only the batching server gets)."""
+    import httpx
+
+    # a new connection per request: a kept-alive one may be closed by the server (uvicorn's keep-alive timeout) just
+    # as the next request goes out on it, and a POST is not retried (httpx.ReadError)
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+        async def one_client(c):
+            out = []
+            for r in range(requests_per_client):
+                i = first + c * requests_per_client + r
+                out.append((r, *await chat(client, [{"role": "user", "content": messages[i % len(messages)]}],
+                                           max_tokens[i % len(max_tokens)])))
+            return out
+
+        t0 = time.perf_counter()
+        results = [x for xs in await asyncio.gather(*[one_client(c) for c in range(concurrency)]) for x in xs]
+        wall = time.perf_counter() - t0
+    tokens = sum(r[3] for r in results)
+    later = [r[1] for r in results if r[0] > 0]  # past each client's first request: no longer the start-up burst
+    return {"concurrency": concurrency, "requests": len(results), "tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall, "ttft_p50_s": pct([r[1] for r in results], 50),
+            "ttft_p99_s": pct([r[1] for r in results], 99), "ttft_p99_after_first_s": pct(later, 99),
+            "itl_p50_s": pct([g for r in results for g in r[2]], 50), "itl_p99_s": pct([g for r in results for g in r[2]], 99),
+            "latency_p50_s": pct([r[5] for r in results], 50)}
+
+
+async def conversations(url, n, turns, messages, max_tokens, first=0):
+    """n conversations at once, `turns` turns each (messages from number `first` on); TTFT per turn, one list per
+    conversation."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        async def one(c):
+            history, ttfts = [], []
+            for t in range(turns):
+                history.append({"role": "user", "content": messages[(first + c * turns + t) % len(messages)]})
+                ttft, _, _, reply, _ = await chat(client, history, max_tokens)
+                history.append({"role": "assistant", "content": reply or "ok"})
+                ttfts.append(ttft)
+            return ttfts
+
+        return await asyncio.gather(*[one(c) for c in range(n)])
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv=None):
+    args = FLAGS.parse_args(argv)
+    levels = [int(x) for x in str(args.concurrency).split(",")]
+    convs = [int(x) for x in str(args.conversations).split(",")] if args.turns else []
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="serve_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SERVE_BENCH_LOGS=str(work))
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+        torch.set_num_threads(args.threads)  # this process trains the model and runs the clients
+    if args.source:
+        from nanochat.tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer()
+        model_desc = f"checkpoint {args.source} {args.model_tag}"
+    else:
+        base = Path(os.environ["NANOCHAT_BASE_DIR"]) if args.tokenizer == "base_dir" else work / "base"
+        base.mkdir(parents=True, exist_ok=True)
+        env["NANOCHAT_BASE_DIR"] = str(base)
+        if (base / "chatsft_checkpoints" / "serve_bench").is_dir() and (base / "tokenizer").is_dir():
+            from nanochat.tokenizer import RustBPETokenizer
+
+            tokenizer = RustBPETokenizer.from_directory(str(base / "tokenizer"))
+            print(f"reusing the model in {base}", flush=True)
+        else:
+            tokenizer = write_random_checkpoint(args, base)
+        model_desc = (f"d{args.depth} (vocab {tokenizer.get_vocab_size()}, sequence_len {args.sequence_len}), random-init"
+                      + (f" then {args.train_steps} quick training steps on WikiText-2" if args.train_steps else ""))
+    pool = message_pool(tokenizer, lengths(args.prompt_tokens, 2048, seed=0), seed=0)
+    max_tokens = lengths(args.max_tokens, 2048, seed=2)
+    turn_pool = message_pool(tokenizer, [args.turn_tokens] * 256, seed=1)
+
+    kv = (["--max_context", str(args.max_context)] if args.max_context else []) + \
+        (["--kv_cache_gb", str(args.kv_cache_gb)] if args.kv_cache_gb else [])
+    servers = {"batching": Server("batching", args, env, ["--max_batch", str(args.max_batch), *kv])}
+    if args.baseline:
+        servers["one per worker"] = Server("one_per_worker", args, env, ["--batching", "0"])
+    if convs:  # only the conversations at once decode there: its slots are for those
+        servers["batching, no prefix cache"] = Server("no_prefix_cache", args, env,
+                                                      ["--max_batch", str(max(convs)), "--prefix_cache", "0", *kv])
+    load_before = os.getloadavg()
+    rows, turns = [], []
+    try:
+        for s in servers.values():
+            s.wait_ready(args.startup_timeout)
+        for s in servers.values():  # warm-up: first forwards, allocations, compiled steps of the small buckets
+            asyncio.run(load_level(s.url, 4, pool, 1, [8], first=len(pool) - 4))
+        first = 0
+        for i, c in enumerate(levels):
+            names = ["batching"] + (["one per worker"] if args.baseline and (not args.baseline_up_to or c <= args.baseline_up_to) else [])
+            per_client = max(args.requests_per_client, -(-args.min_requests // c))
+            for name in (names if i % 2 == 0 else names[::-1]):  # alternate which server goes first
+                row = asyncio.run(load_level(servers[name].url, c, pool, per_client, max_tokens, first))
+                row["server"] = name
+                rows.append(row)
+                print(f"{name:>16} c={c:<4} {row['tok_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_s'] * 1e3:7.1f} ms "
+                      f"p99 {row['ttft_p99_s'] * 1e3:7.1f} ms  ITL p50 {row['itl_p50_s'] * 1e3:6.1f} ms "
+                      f"p99 {row['itl_p99_s'] * 1e3:6.1f} ms  ({row['requests']} requests, {row['wall_s']:.1f} s)", flush=True)
+            first += c * per_client
+        for i, n in enumerate(convs):
+            names = ["batching", "batching, no prefix cache"]
+            for name in (names if i % 2 == 0 else names[::-1]):
+                ttfts = asyncio.run(conversations(servers[name].url, n, args.turns, turn_pool, args.turn_max_tokens,
+                                                  first=sum(convs[:i]) * args.turns))
+                per_turn = [pct([t[k] for t in ttfts], 50) for k in range(args.turns)]
+                turns.append({"server": name, "conversations": n, "ttft_p50_per_turn_s": per_turn})
+                print(f"{name:>26} {n} conversation(s): TTFT p50 per turn "
+                      + " ".join(f"{t * 1e3:.1f}" for t in per_turn) + " ms", flush=True)
+        cache = servers["batching"].stats().get("prefix_cache")
+    finally:
+        for s in servers.values():
+            s.close()
+    load_after = os.getloadavg()
+    report(args, model_desc, rows, turns, cache, load_before, load_after, work)
+
+
+def report(args, model_desc, rows, turns, cache, load_before, load_after, work):
+    device = args.device_type or "auto"
+    if torch.cuda.is_available() and device in ("cuda", "auto"):
+        hw = torch.cuda.get_device_name(0)
+    else:
+        hw = f"{os.cpu_count()} CPU cores"
+    print()
+    threads = f"{args.threads} torch thread(s) per server" if args.threads else "torch's default threads"
+    print(f"Serving, {model_desc} on {hw}, {threads}; {args.requests_per_client} requests per client (at least "
+          f"{args.min_requests} per level), user "
+          f"messages of {args.prompt_tokens} tokens, replies of up to {args.max_tokens} tokens, greedy. "
+          f"Load average {load_before[0]:.1f} before, {load_after[0]:.1f} after. Server logs: {work}")
+    print()
+    print("| concurrency | server | aggregate tok/s | speed-up | TTFT p50 / p99 (ms) | TTFT p99 after the first "
+          "round (ms) | ITL p50 / p99 (ms) |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    base = {r["concurrency"]: r["tok_s"] for r in rows if r["server"] == "one per worker"}
+    for r in sorted(rows, key=lambda r: (r["concurrency"], r["server"])):
+        up = f"{r['tok_s'] / base[r['concurrency']]:.2f}x" if r["server"] == "batching" and r["concurrency"] in base else ""
+        print(f"| {r['concurrency']} | {r['server']} | {r['tok_s']:,.1f} | {up} | {r['ttft_p50_s'] * 1e3:.0f} / "
+              f"{r['ttft_p99_s'] * 1e3:.0f} | {r['ttft_p99_after_first_s'] * 1e3:.0f} | {r['itl_p50_s'] * 1e3:.1f} / "
+              f"{r['itl_p99_s'] * 1e3:.1f} |")
+    lone = next((r for r in rows if r["server"] == "batching" and r["concurrency"] == 1), None)
+    if lone:
+        for r in rows:
+            if r["server"] == "batching" and r["concurrency"] > 1:
+                print(f"\nbatching, {r['concurrency']} clients: TTFT p99 {r['ttft_p99_s'] / lone['ttft_p50_s']:.1f}x a lone "
+                      f"request's ({r['ttft_p99_after_first_s'] / lone['ttft_p50_s']:.1f}x after the first round)")
+    if turns:
+        print()
+        print(f"Multi-turn: {args.turns} turns, user messages of {args.turn_tokens} tokens, replies of up to "
+              f"{args.turn_max_tokens}; TTFT p50 over the conversations.")
+        print()
+        print("| conversations at once | server | " + " | ".join(f"turn {k + 1} (ms)" for k in range(args.turns)) + " |")
+        print("|---:|---|" + "---:|" * args.turns)
+        for t in turns:
+            print(f"| {t['conversations']} | {t['server']} | " + " | ".join(f"{x * 1e3:.1f}" for x in t["ttft_p50_per_turn_s"]) + " |")
+        for n in sorted({t["conversations"] for t in turns}):
+            on = next(t for t in turns if t["conversations"] == n and t["server"] == "batching")["ttft_p50_per_turn_s"][-1]
+            off = next(t for t in turns if t["conversations"] == n and t["server"] != "batching")["ttft_p50_per_turn_s"][-1]
+            print(f"\nturn {args.turns}, {n} conversation(s): {off / on:.1f}x lower TTFT with the prefix cache")
+    if cache:
+        print(f"\nprefix cache of the batching server at the end: hit rate {cache['hit_rate']:.1%} "
+              f"({cache['hit_tokens']} of {cache['prompt_tokens']} prompt tokens)")
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump({"model": model_desc, "hardware": hw, "levels": rows, "multi_turn": turns, "prefix_cache": cache,
+                       "loadavg": [load_before, load_after]}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,410 @@
+"""
+KV memory for serving many sequences at once: a pool of fixed-size slots (one sequence each), the views through
+which the model's forward reads and writes it, the prefix cache that keeps finished sequences' keys and values for
+later requests, and the memory budget both come from.
+
+    pool = SlotPool(layers=4, kv_heads=2, head_dim=128, rows=64, slot_len=1024, dtype=torch.float32, device=cpu)
+    model(chunk_ids, kv_cache=pool.prefill_view(row, start))       # one sequence's prompt chunk into its slot
+    model(ids, kv_cache=pool.decode_view(bucket))                   # one token for each of rows [0, bucket)
+
+The model sees the same cache API as the Engine's KVCache (nanochat/engine.py): `insert_kv(layer, k, v)` returns the
+keys/values to attend, `get_pos()` / `positions` give the rotary positions and `attn_mask` the positions to attend.
+A decode view gives every row its own position (B, 1) and mask (B, 1, 1, S+1): rows are at different lengths.
+
+Why slots and not pages: on CPU (and with torch's SDPA kernels on GPU) attention needs each row's keys contiguous,
+so paged blocks would be gathered into a contiguous batch every step, a copy of the whole cache per step. A slot is
+contiguous already; the cost is that every admitted sequence reserves slot_len positions (--max_context). The
+prefix cache is paged instead (blocks of BLOCK tokens, hashed by their whole prefix, as vLLM's): it is only copied
+when a request starts (matched blocks into its slot) and when a sequence is registered (its new blocks out of it).
+
+Each slot has at least slot_len + 1 columns: the last one is scratch, written by the filler rows of a decode batch
+(rows of the bucket that hold no decoding sequence) and never attended by a real row, so a filler cannot disturb a
+slot whose prompt is still being prefilled.
+
+A per-layer attention window (sliding-window layers) fits this layout: a windowed layer's decode mask becomes
+`pos - window < column <= pos` (the `attn_mask` of that layer) and its prefill chunk mask the same band; the slot
+may even shrink to window + 1 columns for such a layer as a ring (keys are cached after rotary, so their order in
+storage does not matter to attention). Nothing here does that yet: the model has no windowed layers.
+"""
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 16  # tokens per prefix-cache block: the granularity at which prompts share cached keys/values
+ATTN_BLOCK = 64  # decode attention reads keys in blocks of this many positions (slot columns are a multiple of it)
+
+
+def kv_bytes_per_token(num_layers, kv_heads, head_dim, dtype):
+    return num_layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def free_memory_bytes(device):
+    """Memory free for the KV cache on `device`: CUDA's free memory now, else the host's available memory."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+# share of the free memory the KV cache takes by default: most of a GPU (what is left holds the activations of a
+# prefill chunk and a decode step), a quarter of a host's RAM (the host runs everything else too)
+DEFAULT_BUDGET_FRACTION = {"cuda": 0.85, "cpu": 0.25, "mps": 0.25}
+
+
+def default_budget_bytes(device):
+    device = torch.device(device)
+    return int(free_memory_bytes(device) * DEFAULT_BUDGET_FRACTION.get(device.type, 0.25))
+
+
+def decode_buckets(max_rows):
+    """
+    Batch sizes a decode step runs at: 4, 8, then multiples of 8 growing by about 1.5x (16, 24, 40, 64, 96, ...),
+    the last one max_rows rounded up to a multiple of 8. Few shapes (each a compiled graph where decode is compiled),
+    at most ~1.5x padding, and never below 4 rows: on the CPU BLAS measured here (docs/benchmarks.md, continuous
+    batching) a matmul's row comes out the same bits at M = 4, 8 and any M >= 12, but not at M < 4 (nor, with two
+    threads, at 5-7 or 9-11), so the padded batch keeps every row's arithmetic the same whatever the batch size.
+    """
+    top = max(8, -(-max_rows // 8) * 8) if max_rows > 4 else 4
+    out = [4]
+    while out[-1] < top:
+        out.append(min(top, max(out[-1] + 8 if out[-1] >= 8 else 8, (out[-1] * 3 // 2 + 7) // 8 * 8)))
+    return out
+
+
+MIN_PREFIX_CACHE_BLOCKS = 64  # below this the prefix cache is off (the budget went to the slots)
+PREFIX_CACHE_SHARE = 0.5  # at most this share of the KV budget holds the prefix cache; the slots take the rest first
+PREFIX_CACHE_BATCHES = 4  # and at most this many full pools' worth: more would mostly hold conversations long gone
+
+
+@dataclass
+class KVPlan:
+    """How a scheduler's KV memory is laid out (plan_kv)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    max_context: int  # positions per slot
+    rows: int  # slots (a whole decode bucket)
+    max_batch: int  # sequences admitted at once (<= rows)
+    buckets: list
+    prefix_blocks: int  # 0: no prefix cache
+    budget: int
+    slot_bytes: int
+
+
+def plan_kv(config, max_positions, max_batch, max_context, dtype, device, budget=None, prefix_cache=True):
+    """
+    Slots and prefix-cache blocks for a model of GPTConfig `config` within `budget` bytes (default: a share of the
+    device's free memory, DEFAULT_BUDGET_FRACTION). The slots come first: as many decode rows as max_batch asks for
+    and the budget holds (at least one bucket of 4); the prefix cache takes what is left, within PREFIX_CACHE_SHARE
+    of the budget. Raises ValueError, saying which setting to change, when nothing fits.
+    """
+    limit = int(max_positions)
+    max_context = int(max_context or min(config.sequence_len, limit))
+    if not 2 <= max_context <= limit:
+        raise ValueError(f"--max_context={max_context} must be in [2, {limit}] (the positions this model addresses)")
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"--max_batch must be a positive int, got {max_batch!r}")
+    head_dim = config.n_embd // config.n_head
+    per_token = kv_bytes_per_token(config.n_layer, config.n_kv_head, head_dim, dtype)
+    slot_bytes = per_token * (-(-(max_context + 1) // ATTN_BLOCK) * ATTN_BLOCK)  # SlotPool.columns
+    budget = int(budget) if budget is not None else default_budget_bytes(device)
+    buckets = decode_buckets(max_batch)
+    fit = [b for b in buckets if b * slot_bytes <= budget]
+    if not fit:
+        raise ValueError(
+            f"the KV cache budget ({budget / 2**30:.2f} GiB) holds fewer than {buckets[0]} sequences of "
+            f"--max_context={max_context} tokens ({slot_bytes / 2**20:.1f} MiB each): lower --max_context or raise "
+            f"--kv_cache_gb")
+    rows = fit[-1]
+    blocks = 0
+    if prefix_cache:
+        cache_bytes = min(budget - rows * slot_bytes, int(budget * PREFIX_CACHE_SHARE))
+        blocks = min(cache_bytes // (per_token * BLOCK), PREFIX_CACHE_BATCHES * rows * max_context // BLOCK)
+        blocks = blocks if blocks >= MIN_PREFIX_CACHE_BLOCKS else 0
+    return KVPlan(config.n_layer, config.n_kv_head, head_dim, max_context, rows, min(max_batch, rows),
+                  [b for b in buckets if b <= rows], blocks, budget, slot_bytes)
+
+
+class PrefillView:
+    """One sequence's slot seen as a batch-1 cache at `start` tokens: the model appends a chunk of its prompt."""
+
+    positions = None
+    attn_mask = None
+    last_only = True  # a prefill needs the last position's logits only
+
+    def __init__(self, pool, row, start, prev_id=None):
+        self.pool, self.row, self.start = pool, row, start
+        # a model that mixes in the previous token (RecordGPT's smear) reads it here: the token before the chunk
+        self.prev_ids = None if prev_id is None else torch.tensor([[prev_id]], dtype=torch.long, device=pool.device)
+
+    def get_pos(self):
+        return self.start
+
+    def insert_kv(self, layer_idx, k, v):
+        T = k.size(2)
+        end = self.start + T
+        if end > self.pool.slot_len:
+            raise ValueError(f"a prefill to {end} tokens overflows the slot of {self.pool.slot_len}")
+        kv = self.pool.layers[layer_idx]
+        kv[0, self.row, :, self.start:end] = k[0]
+        kv[1, self.row, :, self.start:end] = v[0]
+        r = self.row
+        return kv[0, r:r + 1, :, :end], kv[1, r:r + 1, :, :end]
+
+
+def blockwise_attention(q, k, v, mask, span):
+    """
+    One decode token per row, q (B, Hq, 1, D), over the first `span` columns of k, v (B, Hkv, C, D) where `mask`
+    (B, 1, 1, C) allows; span a multiple of ATTN_BLOCK. A row's result is the same bits whatever the batch (its
+    size, the other rows, their lengths, so the span): the scores are one matmul per (row, head) whose columns do
+    not depend on how many there are, the max is exact in any order, and the sums over positions run block by block
+    in a fixed order, the blocks past the row's length adding exact zeros. (torch's CPU flash kernel does that too
+    with one thread, but with several it splits the keys differently by batch size; the math kernel scales the whole
+    cache every step.) Grouped-query attention: the query heads of one key head are the rows of one matmul.
+    """
+    B, Hq, _, D = q.shape
+    Hkv = k.size(1)
+    G = Hq // Hkv
+    scores = torch.matmul((q * D ** -0.5).view(B, Hkv, G, D), k[:, :, :span].transpose(-1, -2))  # (B, Hkv, G, span)
+    scores = scores.masked_fill(~mask[:, :, :, :span], float("-inf"))
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))
+    out = weight = 0
+    for j in range(0, span, ATTN_BLOCK):  # slices of the slot are matmul operands as they are: nothing is copied
+        block = p[..., j:j + ATTN_BLOCK]
+        out = out + torch.matmul(block, v[:, :, j:j + ATTN_BLOCK])
+        weight = weight + block.sum(-1, keepdim=True)
+    return (out / weight).reshape(B, Hq, 1, D).to(q.dtype)
+
+
+def invariant_attention(q, k, v, mask, span):
+    """Decode attention whose result for a row does not depend on the batch: torch's flash kernel with one CPU
+    thread (it then computes each row and head alone, measured bit for bit in tests/unit/test_scheduler.py, and it is the
+    fastest), else blockwise_attention."""
+    if torch.get_num_threads() == 1:
+        return F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask[..., :span],
+                                              enable_gqa=q.size(1) != k.size(1))
+    return blockwise_attention(q, k, v, mask, span)
+
+
+class DecodeView:
+    """
+    Rows [0, B) of the pool as one batch for a decode step: row i feeds one token at its own position pos[i] and
+    attends columns <= pos[i] of its slot. The positions, their mask and the input ids live in tensors of fixed
+    address (set before each step), so a compiled or graph-captured step finds its inputs where it left them.
+    Attention reads the first `span` columns only (the longest row's, rounded up to ATTN_BLOCK; every column with
+    trim=False, as a compiled step needs one shape), with `invariant` through invariant_attention (a row's result
+    the same bits in any batch), else torch's SDPA. Inside the forward only tensors' sizes say the batch size, so a
+    compiled step can take it as a symbolic size. Filler rows (set_step's None) sit at position 0, attend column 0
+    and write the scratch column.
+    """
+
+    last_only = False
+
+    def __init__(self, pool, batch, invariant, trim=True, windows=()):
+        device = pool.device
+        self.pool, self.batch, self.invariant, self.trim = pool, batch, invariant, trim
+        self.rows = torch.arange(batch, device=device)
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.prev_ids = torch.full((batch, 1), -1, dtype=torch.long, device=device)  # each row's previous token
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.column = torch.zeros(batch, dtype=torch.long, device=device)  # where each row writes: pos, or scratch
+        self.mask = torch.zeros(batch, 1, 1, pool.columns, dtype=torch.bool, device=device)
+        # sliding-window layers (RecordGPT): per window, the columns pos - window .. pos
+        self.window_masks = {w: torch.zeros_like(self.mask) for w in sorted(set(windows))}
+        self.columns = torch.arange(pool.columns, device=device)
+        self.span = pool.columns
+
+    def tensors(self):
+        """The step's input tensors (a compiled step marks their addresses static)."""
+        return [self.ids, self.prev_ids, self.pos, self.column, self.mask, self.rows, self.columns,
+                *self.window_masks.values()]
+
+    @property
+    def positions(self):
+        return self.pos
+
+    def get_pos(self):  # the model reads `positions` instead; an int makes no sense for rows at different lengths
+        raise TypeError("a decode view has one position per row: read .positions")
+
+    def set_step(self, ids, positions, prev_ids=None):
+        """Host lists of B ids and positions (None: a filler row), and the tokens before them (-1: none) -> the
+        device tensors (one copy each), the masks."""
+        pos = [0 if p is None else p for p in positions]
+        column = [self.pool.scratch if p is None else p for p in positions]
+        self.ids.copy_(torch.tensor(ids, dtype=torch.long).view(-1, 1), non_blocking=True)
+        if prev_ids is not None:
+            self.prev_ids.copy_(torch.tensor(prev_ids, dtype=torch.long).view(-1, 1), non_blocking=True)
+        self.pos.copy_(torch.tensor(pos, dtype=torch.long).view(-1, 1), non_blocking=True)
+        self.column.copy_(torch.tensor(column, dtype=torch.long), non_blocking=True)
+        torch.le(self.columns.view(1, -1), self.pos, out=self.mask.view(self.batch, -1))
+        for window, mask in self.window_masks.items():
+            torch.ge(self.columns.view(1, -1), self.pos - window, out=mask.view(self.batch, -1))
+            mask &= self.mask
+        if self.trim:
+            self.span = -(-(max(pos) + 1) // ATTN_BLOCK) * ATTN_BLOCK
+
+    def insert_kv(self, layer_idx, k, v):
+        kv = self.pool.layers[layer_idx]
+        kv[0, self.rows, :, self.column] = k[:, :, 0]
+        kv[1, self.rows, :, self.column] = v[:, :, 0]
+        B = self.rows.size(0)
+        return kv[0, :B], kv[1, :B]
+
+    def attend(self, layer_idx, q, k, v, window=None):
+        span = self.span
+        mask = self.mask if window is None else self.window_masks[window]  # window: the layer's sliding window
+        if self.invariant:
+            return invariant_attention(q, k, v, mask, span)
+        return F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask[..., :span],
+                                              enable_gqa=q.size(1) != k.size(1))
+
+
+class SlotPool:
+    """
+    `rows` slots of slot_len positions for every layer, plus a scratch column, rounded up to whole ATTN_BLOCKs: per
+    layer one tensor (2, rows, heads, columns, dim), zeroed (a masked position still enters attention's sums as
+    0 * value, and uninitialised memory may hold NaN). One tensor per layer, not views of one: a compiled step writes
+    graph inputs in place, and writes through views of one tensor made inductor copy the whole cache back every step
+    (see KVCache.start_fixed_shape).
+    """
+
+    def __init__(self, num_layers, kv_heads, head_dim, rows, slot_len, dtype, device):
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.rows, self.slot_len, self.dtype, self.device = rows, slot_len, dtype, torch.device(device)
+        self.columns = -(-(slot_len + 1) // ATTN_BLOCK) * ATTN_BLOCK
+        shape = (2, rows, kv_heads, self.columns, head_dim)
+        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def scratch(self):
+        return self.columns - 1
+
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in self.layers)
+
+    def prefill_view(self, row, start, prev_id=None):
+        return PrefillView(self, row, start, prev_id)
+
+    def copy_prefix(self, src, dst, n):
+        """The first n positions of slot src into slot dst (a request's extra samples start from its prompt)."""
+        for kv in self.layers:
+            kv[:, dst, :, :n] = kv[:, src, :, :n]
+
+
+class PrefixCache:
+    """
+    Keys/values of token prefixes, in blocks of BLOCK tokens keyed by the whole prefix up to the block's end (a
+    chain: each key holds its parent's key), so a block is shared by every sequence that starts with the same tokens
+    and a lookup walks from the first block. Least recently used blocks are evicted first; a lookup touches the
+    deepest block first and the first block last, so a chain loses its tail before its head.
+    Storage per layer: (2, num_blocks, heads, BLOCK, dim), allocated empty (a block is read only once written).
+    """
+
+    def __init__(self, pool, num_blocks):
+        self.pool, self.num_blocks = pool, num_blocks
+        shape = (2, num_blocks, pool.kv_heads, BLOCK, pool.head_dim)
+        self.layers = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.num_layers)]
+        self.index = OrderedDict()  # key -> block id, least recently used first
+        self.free = list(range(num_blocks - 1, -1, -1))
+        # counters for /stats: prompt tokens looked up, and how many of them came from the cache
+        self.lookups = self.hits = self.lookup_tokens = self.hit_tokens = self.evictions = 0
+
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in self.layers)
+
+    @staticmethod
+    def _keys(tokens, n_blocks):
+        keys, parent = [], None
+        for b in range(n_blocks):
+            parent = (parent, tuple(tokens[b * BLOCK:(b + 1) * BLOCK]))
+            keys.append(parent)
+        return keys
+
+    def match(self, tokens):
+        """Block ids of the longest cached prefix of `tokens` (whole blocks), touched as used."""
+        ids = []
+        for key in self._keys(tokens, len(tokens) // BLOCK):
+            block = self.index.get(key)
+            if block is None:
+                break
+            ids.append((key, block))
+        for key, _ in reversed(ids):  # deepest first: the first block ends up most recently used
+            self.index.move_to_end(key)
+        return [block for _, block in ids]
+
+    def cached_tokens(self, tokens):
+        """How many leading tokens of `tokens` are cached (whole blocks), without touching anything: safe to call
+        from another thread while the scheduler's thread works (one dict read per block)."""
+        n = 0
+        for key in self._keys(tokens, len(tokens) // BLOCK):
+            if self.index.get(key) is None:
+                break
+            n += BLOCK
+        return n
+
+    def load(self, tokens, row, limit):
+        """Copy the longest cached prefix of `tokens`, at most `limit` tokens, into slot `row`. Returns its length."""
+        self.lookups += 1
+        self.lookup_tokens += len(tokens)
+        blocks = self.match(tokens[:limit + BLOCK - 1])
+        n = min(len(blocks) * BLOCK, limit)
+        if n == 0:
+            return 0
+        index = torch.tensor(blocks, device=self.pool.device)
+        for store, kv in zip(self.layers, self.pool.layers):
+            got = store[:, index].transpose(1, 2).reshape(2, self.pool.kv_heads, len(blocks) * BLOCK, self.pool.head_dim)
+            kv[:, row, :, :n] = got[:, :, :n]
+        self.hits += 1
+        self.hit_tokens += n
+        return n
+
+    def save(self, tokens, row):
+        """Register the whole blocks of `tokens`, whose keys/values are in slot `row`, evicting old blocks as needed."""
+        n_blocks = len(tokens) // BLOCK
+        new = []  # (block position in the sequence, block id)
+        for b, key in enumerate(self._keys(tokens, n_blocks)):
+            if key in self.index:
+                self.index.move_to_end(key)
+                continue
+            if not self.free:
+                if not self.index:
+                    break
+                _, victim = self.index.popitem(last=False)
+                self.free.append(victim)
+                self.evictions += 1
+            block = self.free.pop()
+            self.index[key] = block
+            new.append((b, block))
+        if not new:
+            return
+        src = torch.tensor([b for b, _ in new], device=self.pool.device)
+        dst = torch.tensor([block for _, block in new], device=self.pool.device)
+        H, D = self.pool.kv_heads, self.pool.head_dim
+        for store, kv in zip(self.layers, self.pool.layers):
+            blocks = kv[:, row, :, : n_blocks * BLOCK].reshape(2, H, n_blocks, BLOCK, D).transpose(1, 2)
+            store[:, dst] = blocks[:, src]
+
+    def stats(self):
+        return {
+            "blocks": self.num_blocks,
+            "blocks_used": len(self.index),
+            "block_tokens": BLOCK,
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "prompt_tokens": self.lookup_tokens,
+            "hit_tokens": self.hit_tokens,
+            "hit_rate": self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0,
+            "evictions": self.evictions,
+        }

@@ -1,0 +1,585 @@
+"""
+Continuous batching: one model decodes a batch of sequences from many requests at once, and requests join and leave
+that batch between steps.
+
+    scheduler = Scheduler(engine, max_batch=64)
+    request = scheduler.submit(prompt_ids, max_tokens=64, temperature=0.0, on_event=callback)
+    while scheduler.step(): pass              # or scheduler.start(): a thread steps while there is work
+    request.sequences(), request.finish_reasons
+
+    outputs = generate_many(engine, [Job(prompt, num_samples=4, seed=1), ...], max_batch=32)   # evals and RL
+
+Every step, in order:
+1. Requests that were cancelled (the client left) leave, and their slots are free for this very step.
+2. Waiting requests are admitted, first come first served, while the batch has room: at most `max_batch` sequences
+   (a request sampling n completions counts n) and only as many as the KV slots allow (nanochat/serving/kv_slots.py:
+   the budget comes from the device's free memory, or --kv_cache_gb). The rest wait; the server refuses requests
+   beyond its queue with 429 before they get here. An admitted prompt first looks in the prefix cache: the longest
+   cached prefix (a shared system prompt, the same conversation's earlier turn) is copied into its slot.
+3. Prompts are prefilled, one forward per chunk of at most `prefill_chunk` tokens, up to `prefill_budget` tokens a
+   step (at least one chunk), so a long prompt or a crowd of new ones delays the sequences already streaming by a
+   bounded amount, while new requests get their first token soon. A prompt's last chunk gives its
+   first token(s); a request sampling n completions copies its prompt's keys/values into its other n - 1 slots.
+4. One decode step for every sequence that is generating, whatever request it belongs to. Each request keeps its own
+   temperature, top_k, top_p, seed (its own torch.Generator: its samples never depend on its neighbours), max_tokens,
+   stop tokens and calculator state (the Engine's RowState). A sequence that stops leaves at once; its keys/values go
+   to the prefix cache and its slot is free for the next step.
+
+Same answers alone or in a crowd: a request's tokens do not depend on which requests share its steps. Its prefill runs
+alone (batch 1, chunks fixed by its own prompt and prefix hit), and the decode step is made batch-invariant: the batch
+is padded to a bucket of at least 4 rows (decode_buckets), attention runs under a per-row mask, and on CPU through
+kv_slots.invariant_attention (torch's CPU flash kernel splits the keys differently by batch size when it has
+several threads). tests/unit/test_scheduler.py checks it token for token, for 32+ prompts arriving at different steps. A
+prefix-cache hit is the one thing that changes a request's arithmetic: its cached keys/values were computed in
+another chunking (or by decode steps), equal to recomputing them up to float rounding; --prefix_cache=0 turns it off
+where bit-for-bit reproducibility matters more than the time to first token.
+
+Decode runs on fixed shapes: a compiled step per bucket where the Engine would compile (`decode_compile`, auto = on
+CUDA, captured as a CUDA graph), eager elsewhere. The model is called through the same forward API as the Engine's
+(`model(ids, kv_cache=view)`, the views of nanochat/serving/kv_slots.py). The record model (RecordGPT) batches too:
+the views give its sliding-window layers per-window masks (`attend(..., window)`) and its smear each row's previous
+token id (`prev_ids`), so a row carries no model state beyond its keys/values.
+"""
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from nanochat.engine import RowState, check_generation_args, sample_next_token
+from nanochat.serving.kv_slots import ATTN_BLOCK, BLOCK, DecodeView, PrefixCache, SlotPool, decode_buckets, kv_bytes_per_token, plan_kv
+
+logger = logging.getLogger("nanochat.serving")
+
+DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward: a d4 on CPU takes ~50 ms for 512
+DEFAULT_PREFILL_BUDGET = 2048  # prompt tokens prefilled per step, at most (time to first token vs a decode stall)
+
+
+def kv_dtype(model):
+    """The dtype the model's keys come out in here and now: autocast's when it is on (as GPT.forward computes in
+    it), else the weights'."""
+    device = model.get_device()
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    params = list(model.parameters())
+    return params[0].dtype if params else torch.float32
+
+
+class Request:
+    """
+    One prompt and how to sample it: `num_samples` sequences ("rows") from the same prompt. Its tokens come back
+    through `on_event(kind, payload)`, called on the scheduler's thread: ("tokens", [(row, token, mask), ...]) once a
+    step (mask 0: forced by the calculator), then ("done", None) or ("error", message). `tokens`/`masks` keep every
+    row's tokens; a row's stop token is reported and kept in `tokens` but not in sequences().
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, top_p=None, seed=42,
+                 stop_tokens=None, on_event=None):
+        check_generation_args(prompt, num_samples, max_tokens, temperature, top_p, name="prompt", min_max_tokens=1)
+        self.id = next(Request._ids)
+        self.prompt = list(prompt)
+        self.num_samples, self.max_tokens = num_samples, max_tokens
+        self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k or None, top_p, seed
+        self.stop_tokens = None if stop_tokens is None else frozenset(stop_tokens)
+        self.on_event = on_event
+        self.cancelled = False
+        self.rows = []  # Row objects once admitted
+        self.tokens = [[] for _ in range(num_samples)]
+        self.masks = [[] for _ in range(num_samples)]
+        self.finish_reasons = [None] * num_samples
+        self.prefilled = 0  # prompt tokens whose keys/values are in the first row's slot
+        self.prefix_hit = 0  # of which came from the prefix cache
+        self.state = "waiting"  # -> prefill -> decode -> done
+        self.error = None
+        self.rng = None
+        self.submitted = time.perf_counter()
+        self.first_token_at = None
+        self.finished = threading.Event()
+
+    def cancel(self):
+        """Stop generating (any thread): the rows leave at the start of the scheduler's next step."""
+        self.cancelled = True
+
+    def sequences(self):
+        """Like Engine.generate_batch: per row, prompt + generated tokens without the stop token, and masks."""
+        seqs, masks = [], []
+        for toks, ms, reason in zip(self.tokens, self.masks, self.finish_reasons):
+            keep = len(toks) - 1 if reason == "stop" else len(toks)
+            seqs.append(self.prompt + toks[:keep])
+            masks.append([0] * len(self.prompt) + ms[:keep])
+        return seqs, masks
+
+
+class Row:
+    """One sequence of a request in the batch: its slot, how many positions it has cached, the token to feed next."""
+
+    def __init__(self, request, index, slot):
+        self.request, self.index, self.slot = request, index, slot
+        self.length = 0
+        self.next_token = None
+        self.generated = 0
+        self.limit = 0  # most tokens this row may generate (max_tokens, and the room left in its slot)
+        self.state = RowState()
+
+
+@dataclass
+class Job:
+    """One prompt for generate_many (the arguments of Request)."""
+
+    prompt: list
+    num_samples: int = 1
+    max_tokens: int = None
+    temperature: float = 1.0
+    top_k: int = None
+    top_p: float = None
+    seed: int = 42
+
+
+class Scheduler:
+    """
+    Continuous batching over one Engine's model (one scheduler per device replica). See the module docstring.
+    max_batch: most sequences decoded together. max_context: positions per slot, i.e. the longest prompt + reply
+    (default the model's sequence_len, at most what its rotary table addresses). kv_budget_bytes: memory for slots
+    and the prefix cache (default a share of the device's free memory, DEFAULT_BUDGET_FRACTION). autocast: a
+    callable returning the context every forward runs in (the server's bf16 autocast on CUDA). log_requests: a log
+    line per finished request (the server's).
+    """
+
+    def __init__(self, engine, max_batch=64, max_context=None, kv_budget_bytes=None, prefix_cache=True,
+                 prefill_chunk=DEFAULT_PREFILL_CHUNK, prefill_budget=DEFAULT_PREFILL_BUDGET, autocast=None, dtype=None,
+                 batch_invariant=None, name="0",
+                 log_requests=False):
+        model = engine.model
+        self.engine, self.model, self.name, self.log_requests = engine, model, name, log_requests
+        self.device = model.get_device()
+        self.autocast = autocast or nullcontext
+        if prefill_chunk < 1 or prefill_budget < 1:
+            raise ValueError(f"prefill_chunk and prefill_budget must be >= 1, got {prefill_chunk}, {prefill_budget}")
+        self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
+        dtype = dtype or kv_dtype(model)
+        plan = plan_kv(model.config, engine.max_positions(), max_batch, max_context, dtype, self.device,
+                       kv_budget_bytes, prefix_cache)
+        self.plan, self.max_context, self.max_batch, self.buckets = plan, plan.max_context, plan.max_batch, plan.buckets
+        self.pool = SlotPool(plan.layers, plan.kv_heads, plan.head_dim, plan.rows, plan.max_context, dtype, self.device)
+        self.prefix = PrefixCache(self.pool, plan.prefix_blocks) if plan.prefix_blocks else None
+        rows = plan.rows
+        if batch_invariant is None:
+            batch_invariant = self.device.type == "cpu"
+        self.compiled = engine.decode_compiled
+        windows = getattr(model, "windows", ())  # RecordGPT's sliding windows, one per layer
+        self.views = {b: DecodeView(self.pool, b, batch_invariant, trim=not self.compiled, windows=windows)
+                      for b in self.buckets}
+        self._step_fn = None
+        self._checked = set()
+        # the requests; `inbox` is the only structure other threads touch (append / popleft are atomic)
+        self.inbox = deque()
+        self.waiting = deque()
+        self.prefilling = []
+        self.slots = [None] * rows  # Row per slot
+        self.free_slots = list(range(rows - 1, -1, -1))  # a stack: the lowest slot is taken first
+        self.requests = {}  # admitted, by id
+        # counters for /stats
+        self.steps = self.tokens_generated = self.requests_done = self.requests_served = self.errors = 0
+        self.busy_s = self.decode_s = 0.0  # time in steps, and in their decode part
+        self._thread = None
+        self._wake = threading.Condition()
+        self._stop = False
+
+    # ------------------------------------------------------------------ submitting
+
+    def submit(self, prompt, on_event=None, **sampling):
+        """Queue a Request (arguments as Request's); any thread. Returns it."""
+        request = Request(prompt, on_event=on_event, **sampling)
+        self.submit_request(request)
+        return request
+
+    def submit_request(self, request):
+        if request.num_samples > self.max_batch:
+            raise ValueError(f"num_samples={request.num_samples} is more than this scheduler's {self.max_batch} rows")
+        if len(request.prompt) >= self.max_context:
+            raise ValueError(f"the prompt is {len(request.prompt)} tokens; this scheduler holds at most "
+                             f"{self.max_context - 1} (--max_context={self.max_context})")
+        self.inbox.append(request)
+        with self._wake:
+            self._wake.notify()
+        return request
+
+    def running_rows(self):
+        return sum(1 for s in self.slots if s is not None)
+
+    def pending(self):
+        """Requests submitted and not finished (waiting, prefilling or decoding)."""
+        return len(self.inbox) + len(self.waiting) + len(self.requests)
+
+    def load(self):
+        """Rows in use or asked for: how the server picks the least loaded replica."""
+        queued = sum(r.num_samples for r in itertools.chain(list(self.inbox), list(self.waiting)))
+        return self.running_rows() + queued
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def step(self):
+        """Run one scheduling step (admit, prefill, decode). Returns True while work remains."""
+        t0 = time.perf_counter()
+        while self.inbox:
+            self.waiting.append(self.inbox.popleft())
+        self._reap_cancelled()
+        self._admit()
+        with self.autocast():
+            self._prefill()
+            t1 = time.perf_counter()
+            self._decode()
+        t2 = time.perf_counter()
+        self.steps += 1
+        self.busy_s += t2 - t0
+        self.decode_s += t2 - t1
+        return bool(self.inbox or self.waiting or self.requests)
+
+    def _reap_cancelled(self):
+        for request in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(request)
+            self._finish(request, None)
+        for request in [r for r in self.requests.values() if r.cancelled]:
+            self._finish(request, None)
+
+    def _admit(self):
+        while self.waiting:
+            request = self.waiting[0]
+            n = request.num_samples
+            if self.running_rows() + n > self.max_batch or len(self.free_slots) < n:
+                return
+            self.waiting.popleft()
+            request.rows = [Row(request, i, self.free_slots.pop()) for i in range(n)]
+            for row in request.rows:
+                self.slots[row.slot] = row
+            request.rng = torch.Generator(device=self.device)
+            request.rng.manual_seed(request.seed)
+            request.state = "prefill"
+            self.requests[request.id] = request
+            if self.prefix is not None:  # keep >= 1 prompt token to prefill: its logits give the first token
+                request.prefix_hit = self.prefix.load(request.prompt, request.rows[0].slot, len(request.prompt) - 1)
+            request.prefilled = request.prefix_hit
+            self.prefilling.append(request)
+
+    def _prefill(self):
+        budget = self.prefill_budget
+        done_any = False
+        while self.prefilling:
+            request = self.prefilling[0]
+            start = request.prefilled
+            end = min(start + self.prefill_chunk, len(request.prompt))
+            if done_any and end - start > budget:
+                return
+            row = request.rows[0]
+            ids = torch.tensor([request.prompt[start:end]], dtype=torch.long, device=self.device)
+            try:
+                view = self.pool.prefill_view(row.slot, start, request.prompt[start - 1] if start else None)
+                logits = self.model(ids, kv_cache=view)[:, -1, :]
+            except Exception as e:  # this request fails; the others go on
+                logger.exception(f"prefill failed on scheduler {self.name}")
+                self.prefilling.pop(0)
+                self._finish(request, f"generation failed: {type(e).__name__}: {e}")
+                continue
+            budget -= end - start
+            done_any = True
+            request.prefilled = end
+            if end < len(request.prompt):
+                continue  # the next chunk comes next (this step if the budget allows)
+            self.prefilling.pop(0)
+            self._start_decoding(request, logits)
+
+    def _start_decoding(self, request, logits):
+        P = len(request.prompt)
+        first = request.rows[0]
+        for row in request.rows:
+            if row is not first:
+                self.pool.copy_prefix(first.slot, row.slot, P)
+            row.length = P
+            room = self.max_context - P
+            row.limit = room if request.max_tokens is None else min(request.max_tokens, room)
+        if self.prefix is not None:
+            self.prefix.save(request.prompt, first.slot)
+        n = request.num_samples
+        tokens = sample_next_token(logits.expand(n, -1), request.rng, request.temperature, request.top_k, request.top_p)
+        request.state = "decode"
+        request.first_token_at = time.perf_counter()
+        self._advance(request, list(zip(request.rows, tokens[:, 0].tolist())))
+
+    def _decode(self):
+        rows = [r for r in self.slots if r is not None and r.request.state == "decode"]
+        if not rows:
+            return
+        top = max(r.slot for r in rows) + 1
+        if top > 2 * len(rows) and top > self.buckets[0]:
+            self._compact()
+            rows = [r for r in self.slots if r is not None and r.request.state == "decode"]
+            top = max(r.slot for r in rows) + 1
+        B = next(b for b in self.buckets if b >= top)
+        view = self.views[B]
+        ids, positions, prev = [0] * B, [None] * B, [-1] * B  # filler rows: see DecodeView
+        for r in rows:
+            ids[r.slot], positions[r.slot] = r.next_token, r.length
+            P, before = len(r.request.prompt), r.length - 1  # the token before next_token (RecordGPT's smear)
+            prev[r.slot] = r.request.prompt[before] if before < P else r.request.tokens[r.index][before - P]
+        try:
+            view.set_step(ids, positions, prev)
+            logits = self._forward(view)
+        except Exception as e:
+            logger.exception(f"decode step failed on scheduler {self.name}")
+            for request in {r.request.id: r.request for r in rows}.values():
+                self._finish(request, f"generation failed: {type(e).__name__}: {e}")
+            return
+        for r in rows:
+            r.length += 1
+        # sampling: the greedy rows of every request in one argmax, the others per request with its own generator
+        chosen = {}
+        greedy = [r for r in rows if r.request.temperature < 1e-5]
+        if greedy:
+            index = torch.tensor([r.slot for r in greedy], device=logits.device)
+            chosen.update(zip((r.slot for r in greedy), logits[index].argmax(dim=-1).tolist()))
+        by_request = {}
+        for r in rows:
+            if r.slot not in chosen:
+                by_request.setdefault(r.request.id, []).append(r)
+        for group in by_request.values():
+            q = group[0].request
+            index = torch.tensor([r.slot for r in group], device=logits.device)
+            picked = sample_next_token(logits[index], q.rng, q.temperature, q.top_k, q.top_p)
+            chosen.update(zip((r.slot for r in group), picked[:, 0].tolist()))
+        by_request = {}
+        for r in rows:
+            by_request.setdefault(r.request.id, []).append((r, chosen[r.slot]))
+        for pairs in by_request.values():
+            self._advance(pairs[0][0].request, pairs)
+
+    def _forward(self, view):
+        if not self.compiled:
+            return self.model(view.ids, kv_cache=view)[:, -1, :]
+        if self._step_fn is None:
+            for t in self.pool.layers:
+                torch._dynamo.mark_static_address(t)
+            for v in self.views.values():
+                for t in v.tensors():
+                    torch._dynamo.mark_static_address(t)
+
+            def step(model, ids, cache):
+                return model(ids, kv_cache=cache)[:, -1, :]
+
+            # dynamic=None (automatic): the first bucket compiles static, the second recompiles with the batch size
+            # symbolic, and every later bucket reuses that graph (on CUDA recorded as one more CUDA graph, cheap next
+            # to a compile): two compiles, not one per bucket
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            cuda = self.device.type == "cuda"
+            self._step_fn = torch.compile(step, mode="reduce-overhead" if cuda else None, dynamic=None)
+        if self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        if view.batch in self._checked:  # this bucket's guards held once: skip re-checking them every step
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                logits = self._step_fn(self.model, view.ids, view)
+        else:
+            logits = self._step_fn(self.model, view.ids, view)
+            self._checked.add(view.batch)
+        return logits  # read (sampled) before the next step replays the graph over it
+
+    def _advance(self, request, pairs):
+        """This step's token for some rows of `request`: forced tool output first, stops, limits, the callback."""
+        out = []
+        for row, token in pairs:
+            mask = 1
+            if row.state.forced_tokens:  # the calculator's answer replaces what was sampled
+                token, mask = row.state.forced_tokens.popleft(), 0
+            self.engine.observe(row.state, token)
+            row.generated += 1
+            request.tokens[row.index].append(token)
+            request.masks[row.index].append(mask)
+            out.append((row.index, token, mask))
+            stops = request.stop_tokens
+            if (row.state.completed if stops is None else token in stops):
+                request.finish_reasons[row.index] = "stop"
+            elif row.generated >= row.limit:
+                request.finish_reasons[row.index] = "length"
+            else:
+                row.next_token = token
+                continue
+            self._release(row)
+        self.tokens_generated += len(out)
+        self._emit(request, "tokens", out)
+        if all(reason is not None for reason in request.finish_reasons):
+            self._finish(request, None)
+
+    def _release(self, row):
+        """A row is done: its keys/values go to the prefix cache, its slot back to the free list."""
+        if self.slots[row.slot] is not row:
+            return
+        request = row.request
+        if self.prefix is not None and request.state == "decode" and request.error is None and row.length:
+            fed = request.prompt + request.tokens[row.index][: row.length - len(request.prompt)]
+            self.prefix.save(fed, row.slot)
+        self.slots[row.slot] = None
+        self.free_slots.append(row.slot)
+        self.free_slots.sort(reverse=True)
+
+    def _compact(self):
+        """Move the highest rows into the lowest free slots, so the decode batch (rows 0..top) stays dense."""
+        for slot in range(len(self.slots) - 1, -1, -1):
+            row = self.slots[slot]
+            if row is None or not self.free_slots or self.free_slots[-1] > slot:
+                continue
+            if row.request.state != "decode":
+                continue
+            dst = self.free_slots.pop()
+            for kv in self.pool.layers:
+                kv[:, dst, :, : row.length] = kv[:, slot, :, : row.length]
+            self.slots[dst], self.slots[slot] = row, None
+            row.slot = dst
+            self.free_slots.append(slot)
+            self.free_slots.sort(reverse=True)
+
+    def _finish(self, request, error):
+        """The request leaves (done, cancelled or failed): its rows free their slots now, then its last event."""
+        if request.state == "done":
+            return
+        request.error = error
+        for row in request.rows:
+            self._release(row)
+        if request in self.prefilling:
+            self.prefilling.remove(request)
+        self.requests.pop(request.id, None)
+        request.state = "done"
+        for i, reason in enumerate(request.finish_reasons):
+            if reason is None:
+                request.finish_reasons[i] = "cancelled" if request.cancelled else ("error" if error else "length")
+        self.requests_done += 1
+        self.requests_served += bool(request.rows)  # it got rows (one cancelled while waiting never ran)
+        if request.rows and self.log_requests:
+            dt = time.perf_counter() - request.submitted
+            made = sum(len(t) for t in request.tokens)
+            how = "failed" if error else ("stopped: cancelled" if request.cancelled else "done")
+            ttft = f"first after {request.first_token_at - request.submitted:.3f}s, " if request.first_token_at else ""
+            logger.info(f"scheduler {self.name}: prompt {len(request.prompt)} tokens ({request.prefix_hit} cached), "
+                        f"{made} tokens over {request.num_samples} row(s) in {dt:.2f}s ({ttft}{how})")
+        if error is not None:
+            self.errors += 1
+            self._emit(request, "error", error)
+        else:
+            self._emit(request, "done", None)
+        request.finished.set()
+
+    def _emit(self, request, kind, payload):
+        if request.on_event is None:
+            return
+        try:
+            request.on_event(kind, payload)
+        except Exception:  # a consumer's failure must not take the batch down
+            logger.exception("a request's event callback failed")
+
+    # ------------------------------------------------------------------ the serving thread
+
+    def start(self):
+        """Step on a daemon thread whenever there is work (the chat server's one scheduler per replica)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"nanochat-scheduler-{self.name}", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self):
+        self._stop = True
+        with self._wake:
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def _loop(self):
+        while not self._stop:
+            with self._wake:
+                while not self._stop and not (self.inbox or self.waiting or self.requests):
+                    self._wake.wait()
+            if self._stop:
+                return
+            try:
+                self.step()
+            except Exception:  # a bug in the scheduler itself: fail what is in flight, keep serving
+                logger.exception(f"scheduler {self.name} step failed")
+                for request in list(self.requests.values()) + list(self.waiting):
+                    self._finish(request, "generation failed: scheduler error (see the server log)")
+                self.waiting.clear()
+
+    def describe(self):
+        cache = (f"prefix cache {self.prefix.num_blocks} blocks of {BLOCK} tokens" if self.prefix is not None
+                 else "no prefix cache")
+        return (f"{self.max_batch} sequences x {self.max_context} positions ({self.pool.nbytes() / 2**20:.0f} MiB), "
+                f"{cache}, decode {'compiled' if self.compiled else 'eager'}, buckets {self.buckets}")
+
+    def stats(self):
+        rows = self.running_rows()
+        return {
+            "running_rows": rows,
+            "running_requests": len(self.requests),
+            "waiting_requests": len(self.inbox) + len(self.waiting),
+            "max_batch": self.max_batch,
+            "kv_slots": self.pool.rows,
+            "max_context": self.max_context,
+            "kv_cache_bytes": self.pool.nbytes() + (self.prefix.nbytes() if self.prefix else 0),
+            "steps": self.steps,
+            "busy_s": round(self.busy_s, 3),
+            "decode_s": round(self.decode_s, 3),
+            "decode": "compiled" if self.compiled else "eager",
+            "prefix_cache": self.prefix.stats() if self.prefix else None,
+        }
+
+
+def generate_many(engine, jobs, max_batch=32, max_context=None, prefix_cache=False, on_finish=None, **kwargs):
+    """
+    Run every Job through one Scheduler on this thread (no server): for evaluation and RL rollouts. Returns, per job
+    and in order, (sequences, masks) as Engine.generate_batch gives them: the prompt then the sampled tokens (mask
+    1) and forced tool output (mask 0), without the stop token. on_finish(i, sequences, masks) is called as each
+    job ends (in the order they end). max_context defaults to what the longest job needs; the KV budget (unless
+    kv_budget_bytes is given) to the slots for max_batch sequences (and as much again for a prefix cache).
+    No prefix cache by default: whether a job hits one depends on when it is admitted, so on the other jobs and
+    max_batch, and a hit changes the last bits of its arithmetic; without it every job's result is the one it gets
+    alone (bit for bit on CPU), however the jobs are grouped (an RL step on 1 rank == the same questions on 2).
+    """
+    jobs = list(jobs)
+    if not jobs:
+        return []
+    if max_context is None:
+        need = max(len(j.prompt) + (j.max_tokens or engine.model.config.sequence_len) for j in jobs)
+        max_context = min(need, engine.max_positions())
+    max_batch = max(max_batch, max(j.num_samples for j in jobs))
+    if "kv_budget_bytes" not in kwargs:
+        cfg = engine.model.config
+        per_token = kv_bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.n_embd // cfg.n_head,
+                                       kwargs.get("dtype") or kv_dtype(engine.model))
+        columns = -(-(max_context + 1) // ATTN_BLOCK) * ATTN_BLOCK
+        kwargs["kv_budget_bytes"] = (2 if prefix_cache else 1) * decode_buckets(max_batch)[-1] * per_token * columns
+    scheduler = Scheduler(engine, max_batch=max_batch, max_context=max_context, prefix_cache=prefix_cache, **kwargs)
+    results = [None] * len(jobs)
+
+    def finished(i):
+        def on_event(kind, payload):
+            if kind == "done":
+                results[i] = requests[i].sequences()
+                if on_finish is not None:
+                    on_finish(i, *results[i])
+        return on_event
+
+    requests = []
+    for i, job in enumerate(jobs):
+        requests.append(scheduler.submit(job.prompt, num_samples=job.num_samples, max_tokens=job.max_tokens,
+                                         temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=job.seed,
+                                         on_event=finished(i)))
+    while scheduler.step():
+        pass
+    for request in requests:
+        if request.error:
+            raise RuntimeError(request.error)
+    return results

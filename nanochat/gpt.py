@@ -655,8 +655,8 @@ class RecordGPT(GPT):
         AdamW (eps 1e-10, in 92d63d4's arithmetic: math="record", nanochat/adamw.py) for lm_head (betas 0.8/0.96,
         decay 0.01), wte (0.8/0.995, 0.001), the value embeddings (half the embedding lr, 0.8/0.995, 0.01),
         resid_lambdas (scalar_lr / 100, 0.8/0.95, 0.05), x0_lambdas (scalar_lr, 0.96/0.95, none), smear/backout (0.2,
-        0.8/0.95, none); the lm_head and embedding lrs scaled by (n_embd/768)^-0.5. Muon for the block matrices (lr matrix_lr, momentum 0.95, weight_decay the cautious decay
-        the training loop schedules) with the record options of nanochat/muon.py: Polar Express, MuonEq, Muon+,
+        0.8/0.95, none); the lm_head and embedding lrs scaled by (n_embd/768)^-0.5. Muon for the block matrices (lr
+        matrix_lr, momentum 0.95, weight_decay the cautious decay the training loop schedules) with the record options of nanochat/muon.py: Polar Express, MuonEq, Muon+,
         NorMuon (beta2 0.9).
         """
         scale = (self.config.n_embd / 768) ** -0.5

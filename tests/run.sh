@@ -5,6 +5,7 @@
 #   bash tests/run.sh -m "not slow and not dist"
 # Settings:
 #   NANOCHAT_VENV=path            venv to create/reuse (default: .venv in the repo)
+#   NANOCHAT_TEST_WORKERS=N       test worker processes (default 2; 0 = run in this process, for pdb or -s)
 #   NANOCHAT_INSTALL_CHROMIUM=1   install Debian's chromium with apt-get (as root) for the web UI test. Off by
 #                                 default: this script changes nothing outside the repo and its venv unless asked;
 #                                 without chromium the UI test is skipped with a reason. (CI sets it: .ci/run.)
@@ -33,4 +34,10 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
 fi
 
 export PYTHONUNBUFFERED=1
-exec "$VENV/bin/python" -m pytest -q "$@"
+# Two test files at a time (pytest-xdist; a file's tests stay in one worker, so its module fixtures are built once):
+# the whole suite in about half the time on two cores. NANOCHAT_TEST_WORKERS=0 runs in this process (for pdb, -s).
+WORKERS="${NANOCHAT_TEST_WORKERS:-2}"
+if [[ "$WORKERS" == 0 ]]; then
+    exec "$VENV/bin/python" -m pytest -q "$@"
+fi
+exec "$VENV/bin/python" -m pytest -q -n "$WORKERS" --dist loadfile "$@"

@@ -471,3 +471,20 @@ def test_the_launchers_run_before_anything_is_installed():
                     todo.append(module_file(name))
     assert {REPO / "nanochat" / "launch" / "bootstrap.py", REPO / "nanochat" / "presets.py"} <= seen
     assert not outside, f"the launchers import beyond the standard library: {outside}"
+
+
+TEST_GROUPS = ("unit", "integration", "distributed", "architecture")
+
+
+def test_every_test_file_sits_in_a_group_on_pytests_path():
+    """tests/ is grouped by what a test needs (docs/testing.md): no test file at the top or in another folder, and
+    every group is on pyproject's pythonpath (a test imports another group's module by name). A folder named dist/
+    would be skipped by pytest's default norecursedirs, which is why the torchrun group is distributed/."""
+    tests = REPO / "tests"
+    stray = [str(p.relative_to(REPO)) for p in tests.rglob("test_*.py")
+             if p.parent.parent != tests or p.parent.name not in TEST_GROUPS]
+    assert not stray, f"put these test files in one of tests/{{{','.join(TEST_GROUPS)}}}/: {stray}"
+    assert all(any((tests / g).glob("test_*.py")) for g in TEST_GROUPS)
+    line = re.search(r"^pythonpath = \[(.*)\]$", (REPO / "pyproject.toml").read_text(), re.M)  # tomllib is 3.11+
+    assert line and set(re.findall(r'"([^"]+)"', line.group(1))) == {"tests", *(f"tests/{g}" for g in TEST_GROUPS)}
+    assert not set(TEST_GROUPS) & {"dist", "build", "venv", "node_modules"}  # pytest's default norecursedirs

@@ -188,11 +188,12 @@ def blockwise_attention(q, k, v, mask, span):
     return (out / weight).reshape(B, Hq, 1, D).to(q.dtype)
 
 
-def invariant_attention(q, k, v, mask, span):
+def invariant_attention(q, k, v, mask, span, one_thread):
     """Decode attention whose result for a row does not depend on the batch: torch's flash kernel with one CPU
     thread (it then computes each row and head alone, measured bit for bit in tests/unit/test_scheduler.py, and it is the
-    fastest), else blockwise_attention."""
-    if torch.get_num_threads() == 1:
+    fastest), else blockwise_attention. `one_thread` (torch.get_num_threads() == 1) is read by the caller outside
+    the compiled step: the call inside it would break the graph."""
+    if one_thread:
         return F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask[..., :span],
                                               enable_gqa=q.size(1) != k.size(1))
     return blockwise_attention(q, k, v, mask, span)
@@ -225,6 +226,7 @@ class DecodeView:
         self.window_masks = {w: torch.zeros_like(self.mask) for w in sorted(set(windows))}
         self.columns = torch.arange(pool.columns, device=device)
         self.span = pool.columns
+        self.one_thread = torch.get_num_threads() == 1
 
     def tensors(self):
         """The step's input tensors (a compiled step marks their addresses static)."""
@@ -254,6 +256,7 @@ class DecodeView:
             mask &= self.mask
         if self.trim:
             self.span = -(-(max(pos) + 1) // ATTN_BLOCK) * ATTN_BLOCK
+        self.one_thread = torch.get_num_threads() == 1  # here, not in the compiled step (a graph break there)
 
     def insert_kv(self, layer_idx, k, v):
         kv = self.pool.layers[layer_idx]
@@ -266,7 +269,7 @@ class DecodeView:
         span = self.span
         mask = self.mask if window is None else self.window_masks[window]  # window: the layer's sliding window
         if self.invariant:
-            return invariant_attention(q, k, v, mask, span)
+            return invariant_attention(q, k, v, mask, span, self.one_thread)
         return F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask[..., :span],
                                               enable_gqa=q.size(1) != k.size(1))
 

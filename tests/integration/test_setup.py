@@ -251,8 +251,14 @@ def test_tests_run_sh_passes_arguments_to_pytest_and_installs_chromium_only_when
                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     calls = log.read_text().splitlines()
-    assert calls[-1] == "[-m][pytest][-q][-m][not slow and not dist][-x]"
+    assert calls[-1] == "[-m][pytest][-q][-n][2][--dist][loadfile][-m][not slow and not dist][-x]"  # two workers
     assert "[-m][pip][install][-q][-e][.[dev]]" in calls
+    log.unlink()
+    env["NANOCHAT_TEST_WORKERS"] = "0"  # one process, for pdb and -s
+    p = subprocess.run(["bash", str(REPO / "tests" / "run.sh"), "-x"], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and log.read_text().splitlines()[-1] == "[-m][pytest][-q][-x]", p.stdout + p.stderr
+    del env["NANOCHAT_TEST_WORKERS"]
     assert not any(c.startswith("apt-get") for c in calls)  # nothing outside the venv changed unasked
     assert "NANOCHAT_INSTALL_CHROMIUM=1" in p.stdout
     log.unlink()

@@ -332,7 +332,7 @@ def test_real_bundle_runs_and_is_partial(monkeypatch):
 DIST_SCRIPT = textwrap.dedent("""
     import json, sys
     import torch
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {tests!r} + "/unit"]  # conftest, and this file for its models
     from nanochat.common import compute_init, compute_cleanup
     from nanochat.distributed.dist import process_data_ranks
     from nanochat.core_eval import evaluate_model, get_bundle_dir

@@ -118,6 +118,7 @@ def test_record_optimizer_matches_nanochat_92d63d4(tmp_path, monkeypatch):
     muon.f32) and the AdamW ones (math="record": its fused AdamW's float32 arithmetic). torch's AdamW, the same formula
     in another rounding (double scalars, sqrt(v) / sqrt(bc2)), is off in the last bits, which a training run amplifies
     past 1e-4 in the loss within a few dozen steps (bench/record_side_by_side.py)."""
+    torch._dynamo.reset()  # 92d63d4's steps are compiled: no graph or setting left by another test in this process
     module = load_92d63d4_module("nanochat/optim.py", tmp_path, monkeypatch)
     ref, ours, torch_adamw = record_params(), record_params(), record_params()
     start = [p.detach().clone() for p in ref]

@@ -135,6 +135,7 @@ def test_single_node_cpu_runs_one_standalone_process(tmp_path):
     assert not (tmp_path / "base").exists()
 
 
+@pytest.mark.slow  # several launcher subprocesses: seconds
 def test_single_node_counts_visible_gpus(tmp_path):
     # 3 GPUs: 524288 tokens are no whole number of 32 x 2048 x 3 micro-batches, so give a total that is
     p = run_pretrain(tmp_path, "--total_batch_size=589824", env=base_env(tmp_path, CUDA_VISIBLE_DEVICES="0,1,3"))
@@ -201,6 +202,7 @@ def test_volcengine_multi_node(tmp_path, rank):
         assert not any("nanochat.report" in c for c in commands)
 
 
+@pytest.mark.slow  # several launcher subprocesses: seconds
 def test_preset_batch_is_halved_when_one_step_exceeds_the_total_batch(tmp_path):
     # d20 on 4 x 8 GPUs: 32 rows x 2048 tokens x 32 = 2097152 tokens > base_train's 524288 -> 16 -> 8 rows
     assert D20 == 32
@@ -391,6 +393,7 @@ def test_activation_checkpointing_and_tp_overrides(tmp_path):
     assert p.returncode != 0 and "--tp_size" in p.stderr and "RUN:" not in p.stdout
 
 
+@pytest.mark.slow  # several launcher subprocesses: seconds
 def test_overrides_and_pass_through(tmp_path):
     p = run_pretrain(
         tmp_path,
@@ -478,6 +481,7 @@ def test_chat_sft_batch_fits_the_world(tmp_path, nodes, gpus, depth, sft_args):
     assert calls["scripts.chat_sft"][1] == ["--run=dummy"] + sft_args + RESUME
 
 
+@pytest.mark.slow  # several launcher subprocesses: seconds
 def test_bad_depth_and_flags(tmp_path):
     p = run_pretrain(tmp_path, "--depth=21", check=False)
     assert p.returncode != 0
@@ -718,6 +722,7 @@ def test_volc_submit_without_cli_says_how_to_install(tmp_path):
     assert p.returncode != 0 and "volc CLI is not installed" in p.stderr and "--dry-run" in p.stderr
 
 
+@pytest.mark.slow  # several launcher subprocesses: seconds
 def test_indivisible_total_batch_is_refused_before_any_work(tmp_path):
     """3 nodes x 8 GPUs at d20: no device batch makes 524288 tokens whole micro-batches; say so up front."""
     env = slurm_env(tmp_path, 0, nodelist="gpu[01-03]", nnodes=3)
@@ -919,6 +924,7 @@ def test_discover_reads_each_platform():
         nodes.discover({**gpus, "MLP_WORKER_NUM": "two"})
 
 
+@pytest.mark.slow  # several launcher subprocesses: seconds
 def test_save_every_and_max_restarts_reach_every_training_stage(tmp_path):
     p = run_pretrain(tmp_path, "--fullrun", "--save_every=100", "--max-restarts", "1")
     calls = torchrun_calls(parse(p.stdout)[1])

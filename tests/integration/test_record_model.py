@@ -109,6 +109,7 @@ def record_model(attn="sdpa", **overrides):
 # the model against 92d63d4's
 
 
+@pytest.mark.slow  # 92d63d4's model built beside ours: seconds
 def test_same_init_logits_windows_flops_as_92d63d4(probe):
     model = record_model()
     init = model.state_dict()

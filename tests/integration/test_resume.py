@@ -257,6 +257,7 @@ def test_stop_signal_saves_exits_0_and_auto_resume_finishes_the_same_run(base_di
 # ------------------------------------------------------------------ saves that cannot strand disk (issue 31)
 
 
+@pytest.mark.slow  # a training subprocess: seconds
 def test_a_save_killed_mid_write_leaves_temp_files_that_the_next_start_removes(base_dir):
     """kill -9 while rank 0 writes step 4's model file (half of it on disk as the atomic write's temp file): the next
     start names and removes it in one line, and resumes from step 2."""

@@ -231,7 +231,8 @@ def attention(q, k, v, choice, mask=None, window=None):
 
         block_mask = None if Tq == 1 else _causal_block_mask(Tq, q.device, window)  # one new token sees everything cached
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
-    masked = mask is not None or Tq not in (Tk, 1)  # an explicit mask: the decode step's, or the chunk's below
+    # an explicit mask below: the decode step's, the sliding window's, or a chunk's after a cached prefix
+    masked = mask is not None or window is not None or Tq not in (Tk, 1)
     order = masked_order(choice.order, q.device.type) if masked else choice.order
     with sdpa_kernel([_SDPB[n] for n in order], set_priority=True):
         if mask is not None:

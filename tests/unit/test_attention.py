@@ -367,6 +367,30 @@ def test_fa4_custom_op_with_a_sliding_window():
     torch.library.opcheck(torch.ops.nanochat.fa4_fwd.default, tuple(t.detach().contiguous() for t in fa) + (3,))
 
 
+def test_a_windowed_call_of_a_kernel_that_takes_no_mask_runs_the_masked_order(monkeypatch):
+    # Found on an H100 (2026-11-27): SDPA has no sliding window, so a windowed call passes an explicit mask, and a
+    # pinned `sdpa_flash` (CUDA's flash kernel takes no mask) stopped with torch's "No available kernel". Here CUDA's
+    # rule is put on the CPU's flash kernel: the windowed call must ask for the masked order, and still be right.
+    monkeypatch.setitem(A.NO_MASK, "cpu", ("flash",))
+    asked = []
+    real = A.sdpa_kernel
+
+    def spy(backends, set_priority=False):
+        asked.append(tuple(backends))
+        return real(backends, set_priority=set_priority)
+
+    monkeypatch.setattr(A, "sdpa_kernel", spy)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    flash = A.choose("sdpa_flash", None)
+    y = A.attention(q, k, v, flash, None, 4)
+    assert asked == [tuple(A._SDPB[n] for n in A.MASK_FALLBACK)]
+    torch.testing.assert_close(y, reference(q, k, v, window=4))
+    asked.clear()
+    A.attention(q, k, v, flash, None, None)  # no window, no mask: the pinned kernel itself
+    assert asked == [(A._SDPB["flash"],)]
+
+
 # -----------------------------------------------------------------------------
 # on a GPU (skipped without one): every SDPA kernel the card has, and flex, against float64 math
 

@@ -142,6 +142,19 @@ NO_MASK = {"cuda": ("flash",)}
 MASK_FALLBACK = ("efficient", "math")  # what a masked call of a pinned kernel that takes no mask runs instead
 
 
+# cuDNN's SDPA builds one execution graph per shape (cached after): a call whose key length differs from call to call
+# (eager decode, where the cache grows by one token a step; a chunk after a cached prefix) would build one per call.
+# Measured on an H100 (2026-11-27, d20, bf16): eager decode ran 35 tok/s at batch 1 and 335 at batch 8, the same
+# ~28 ms a step whatever the batch, with cuDNN first in torch's own order. Such calls run their order without cuDNN;
+# fixed shapes (training, the compiled decode step's static cache with its mask) keep it.
+GROWING_FALLBACK = ("flash", "efficient", "math")  # what a growing call of a pinned `sdpa_cudnn` runs instead
+
+
+def growing_order(order):
+    """The SDPA kernel order of a call whose shape changes from call to call: `order` without cuDNN."""
+    return tuple(k for k in order if k != "cudnn") or GROWING_FALLBACK
+
+
 def masked_order(order, device_type):
     """The SDPA kernel order of a call with an explicit mask (the engine's fixed-shape decode step, a chunk after a
     cached prefix): `order` without the kernels that refuse masks on this device type, or MASK_FALLBACK when none is
@@ -233,7 +246,8 @@ def attention(q, k, v, choice, mask=None, window=None):
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
     # an explicit mask below: the decode step's, the sliding window's, or a chunk's after a cached prefix
     masked = mask is not None or window is not None or Tq not in (Tk, 1)
-    order = masked_order(choice.order, q.device.type) if masked else choice.order
+    order = growing_order(choice.order) if Tq != Tk and mask is None else choice.order  # an eager cached call
+    order = masked_order(order, q.device.type) if masked else order
     with sdpa_kernel([_SDPB[n] for n in order], set_priority=True):
         if mask is not None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

@@ -391,6 +391,30 @@ def test_a_windowed_call_of_a_kernel_that_takes_no_mask_runs_the_masked_order(mo
     assert asked == [(A._SDPB["flash"],)]
 
 
+def test_calls_whose_shape_grows_every_step_do_not_ask_for_cudnn(monkeypatch):
+    # cuDNN builds a graph per shape: eager decode (the cache one token longer each step) and a chunk after a cached
+    # prefix would build one per call (an H100 ran d20 eager decode at 35 tok/s so). Fixed shapes keep Hopper's order.
+    asked = []
+    real = A.sdpa_kernel
+    monkeypatch.setattr(A, "sdpa_kernel", lambda b, set_priority=False: asked.append(tuple(b)) or real(b, set_priority=set_priority))
+    hopper = A.choose("sdpa", (9, 0))
+    assert hopper.order[0] == "cudnn"
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(1, 2, 12, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    names = lambda order: tuple(A._SDPB[n] for n in order)  # noqa: E731
+    one = torch.randn(1, 2, 1, 8, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(A.attention(one, k, v, hopper), reference(one, k, v))  # decode: one new token
+    chunk = torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(A.attention(chunk, k, v, hopper), reference(chunk, k, v))  # a chunk after 8 cached
+    A.attention(k, k, v, hopper)  # training / a prefill into an empty cache: a fixed shape
+    A.attention(one, k, v, hopper, torch.ones(1, 12, dtype=torch.bool))  # the compiled step: a static cache, a mask
+    assert asked == [names(("flash", "efficient", "math")), names(A.masked_order(("flash", "efficient", "math"), "cpu")),
+                     names(hopper.order), names(hopper.order)]
+    asked.clear()
+    A.attention(one, k, v, A.choose("sdpa_cudnn", (9, 0)))  # pinned cuDNN: the growing call runs the others
+    assert asked == [names(A.GROWING_FALLBACK)]
+
+
 # -----------------------------------------------------------------------------
 # on a GPU (skipped without one): every SDPA kernel the card has, and flex, against float64 math
 

@@ -14,9 +14,9 @@
 #                                    # with the SDPA kernel each ran, a profile of two steps (time shares), FP8
 #                                    # tensorwise (shape filter) vs bf16, decode at batch 1 and 8 eager vs graphed
 #                                    # with the bandwidth fraction; ends with one markdown table ($OUT/speed_table.md)
-#   bash bench/gpu_suite.sh record   # issue 29 in <= 9 minutes: the record recipe at d24 (speedrun.sh --recipe=record's
-#                                    # model, 16 rows of 2048): step time, MFU, peak memory in bf16 per attention
-#                                    # backend (sliding windows), then FP8 tensorwise with torchao's and nanochat's own
+#   bash bench/gpu_suite.sh record   # issue 29: the record recipe at d24 (speedrun.sh --recipe=record's model, 16 rows
+#                                    # of 2048): step time, MFU, peak memory in bf16 per attention backend (windows)
+#   bash bench/gpu_suite.sh recordfp8 # the same model in FP8 tensorwise: torchao's Float8Linear and nanochat's own
 #   bash bench/gpu_suite.sh speed --dry-run   # print the commands only;  --cpu: the same steps at CPU sizes (training d4,
 #                                              # decode d2) under doubled limits
 # Settings: PY (default python3), OUT (logs; default /tmp/gpu_suite), NANOCHAT_BASE_DIR (for `pipeline`: holds
@@ -29,7 +29,7 @@
 # flash_attn_interface.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART="${1:?usage: bash bench/gpu_suite.sh train|options|fp8|fp8impl|fp8ac|serve|pipeline|speed|record [--dry-run] [--cpu]}"
+PART="${1:?usage: bash bench/gpu_suite.sh train|options|fp8|fp8impl|fp8ac|serve|pipeline|speed|record|recordfp8 [--dry-run] [--cpu]}"
 DRY_RUN=0; CPU=0
 for arg in "${@:2}"; do
     case "$arg" in
@@ -151,12 +151,13 @@ speed)
     echo "=== table ($OUT/speed_table.md):"
     if ((DRY_RUN)); then echo "$PY -m bench.speed_table $OUT"; else "$PY" -m bench.speed_table "$OUT" | tee "$OUT/speed_table.md"; fi
     ;;
-record)
-    # The limits add up to 540 s (a 9-minute slot). Nothing is recorded for d24 yet: estimates from the d20 figures
-    # (tests/test_speed_suite.py) scaled by 24/20: a cold bf16 compile ~71 s, FP8 ~160 s. So the attention step fits
-    # fa3 and flex (92d63d4 runs FA3; flex is the windowed kernel where FA3 is missing) and then SDPA with its window
-    # mask if time is left (a step stopped by its limit keeps its finished rows); each FP8 implementation gets one
-    # compile. --attn=auto for FP8: the best windowed kernel that loads (the row names it; its bf16 row is above).
+record|recordfp8)
+    # Two parts of <= 9 minutes each. Recorded on an H100 (2026-11-27): the record model's d24 forward+backward cold
+    # compile took 114.5 s with flex (1.9x d20's 58.8 s, not the 24/20 first estimated), then 0.53 s a step; the FP8
+    # model's is estimated from d20's FP8/bf16 ratio (109.0 s vs 58.8 s on 2026-11-27): ~212 s. So `record` is the attention
+    # backends alone (fa3, which 92d63d4 runs, is refused in a second where not installed; flex, the windowed kernel
+    # where FA3 is missing; SDPA with its window mask: three compiles of ~135 s fit 530 s), and `recordfp8` the two
+    # FP8 implementations, one compile each (--attn=auto: the best windowed kernel that loads; the row names it).
     if ((CPU)); then
         REC="--depth=4 --max_seq_len=256 --vocab_size=4096 --device_batch_size=4 --device_type=cpu --compile=0 --steps=3 --warmup=1 --threads=1"
         ATTNS="sdpa,flex,fa3"
@@ -164,14 +165,17 @@ record)
         REC="--depth=24 --max_seq_len=2048 --vocab_size=65536 --device_batch_size=16 --compile=1 --steps=5 --warmup=2"
         ATTNS="fa3,flex,sdpa"
     fi
-    step record_attn 210 "$PY" -m bench.train_bench --recipe=record $REC --attn=$ATTNS
-    # on CPU the FP8 steps' refusal (exit 2) is what they should do
-    for impl in torchao native; do
-        OK_RC=$((CPU ? 2 : 0)) step "record_fp8_$impl" 165 "$PY" -m bench.train_bench --recipe=record $REC --attn=auto \
-            --fp8=1 --fp8_recipe=tensorwise --fp8_impl=$impl --fp8_filter=auto
-    done
+    if [[ "$PART" == record ]]; then
+        step record_attn 530 "$PY" -m bench.train_bench --recipe=record $REC --attn=$ATTNS
+    else
+        # on CPU the FP8 steps' refusal (exit 2) is what they should do
+        for impl in torchao native; do
+            OK_RC=$((CPU ? 2 : 0)) step "record_fp8_$impl" 265 "$PY" -m bench.train_bench --recipe=record $REC --attn=auto \
+                --fp8=1 --fp8_recipe=tensorwise --fp8_impl=$impl --fp8_filter=auto
+        done
+    fi
     ;;
-*) echo "unknown part $PART (train|options|fp8|fp8impl|fp8ac|serve|pipeline|speed|record)" >&2; exit 2 ;;
+*) echo "unknown part $PART (train|options|fp8|fp8impl|fp8ac|serve|pipeline|speed|record|recordfp8)" >&2; exit 2 ;;
 esac
 if ((DRY_RUN)); then echo "dry run: nothing ran"; exit 0; fi
 if ((${#FAILED[@]})); then echo "FAILED: ${FAILED[*]}"; exit 1; fi

@@ -676,7 +676,7 @@ def test_import_refuses_what_our_gpt_cannot_compute(env, tmp_path):
 # base_eval --hf_path (nanochat's --hf-path): CORE of a transformers model
 
 
-@pytest.mark.slow  # CORE on every task twice (checkpoint and export): ~40 s on the 2-core CPU
+@pytest.mark.slow  # CORE on every task twice (checkpoint and export): ~20 s on the 2-core CPU
 def test_base_eval_hf_path_scores_the_export_as_our_checkpoint(env):
     """The exported directory through --hf_path: the same prompt ids as our tokenizer and the same CORE accuracies,
     task by task, as the checkpoint itself (the real bundle in ../shared/data, a few examples per task)."""
@@ -689,9 +689,9 @@ def test_base_eval_hf_path_scores_the_export_as_our_checkpoint(env):
     texts = VARIED_TEXT[:4]
     assert tok(texts, prepend=tok.get_bos_token_id()) == env["tok"](texts, prepend=env["tok"].get_bos_token_id())
     assert tok.get_bos_token_id() == env["tok"].get_bos_token_id()
-    args = ["--device_type=cpu", "--max_per_task=6", f"--bundle_dir={bundle}"]
+    args = ["--device_type=cpu", "--max_per_task=3", f"--bundle_dir={bundle}"]
     got = base_eval.main(["--hf_path", str(env["out"]), *args])
-    ours = evaluate_model(env["model"], env["tok"], "cpu", max_per_task=6, bundle_dir=str(bundle), log=None, ranks=ONE)
+    ours = evaluate_model(env["model"], env["tok"], "cpu", max_per_task=3, bundle_dir=str(bundle), log=None, ranks=ONE)
     assert got["results"] and got["results"] == ours["results"] and got["missing"] == ours["missing"]
     csv = env["base"] / "base_eval" / f"{name}.csv"
     assert name.endswith("export-d2") and csv.read_text().splitlines()[-1].startswith("CORE,")

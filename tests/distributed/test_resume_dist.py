@@ -28,6 +28,8 @@ TINY = ["--depth=2", "--max_seq_len=64", "--device_batch_size=4", "--total_batch
 
 
 def torchrun_base_train(base_dir, *args, launcher=(), script=("-m", "scripts.base_train"), env=None, timeout=300):
+    if "--compile=1" in args:  # a cold compile on each rank: minutes on a busy 2-core machine (a CI runner beside jobs)
+        timeout = max(timeout, 600)
     return run_torchrun([*script, *TINY, *args], env=env or subprocess_env(base_dir), extra_launcher_args=launcher,
                         timeout=timeout)
 

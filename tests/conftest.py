@@ -29,7 +29,7 @@ WIKITEXT = TEST_DATA / "pretrain" / "wikitext-2"
 # (pytest-xdist --dist loadfile --no-loadscope-reorder: in this order); a minutes-long file of torchrun runs that came
 # last would leave one worker idle while the other finishes it, so they come first and the many short files fill in
 # at the end. The weights are rough costs per test on the 2-core CPU (a torchrun, a training subprocess, in-process).
-FILE_WEIGHT = {"dist": 30.0, "slow": 10.0}
+FILE_WEIGHT = {"dist": 30.0, "slow": 5.0}
 
 
 def run_cost(item):

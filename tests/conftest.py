@@ -25,6 +25,24 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 WIKITEXT = TEST_DATA / "pretrain" / "wikitext-2"
 
 
+# Test files in order of their expected run time, longest first. tests/run.sh hands whole files to two workers
+# (pytest-xdist --dist loadfile --no-loadscope-reorder: in this order); a minutes-long file of torchrun runs that came
+# last would leave one worker idle while the other finishes it, so they come first and the many short files fill in
+# at the end. The weights are rough costs per test on the 2-core CPU (a torchrun, a training subprocess, in-process).
+FILE_WEIGHT = {"dist": 30.0, "slow": 5.0}
+
+
+def run_cost(item):
+    return max([w for m, w in FILE_WEIGHT.items() if item.get_closest_marker(m)], default=0.1)
+
+
+def pytest_collection_modifyitems(config, items):
+    cost = {}
+    for item in items:
+        cost[item.path] = cost.get(item.path, 0.0) + run_cost(item)
+    items.sort(key=lambda item: -cost[item.path])  # stable: a file's tests keep their order
+
+
 def require_shared(path):
     """For the tests that check the full data sets in ../shared/data (not needed by any other test)."""
     if not Path(path).exists():
@@ -126,12 +144,25 @@ def tiny_base_dir(tmp_path_factory):
     return root
 
 
-@pytest.fixture
-def base_dir(tiny_base_dir, tmp_path, monkeypatch):
-    """A private copy of the tiny base dir (data linked, tokenizer copied) set as NANOCHAT_BASE_DIR."""
-    d = tmp_path / "base"
+def copy_base_dir(tiny_base_dir, d):
+    """A private copy of the tiny base dir at `d`: data linked, tokenizer copied."""
     d.mkdir()
     os.symlink(tiny_base_dir / "base_data", d / "base_data")
     shutil.copytree(tiny_base_dir / "tokenizer", d / "tokenizer")
+    return d
+
+
+@pytest.fixture
+def base_dir(tiny_base_dir, tmp_path, monkeypatch):
+    """A private copy of the tiny base dir set as NANOCHAT_BASE_DIR."""
+    d = copy_base_dir(tiny_base_dir, tmp_path / "base")
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(d))
     return d
+
+
+@pytest.fixture(scope="module")
+def module_base_dir(tiny_base_dir, tmp_path_factory):
+    """A copy of the tiny base dir for a whole test module, where its tests share expensive runs (an uninterrupted
+    training run several tests compare against): each test writes under its own model tags. Scripts get it through
+    subprocess_env(module_base_dir); NANOCHAT_BASE_DIR in this process is left alone."""
+    return copy_base_dir(tiny_base_dir, tmp_path_factory.mktemp("module") / "base")

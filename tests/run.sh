@@ -35,9 +35,11 @@ fi
 
 export PYTHONUNBUFFERED=1
 # Two test files at a time (pytest-xdist; a file's tests stay in one worker, so its module fixtures are built once):
-# the whole suite in about half the time on two cores. NANOCHAT_TEST_WORKERS=0 runs in this process (for pdb, -s).
+# the whole suite in about half the time on two cores. The files go out longest first (tests/conftest.py orders them;
+# --no-loadscope-reorder keeps that order instead of xdist's most-tests-first), so no minutes-long file of torchrun
+# runs is left for the end while the other worker idles. NANOCHAT_TEST_WORKERS=0 runs in this process (for pdb, -s).
 WORKERS="${NANOCHAT_TEST_WORKERS:-2}"
 if [[ "$WORKERS" == 0 ]]; then
     exec "$VENV/bin/python" -m pytest -q "$@"
 fi
-exec "$VENV/bin/python" -m pytest -q -n "$WORKERS" --dist loadfile "$@"
+exec "$VENV/bin/python" -m pytest -q -n "$WORKERS" --dist loadfile --no-loadscope-reorder "$@"

@@ -28,21 +28,55 @@ TINY = ["--depth=2", "--max_seq_len=64", "--device_batch_size=4", "--total_batch
 
 
 def torchrun_base_train(base_dir, *args, launcher=(), script=("-m", "scripts.base_train"), env=None, timeout=300):
+    if "--compile=1" in args:  # a cold compile on each rank: minutes on a busy 2-core machine (a CI runner beside jobs)
+        timeout = max(timeout, 600)
     return run_torchrun([*script, *TINY, *args], env=env or subprocess_env(base_dir), extra_launcher_args=launcher,
                         timeout=timeout)
 
 
+# The uninterrupted runs several tests compare against are run once per module (each is a 2-rank torchrun, a compiled
+# one costs a minute of the 2-core CPU): CALM_ARGS is the chaos test's command, whose uninterrupted run is also the
+# one the DDP path's compiled resume repeats; EAGER_ARGS is the run both stop-signal tests stop and resume.
+CHAOS_STEPS = 10
+CALM_ARGS = ["--compile=1", "--deterministic=1", f"--num_iterations={CHAOS_STEPS}", "--save_every=2",
+             "--resume_from_step=auto"]
+STOP_STEPS = 12
+EAGER_ARGS = [f"--num_iterations={STOP_STEPS}", "--save_every=100"]
+
+
+@pytest.fixture(scope="module")
+def calm(module_base_dir):
+    """The compiled --deterministic 2-rank DDP run of CHAOS_STEPS steps, never interrupted (saves every 2 steps)."""
+    torchrun_base_train(module_base_dir, *CALM_ARGS, "--model_tag=calm")
+    return module_base_dir
+
+
+@pytest.fixture(scope="module")
+def eager(module_base_dir):
+    """The default (eager) 2-rank run of STOP_STEPS steps, never interrupted."""
+    torchrun_base_train(module_base_dir, *EAGER_ARGS, "--model_tag=eager")
+    return module_base_dir
+
+
 @pytest.mark.parametrize("path", ["ddp", "fsdp"])
-def test_deterministic_compiled_resume_is_bit_exact_on_two_ranks(base_dir, path):
-    n = 2
-    args = ["--compile=1", "--deterministic=1", f"--num_iterations={2 * n}", f"--use_fsdp={int(path == 'fsdp')}"]
-    torchrun_base_train(base_dir, *args, f"--save_every={n}", "--model_tag=full")
-    copy_step(base_dir, "full", "resumed", n)
-    p = torchrun_base_train(base_dir, *args, "--model_tag=resumed", "--resume_from_step=auto")
+def test_deterministic_compiled_resume_is_bit_exact_on_two_ranks(request, path):
+    """--compile=1 --deterministic=1: the run resumed from step n (copied from an uninterrupted run, as a new start
+    finds it) repeats every later loss and ends with the same weights, bit for bit. The DDP path's uninterrupted run
+    is the chaos test's (`calm`, 10 steps); FSDP2 runs its own 2n steps."""
+    if path == "ddp":
+        base_dir, n, total, args, ref = request.getfixturevalue("calm"), 4, CHAOS_STEPS, CALM_ARGS, "calm"
+    else:
+        base_dir, n, ref = request.getfixturevalue("base_dir"), 2, "full"
+        total, args = 2 * n, ["--compile=1", "--deterministic=1", f"--num_iterations={2 * n}", "--use_fsdp=1"]
+        torchrun_base_train(base_dir, *args, f"--save_every={n}", f"--model_tag={ref}")
+        args = [*args, "--resume_from_step=auto"]
+    copy_step(base_dir, ref, "resumed", n)
+    p = torchrun_base_train(base_dir, *args, "--model_tag=resumed")
     assert f"resuming from step {n}" in p.stdout
-    full, resumed = losses(base_dir, "full"), losses(base_dir, "resumed")
-    assert [resumed[s] for s in range(n + 1, 2 * n + 1)] == [full[s] for s in range(n + 1, 2 * n + 1)]
-    assert_same_weights(final_weights(base_dir, "full", 2 * n), final_weights(base_dir, "resumed", 2 * n))
+    full, resumed = losses(base_dir, ref), losses(base_dir, "resumed")
+    after = range(n + 1, total + 1)
+    assert [resumed[s] for s in after] == [full[s] for s in after]
+    assert_same_weights(final_weights(base_dir, ref, total), final_weights(base_dir, "resumed", total))
 
 
 def worker_pids(launcher_pid):
@@ -76,13 +110,11 @@ def start_torchrun_until(base_dir, args, needle):
     return proc, seen
 
 
-def test_stop_signal_to_one_rank_stops_both_at_the_same_step(base_dir):
+def test_stop_signal_to_one_rank_stops_both_at_the_same_step(eager):
     """SIGUSR1 to rank 1's process only: the ranks agree (an all-reduce of the flag each step), both save the same
     step and exit 0, so torchrun exits 0; auto resume then finishes with an uninterrupted run's weights."""
-    steps = 12
-    args = [*TINY, f"--num_iterations={steps}", "--save_every=100"]
-    torchrun_base_train(base_dir, f"--num_iterations={steps}", "--save_every=100", "--model_tag=full")
-    proc, seen = start_torchrun_until(base_dir, [*args, "--model_tag=stopped", "--resume_from_step=auto"],
+    base_dir, steps, tag = eager, STOP_STEPS, "stopped_usr1"
+    proc, seen = start_torchrun_until(base_dir, [*TINY, *EAGER_ARGS, f"--model_tag={tag}", "--resume_from_step=auto"],
                                       f"step 00003/{steps:05d}")
     workers = worker_pids(proc.pid)
     assert len(workers) == 2, ("".join(seen), workers)
@@ -90,35 +122,31 @@ def test_stop_signal_to_one_rank_stops_both_at_the_same_step(base_dir):
     out = "".join(seen) + proc.stdout.read()
     assert proc.wait(timeout=300) == 0, out[-4000:]
     assert out.count("SIGUSR1 received") == 1, out[-4000:]
-    stopped_at = latest_resumable_step(str(ckpt_dir(base_dir, "stopped")))
+    stopped_at = latest_resumable_step(str(ckpt_dir(base_dir, tag)))
     assert stopped_at is not None and 3 <= stopped_at < steps and f"Stopped at step {stopped_at}" in out
-    torchrun_base_train(base_dir, f"--num_iterations={steps}", "--save_every=100", "--model_tag=stopped",
-                        "--resume_from_step=auto")
-    assert_same_weights(final_weights(base_dir, "full", steps), final_weights(base_dir, "stopped", steps))
+    torchrun_base_train(base_dir, *EAGER_ARGS, f"--model_tag={tag}", "--resume_from_step=auto")
+    assert_same_weights(final_weights(base_dir, "eager", steps), final_weights(base_dir, tag, steps))
 
 
-def test_ctrl_c_to_torchrun_stops_every_rank_at_one_saved_step(base_dir):
+def test_ctrl_c_to_torchrun_stops_every_rank_at_one_saved_step(eager):
     """Ctrl-C reaches torchrun, which passes SIGINT on to its ranks: they agree on the step (the stop flag's
     all-reduce), save it and exit 130 with one line from rank 0 saying where; auto resume then finishes with an
     uninterrupted run's weights."""
-    steps = 12
-    args = [*TINY, f"--num_iterations={steps}", "--save_every=100"]
-    torchrun_base_train(base_dir, f"--num_iterations={steps}", "--save_every=100", "--model_tag=full")
-    proc, seen = start_torchrun_until(base_dir, [*args, "--model_tag=stopped"], f"step 00003/{steps:05d}")
+    base_dir, steps, tag = eager, STOP_STEPS, "stopped_int"
+    proc, seen = start_torchrun_until(base_dir, [*TINY, *EAGER_ARGS, f"--model_tag={tag}"], f"step 00003/{steps:05d}")
     proc.send_signal(signal.SIGINT)  # to torchrun only, as a terminal's Ctrl-C: the ranks run in their own sessions
     out = "".join(seen) + proc.stdout.read()
     proc.wait(timeout=300)  # torchrun's own status (and traceback) after it was interrupted are torchrun's
     assert "Unable to shutdown process" not in out, out[-4000:]  # the ranks ended by themselves, torchrun killed none
-    d = ckpt_dir(base_dir, "stopped")
+    d = ckpt_dir(base_dir, tag)
     stopped_at = latest_resumable_step(str(d))
     assert stopped_at is not None and 3 <= stopped_at < steps, out[-4000:]
     assert out.count("SIGINT received: finishing this step") == 2, out[-4000:]
     line = (f"Stopped at step {stopped_at} on a stop signal (Ctrl-C (SIGINT)): checkpoint saved in {d}; start the "
             f"same command with --resume_from_step=auto (or --resume_from_step={stopped_at}) to continue")
     assert [x for x in out.splitlines() if x.startswith("Stopped at step")] == [line], out[-4000:]
-    torchrun_base_train(base_dir, f"--num_iterations={steps}", "--save_every=100", "--model_tag=stopped",
-                        "--resume_from_step=auto")
-    assert_same_weights(final_weights(base_dir, "full", steps), final_weights(base_dir, "stopped", steps))
+    torchrun_base_train(base_dir, *EAGER_ARGS, f"--model_tag={tag}", "--resume_from_step=auto")
+    assert_same_weights(final_weights(base_dir, "eager", steps), final_weights(base_dir, tag, steps))
 
 
 def chaos_plan(rng):
@@ -130,17 +158,15 @@ def chaos_plan(rng):
     return {"0": mid_step(), "1": {"rank": rng.randrange(2), "at": "save", "n": 1}, "2": mid_step()}
 
 
-def test_chaos_kill_9_and_restart_ends_with_the_uninterrupted_weights(base_dir):
+def test_chaos_kill_9_and_restart_ends_with_the_uninterrupted_weights(calm):
     """torchrun --max-restarts=3, --resume_from_step=auto, --deterministic (compile on): every kill -9 takes the whole
     job down (torchrun stops the other rank), torchrun restarts it, it resumes from the latest complete step (a step
     cut mid-save is skipped), and the last life finishes with exactly the weights of a run that was never killed."""
     seed = int(os.environ.get("CHAOS_SEED", time.time_ns() % 100_000))
     plan = chaos_plan(random.Random(seed))
     why = f"CHAOS_SEED={seed} plan={plan}"
-    steps = 10
-    args = ["--compile=1", "--deterministic=1", f"--num_iterations={steps}", "--save_every=2", "--resume_from_step=auto"]
-    torchrun_base_train(base_dir, *args, "--model_tag=calm")
-    p = torchrun_base_train(base_dir, *args, "--model_tag=chaos", timeout=400, launcher=["--max-restarts=3"],
+    base_dir, steps = calm, CHAOS_STEPS
+    p = torchrun_base_train(base_dir, *CALM_ARGS, "--model_tag=chaos", timeout=400, launcher=["--max-restarts=3"],
                             script=["tests/dist_scripts/chaos_train.py"],
                             env=subprocess_env(base_dir, CHAOS_PLAN=json.dumps(plan)))
     out = p.stdout + p.stderr

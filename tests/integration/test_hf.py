@@ -19,7 +19,6 @@ pytest.importorskip("transformers", minversion="5.0", reason="the hf extra (tran
 pytest.importorskip("safetensors", reason="the hf extra (safetensors) is not installed: pip install -e '.[hf]'")
 
 from conftest import SHARED_DATA, TEST_DATA  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, NanoChatConfig, NanoChatForCausalLM  # noqa: E402
 
 from nanochat.checkpoint_manager import load_model, save_checkpoint  # noqa: E402
 from nanochat.engine import Engine  # noqa: E402
@@ -49,6 +48,14 @@ CORPORA = [
     "words/words_alpha.txt",
 ]
 CORPUS_CAP = 600_000
+
+
+def hf_api():
+    """transformers, imported by the tests that use it: the import takes seconds, and every xdist worker collects
+    (imports) every test file, whichever runs it."""
+    import transformers
+
+    return transformers
 
 
 def read_corpus(rel, limit=CORPUS_CAP):
@@ -300,7 +307,7 @@ def test_export_refuses_a_non_empty_directory(env, tmp_path):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_transformers_logits_match_ours(env, attn):
-    hf = AutoModelForCausalLM.from_pretrained(env["out"], attn_implementation=attn)
+    hf = hf_api().AutoModelForCausalLM.from_pretrained(env["out"], attn_implementation=attn)
     assert type(hf).__name__ == "NanoChatForCausalLM"
     V = env["V"]
     ids = random_ids(V)
@@ -314,7 +321,7 @@ def test_transformers_logits_match_ours(env, attn):
 
 def test_greedy_generate_matches_our_engine(env):
     tok, model = env["tok"], env["model"]
-    hf = AutoModelForCausalLM.from_pretrained(env["out"])
+    hf = hf_api().AutoModelForCausalLM.from_pretrained(env["out"])
     for prompt in (tok.encode("The history of the", prepend="<|bos|>"), tok.render_for_completion(conversations()[2])):
         ours = [column[0] for column, _ in Engine(model, tok).generate(prompt, max_tokens=32, temperature=0.0)]
         with torch.no_grad():
@@ -367,9 +374,9 @@ def test_bfloat16_export_holds_our_weights_rounded(env, tmp_path):
     export_hf.main(["-i", "sft", "--out", str(out), "--dtype", "bfloat16"])
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert os.path.getsize(out / "model.safetensors") < 0.6 * os.path.getsize(env["out"] / "model.safetensors")
-    hf = AutoModelForCausalLM.from_pretrained(out)
+    hf = hf_api().AutoModelForCausalLM.from_pretrained(out)
     assert hf.dtype == torch.bfloat16
-    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    hf = hf_api().AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     rounded = GPT(env["model"].config, attn="sdpa")
     rounded.load_state_dict({k: v.bfloat16().float() for k, v in env["model"].state_dict().items()})
     rounded.eval()
@@ -402,7 +409,7 @@ def _check_same_ids(hf_tok, tok, texts):
 
 
 def test_tokenizer_matches_on_varied_text(env):
-    hf_tok, tok = AutoTokenizer.from_pretrained(env["out"]), env["tok"]
+    hf_tok, tok = hf_api().AutoTokenizer.from_pretrained(env["out"]), env["tok"]
     _check_same_ids(hf_tok, tok, VARIED_TEXT)
     for name in SPECIAL_TOKENS:
         assert hf_tok.convert_tokens_to_ids(name) == tok.encode_special(name)
@@ -421,7 +428,7 @@ def test_tokenizer_config_is_one_transformers_4_and_5_both_read(env):
     assert {config["bos_token"], config["eos_token"], *config["additional_special_tokens"]} == set(SPECIAL_TOKENS)
     assert config["chat_template"] == (env["out"] / "chat_template.jinja").read_text()
     assert config["model_input_names"] == ["input_ids", "attention_mask"]
-    hf_tok = AutoTokenizer.from_pretrained(env["out"])
+    hf_tok = hf_api().AutoTokenizer.from_pretrained(env["out"])
     assert sorted(hf_tok.all_special_tokens) == sorted(SPECIAL_TOKENS)
     assert sorted(hf_tok.all_special_ids) == sorted(env["tok"].encode_special(t) for t in SPECIAL_TOKENS)
     assert list(hf_tok("Hi")) == ["input_ids", "attention_mask"]
@@ -472,7 +479,7 @@ def test_transformers_4_loads_the_tokenizer(env):
 def test_tokenizer_matches_on_the_shared_corpora(env):
     if not SHARED_DATA.exists():
         pytest.skip(f"../shared/data not found at {SHARED_DATA}; the built-in varied text is checked by the test above")
-    hf_tok, tok = AutoTokenizer.from_pretrained(env["out"]), env["tok"]
+    hf_tok, tok = hf_api().AutoTokenizer.from_pretrained(env["out"]), env["tok"]
     texts = [read_corpus(rel) for rel in CORPORA if (SHARED_DATA / rel).exists()]
     assert sum(map(len, texts)) > 5_000_000  # a few MB
     # documents of ~20 KB: both sides in parallel, and a mismatch names a short stretch of text
@@ -481,7 +488,7 @@ def test_tokenizer_matches_on_the_shared_corpora(env):
 
 
 def test_chat_template_renders_our_prompt_ids(env):
-    hf_tok, tok = AutoTokenizer.from_pretrained(env["out"]), env["tok"]
+    hf_tok, tok = hf_api().AutoTokenizer.from_pretrained(env["out"]), env["tok"]
     for conversation in conversations():
         theirs = hf_tok.apply_chat_template(conversation["messages"], add_generation_prompt=True, return_dict=False)
         assert theirs == tok.render_for_completion(conversation)
@@ -530,7 +537,7 @@ OPENAI_EQUIVALENTS = [
 def test_chat_template_takes_openai_list_content(env):
     """OpenAI-style content (lists of text parts, several per message, for every role) gives exactly the ids our
     tokenizer renders for the equivalent conversation, with and without the generation prompt."""
-    hf_tok, tok = AutoTokenizer.from_pretrained(env["out"]), env["tok"]
+    hf_tok, tok = hf_api().AutoTokenizer.from_pretrained(env["out"]), env["tok"]
     for openai, ours in OPENAI_EQUIVALENTS:
         ids, _ = tok.render_conversation({"messages": ours})
         assert hf_tok.apply_chat_template(openai, return_dict=False) == ids
@@ -571,7 +578,7 @@ def test_chat_template_takes_openai_list_content(env):
 def test_chat_template_refuses_what_our_format_lacks_by_name(env, messages, kwargs, message):
     from jinja2 import TemplateError
 
-    hf_tok = AutoTokenizer.from_pretrained(env["out"])
+    hf_tok = hf_api().AutoTokenizer.from_pretrained(env["out"])
     with pytest.raises(TemplateError, match=re.escape(message)):
         hf_tok.apply_chat_template(messages, return_dict=False, **kwargs)
 
@@ -581,7 +588,7 @@ def test_chat_template_on_real_task_conversations(env):
     data = SHARED_DATA if (SHARED_DATA / "gsm8k" / "test.jsonl").exists() else TEST_DATA
     from tasks.gsm8k import GSM8K
 
-    hf_tok, tok = AutoTokenizer.from_pretrained(env["out"]), env["tok"]
+    hf_tok, tok = hf_api().AutoTokenizer.from_pretrained(env["out"]), env["tok"]
     task = GSM8K(split="test", data_dir=str(data))
     chats = [task.get_example(i)["messages"] for i in range(min(150, len(task)))]  # text / python / python_output parts
     with open(data / "sft" / "identity_conversations.jsonl", encoding="utf-8") as f:
@@ -601,12 +608,12 @@ def test_chat_template_on_real_task_conversations(env):
 @pytest.mark.parametrize("tied", [False, True])
 def test_import_a_directory_written_by_transformers(env, tmp_path, tied):
     torch.manual_seed(3)
-    config = NanoChatConfig(
+    config = hf_api().NanoChatConfig(
         vocab_size=env["V"], hidden_size=128, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=1, max_position_embeddings=96, bos_token_id=0, eos_token_id=1, pad_token_id=None,
         tie_word_embeddings=tied,
     )
-    hf = NanoChatForCausalLM(config).eval()
+    hf = hf_api().NanoChatForCausalLM(config).eval()
     hf_dir = tmp_path / "from_transformers"
     hf.save_pretrained(hf_dir)  # no tokenizer.json: the base dir's tokenizer (same vocab size) is used
     from safetensors import safe_open
@@ -657,14 +664,14 @@ def test_round_trip_is_bit_identical(env, tmp_path):
 
 
 def test_import_refuses_what_our_gpt_cannot_compute(env, tmp_path):
-    config = NanoChatConfig(vocab_size=env["V"], hidden_size=64, intermediate_size=100, num_hidden_layers=1, num_attention_heads=2)
+    config = hf_api().NanoChatConfig(vocab_size=env["V"], hidden_size=64, intermediate_size=100, num_hidden_layers=1, num_attention_heads=2)
     hf_dir = tmp_path / "odd"
-    NanoChatForCausalLM(config).save_pretrained(hf_dir)
+    hf_api().NanoChatForCausalLM(config).save_pretrained(hf_dir)
     with pytest.raises(ValueError, match="intermediate_size=100"):
         import_hf.import_model(str(hf_dir), "base")
-    config = NanoChatConfig(vocab_size=env["V"], hidden_size=64, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
+    config = hf_api().NanoChatConfig(vocab_size=env["V"], hidden_size=64, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
                             rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
-    NanoChatForCausalLM(config).save_pretrained(tmp_path / "scaled")
+    hf_api().NanoChatForCausalLM(config).save_pretrained(tmp_path / "scaled")
     with pytest.raises(ValueError, match="linear"):
         import_hf.import_model(str(tmp_path / "scaled"), "base")
     with pytest.raises(FileNotFoundError, match="config.json"):
@@ -676,7 +683,7 @@ def test_import_refuses_what_our_gpt_cannot_compute(env, tmp_path):
 # base_eval --hf_path (nanochat's --hf-path): CORE of a transformers model
 
 
-@pytest.mark.slow  # CORE on every task twice (checkpoint and export): ~40 s on the 2-core CPU
+@pytest.mark.slow  # CORE on every task twice (checkpoint and export): ~20 s on the 2-core CPU
 def test_base_eval_hf_path_scores_the_export_as_our_checkpoint(env):
     """The exported directory through --hf_path: the same prompt ids as our tokenizer and the same CORE accuracies,
     task by task, as the checkpoint itself (the real bundle in ../shared/data, a few examples per task)."""
@@ -689,9 +696,9 @@ def test_base_eval_hf_path_scores_the_export_as_our_checkpoint(env):
     texts = VARIED_TEXT[:4]
     assert tok(texts, prepend=tok.get_bos_token_id()) == env["tok"](texts, prepend=env["tok"].get_bos_token_id())
     assert tok.get_bos_token_id() == env["tok"].get_bos_token_id()
-    args = ["--device_type=cpu", "--max_per_task=6", f"--bundle_dir={bundle}"]
+    args = ["--device_type=cpu", "--max_per_task=3", f"--bundle_dir={bundle}"]
     got = base_eval.main(["--hf_path", str(env["out"]), *args])
-    ours = evaluate_model(env["model"], env["tok"], "cpu", max_per_task=6, bundle_dir=str(bundle), log=None, ranks=ONE)
+    ours = evaluate_model(env["model"], env["tok"], "cpu", max_per_task=3, bundle_dir=str(bundle), log=None, ranks=ONE)
     assert got["results"] and got["results"] == ours["results"] and got["missing"] == ours["missing"]
     csv = env["base"] / "base_eval" / f"{name}.csv"
     assert name.endswith("export-d2") and csv.read_text().splitlines()[-1].startswith("CORE,")

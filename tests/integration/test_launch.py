@@ -368,6 +368,7 @@ def test_depth_presets(tmp_path, depth):
     assert any(a.startswith("--tp_size=") for a in args) == (tp > 1)
 
 
+@pytest.mark.slow  # several launcher subprocesses: seconds
 def test_activation_checkpointing_and_tp_overrides(tmp_path):
     """--activation_checkpointing / --ac_every / --tp_size on pretrain.sh reach every training stage."""
     env = base_env(tmp_path, NPROC_PER_NODE=4)
@@ -536,6 +537,7 @@ def real_env(tmp_path, rank, log, **extra):
     return env
 
 
+@pytest.mark.slow  # two launcher subprocesses, one waiting on the other: seconds
 def test_node0_prepares_and_other_node_waits(tmp_path):
     install_fakes(tmp_path)
     log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
@@ -594,6 +596,7 @@ def test_node_local_base_dir_prepares_on_every_node(tmp_path):
     assert "NANOCHAT_SHARED_FS=0: a restarted or requeued training stage resumes only if every node" in p.stdout
 
 
+@pytest.mark.slow  # a launcher subprocess running its stages: seconds
 def test_failed_stage_stops_the_pipeline(tmp_path):
     install_fakes(tmp_path)
     log = tmp_path / "calls.log"
@@ -946,6 +949,7 @@ def test_save_every_and_max_restarts_reach_every_training_stage(tmp_path):
     assert p.returncode == 2 and "--max_restarts must be >= 0" in p.stderr and "RUN:" not in p.stdout
 
 
+@pytest.mark.slow  # several launcher subprocesses: seconds
 def test_a_wrong_flag_runs_nothing_for_real(tmp_path):
     """Not a dry run: a launcher flag with a bad value stops before the data, the report or any torchrun."""
     install_fakes(tmp_path)

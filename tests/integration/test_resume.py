@@ -230,27 +230,36 @@ def wait_for_line(proc, needle, seen):
     pytest.fail(f"the run ended before printing {needle!r}:\n{''.join(seen[-40:])}")
 
 
-@pytest.mark.slow  # three short runs
+STOP_STEPS = 12
+STOP_ARGS = [f"--num_iterations={STOP_STEPS}", "--save_every=100"]
+
+
+@pytest.fixture(scope="module")
+def never_stopped(module_base_dir):
+    """The run the stop-signal tests stop and resume, never stopped (tag "full"): shared by the signals."""
+    base_train(module_base_dir, *STOP_ARGS, "--model_tag=full", threads=1)
+    return module_base_dir
+
+
+@pytest.mark.slow  # two short runs, and the shared uninterrupted one
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
-def test_stop_signal_saves_exits_0_and_auto_resume_finishes_the_same_run(base_dir, sig):
+def test_stop_signal_saves_exits_0_and_auto_resume_finishes_the_same_run(never_stopped, sig):
     """A stop signal mid-run: the step finishes, a checkpoint of it is written, exit code 0; the same command with
     --resume_from_step=auto then ends with the weights of a run that was never stopped."""
-    steps = 12
-    args = [f"--num_iterations={steps}", "--save_every=100"]
-    base_train(base_dir, *args, "--model_tag=full", threads=1)
-    proc, seen = start_base_train(base_dir, *args, "--model_tag=stopped", "--resume_from_step=auto"), []
+    base_dir, steps, args, tag = never_stopped, STOP_STEPS, STOP_ARGS, f"stopped_{sig.name}"
+    proc, seen = start_base_train(base_dir, *args, f"--model_tag={tag}", "--resume_from_step=auto"), []
     wait_for_line(proc, f"step 00003/{steps:05d}", seen)
     proc.send_signal(sig)
     out = "".join(seen) + proc.stdout.read()
     assert proc.wait(timeout=120) == 0, out[-3000:]
     assert f"{sig.name} received: finishing this step" in out
-    stopped_at = latest_resumable_step(str(ckpt_dir(base_dir, "stopped")))
+    stopped_at = latest_resumable_step(str(ckpt_dir(base_dir, tag)))
     assert stopped_at is not None and 3 <= stopped_at < steps, out[-3000:]
     assert f"Stopped at step {stopped_at} on a stop signal" in out
-    p = base_train(base_dir, *args, "--model_tag=stopped", "--resume_from_step=auto", threads=1)
+    p = base_train(base_dir, *args, f"--model_tag={tag}", "--resume_from_step=auto", threads=1)
     assert f"resuming from step {stopped_at}" in p.stdout
-    assert_same_weights(final_weights(base_dir, "full", steps), final_weights(base_dir, "stopped", steps))
-    full, resumed = losses(base_dir, "full"), losses(base_dir, "stopped")
+    assert_same_weights(final_weights(base_dir, "full", steps), final_weights(base_dir, tag, steps))
+    full, resumed = losses(base_dir, "full"), losses(base_dir, tag)
     assert [resumed[s] for s in range(1, steps + 1)] == [full[s] for s in range(1, steps + 1)]
 
 

@@ -251,7 +251,7 @@ def test_tests_run_sh_passes_arguments_to_pytest_and_installs_chromium_only_when
                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     calls = log.read_text().splitlines()
-    assert calls[-1] == "[-m][pytest][-q][-n][2][--dist][loadfile][-m][not slow and not dist][-x]"  # two workers
+    assert calls[-1] == "[-m][pytest][-q][-n][2][--dist][loadfile][--no-loadscope-reorder][-m][not slow and not dist][-x]"  # two workers
     assert "[-m][pip][install][-q][-e][.[dev]]" in calls
     log.unlink()
     env["NANOCHAT_TEST_WORKERS"] = "0"  # one process, for pdb and -s

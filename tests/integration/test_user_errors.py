@@ -596,6 +596,7 @@ def test_tok_train_keeps_the_tokenizer_checkpoints_use_unless_forced(base_dir, c
         resolve_checkpoint("mid")
 
 
+@pytest.mark.slow  # seven interpreter start-ups per launcher: seconds
 @pytest.mark.parametrize("launcher", ["runcpu.sh", "speedrun.sh"])
 def test_launcher_dry_run_spellings(launcher, tmp_path):
     """What runcpu.sh/speedrun.sh eval: every spelling of the dry run turns it on, NANOCHAT_DRY_RUN still works, and

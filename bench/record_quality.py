@@ -52,6 +52,8 @@ FLAGS = Flags(
     "what runs",
     Flag("depths", "4,6", "model depths, comma-separated"),
     Flag("seeds", "42,43", "seeds, comma-separated (--seed here; 92d63d4 re-seeded after its fixed 42)"),
+    Flag("anchor_seeds", None, "seeds of the 92d63d4 runs; auto = --seeds (it equals the record recipe here step for "
+         "step, so one seed anchors it where time is short)", type=str),
     Flag("recipes", f"december,record,{ANCHOR}", f"runs per depth and seed, in order: december, record, {ANCHOR} "
          "(its own code), record_lr_at_ref (see above)"),
     Flag("december_steps", 60, "the budget: the December model's FLOPs for this many steps at each depth", min=1),
@@ -152,6 +154,7 @@ def bench(c, work, data, anchor, skip_reason, out):
         with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
 
+    anchor_seeds = [int(s) for s in (c["anchor_seeds"] or c["seeds"]).split(",")]
     for depth in [int(d) for d in c["depths"].split(",")]:
         fpt = {r: flops_per_token("december" if r == "december" else "record", depth, vocab, c["max_seq_len"])
                for r in ("december", "record")}
@@ -164,7 +167,7 @@ def bench(c, work, data, anchor, skip_reason, out):
             log(f"d{depth}: {ANCHOR} skipped: {skip_reason}")
         for seed in [int(s) for s in c["seeds"].split(",")]:
             for recipe in recipes:
-                if recipe == ANCHOR and anchor is None:
+                if recipe == ANCHOR and (anchor is None or seed not in anchor_seeds):
                     continue
                 load = loadavg()
                 log(f"d{depth} seed {seed}: {recipe} (load average {load})")

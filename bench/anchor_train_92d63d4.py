@@ -10,6 +10,10 @@ compares the record recipe here against.
 in the script's module namespace, so print0 is wrapped here to read that float from the caller's globals when a step
 line goes by (and `val_bpb` when an evaluation's line does). Nothing in 92d63d4's computation changes: its script runs as `python -m scripts.base_train` would run
 it (compiled as it ships, unless TORCHDYNAMO_DISABLE=1 is set).
+
+92d63d4 seeds torch with 42 in `compute_init` and has no seed flag: NANOCHAT_ANCHOR_SEED=S re-seeds torch with S right
+after its `compute_init` (before it builds the model), so bench/record_quality.py can run it at more than one seed; S=42
+is the run as it ships.
 """
 
 import json
@@ -42,6 +46,18 @@ def print0(s="", **kwargs):
 
 
 common.print0 = print0
+if os.environ.get("NANOCHAT_ANCHOR_SEED"):
+    import torch
+
+    seed = int(os.environ["NANOCHAT_ANCHOR_SEED"])
+    original_compute_init = common.compute_init
+
+    def compute_init(*args, **kwargs):
+        result = original_compute_init(*args, **kwargs)
+        torch.manual_seed(seed)  # where 92d63d4 seeds 42: its model init draws from this generator next
+        return result
+
+    common.compute_init = compute_init
 sys.argv = ["scripts/base_train.py", *argv]
 runpy.run_module("scripts.base_train", run_name="__main__", alter_sys=True)
 out.close()

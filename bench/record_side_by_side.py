@@ -73,16 +73,21 @@ def log(msg):
 
 
 def prepare_anchor(tarball, work):
-    """92d63d4 extracted under work/ (once), its scripts/ and tasks/ made regular packages."""
+    """92d63d4 extracted (or, from an extracted copy, copied) under work/ once, its scripts/ and tasks/ made regular
+    packages. `tarball`: its .tar.gz, or a directory that holds its extracted tree (read only: it is copied)."""
     tarball = Path(tarball)
-    if not tarball.is_file():
-        raise SystemExit(f"nanochat 92d63d4's tarball is not at {tarball}: pass --anchor or set NANOCHAT_ANCHOR_92D63D4")
+    if not tarball.is_file() and not (tarball / "scripts" / "base_train.py").is_file():
+        raise SystemExit(f"nanochat 92d63d4 (its tarball, or an extracted copy) is not at {tarball}: pass --anchor or "
+                         f"set NANOCHAT_ANCHOR_92D63D4")
     anchor = work / "nanochat-92d63d4"
     if not (anchor / "scripts" / "base_train.py").is_file():
         tmp = work / "anchor.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        with tarfile.open(tarball) as tar:
-            tar.extractall(tmp, filter="data")
+        if tarball.is_file():
+            with tarfile.open(tarball) as tar:
+                tar.extractall(tmp, filter="data")
+        else:
+            shutil.copytree(tarball, tmp / "nanochat-92d63d4")
         shutil.rmtree(anchor, ignore_errors=True)
         (tmp / "nanochat-92d63d4").rename(anchor)
         tmp.rmdir()

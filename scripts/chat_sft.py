@@ -181,10 +181,9 @@ def main(argv=None):
         train_batches.take()
 
     def save(step, final):
-        meta = {"model_config": vars(model_config), "user_config": user_config, "recipe": recipe, "val_loss": val_loss,
-                **metrics,
-                "source": {"phase": config["source"], "model_tag": config["model_tag"] or None,
-                           "step": source_meta.get("step")}}
+        meta = {"model_config": vars(model_config), "user_config": user_config, "val_loss": val_loss, **metrics,
+                "recipe": recipe, "source": {"phase": config["source"], "model_tag": config["model_tag"] or None,
+                                             "step": source_meta.get("step")}}
         if final:  # nanochat's SFT checkpoint: the model alone
             save_stage_model(checkpoint_dir, step, model, meta, parallel)
         else:  # one to resume from: the optimizer state too

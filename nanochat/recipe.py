@@ -28,7 +28,7 @@ import math
 import torch
 
 from nanochat.configurator import Flag, Rule
-from nanochat.gpt import RecordGPT, config_for_depth, record_config_for_depth
+from nanochat.gpt import RecordConfig, RecordGPT, config_for_depth, config_from_dict, record_config_for_depth
 from nanochat.training import DEFAULT_EVAL_TOKENS, lr_multiplier, muon_momentum
 from nanochat.usage import BadValue
 
@@ -236,10 +236,20 @@ class Recipe:
             self.weight_decay * 0.5 * (1 + math.cos(math.pi * step / num_iterations))
 
 
+def checkpoint_recipe(meta):
+    """The recipe that made a checkpoint: its meta's "recipe" (base_train writes it; mid_train, chat_sft and chat_rl
+    copy their source's), else, for a checkpoint from before that key, the one its model_config describes: record
+    for the record model (nanochat/gpt.py config_from_dict), december otherwise."""
+    if meta.get("recipe"):
+        return meta["recipe"]
+    cfg = meta.get("model_config")
+    return "record" if isinstance(cfg, dict) and isinstance(config_from_dict(cfg), RecordConfig) else "december"
+
+
 def training_data(meta):
     """(--data, --packing) of the base run a checkpoint comes from: its user_config's, else (a checkpoint from before
     those flags, or a later stage's meta) its recipe's defaults; what base_loss measures a model on by default."""
-    recipe = Recipe(meta.get("recipe", "december"), {})
+    recipe = Recipe(checkpoint_recipe(meta), {})
     user_config = meta.get("user_config") or {}
     return user_config.get("data") or recipe.data_source, user_config.get("packing") or recipe.packing
 

@@ -32,6 +32,7 @@ from nanochat.distributed.dist import all_reduce_sum, dist_world_size, get_dist_
 from nanochat.distributed.parallel import parallel_flags, parallel_from_config
 from nanochat.attention import attn_flag
 from nanochat.engine import Engine, decode_compile_flag
+from nanochat.recipe import checkpoint_recipe
 from nanochat.stage import Stage
 from nanochat.training import (
     apply_schedule, assert_finite, lr_multiplier, optimizer_flags, run_flags, source_flags, train_step
@@ -243,7 +244,8 @@ def main(argv=None):
     engine = Engine(model, tokenizer, config["decode_compile"])
     print0(f"attention: {attn}; decode step: {'compiled' if engine.decode_compiled else 'eager'}")
     pad_id = tokenizer.encode_special("<|assistant_end|>")
-    print0(f"RL on the {config['source']} model (step {source_meta.get('step')}): {model_config}")
+    recipe = checkpoint_recipe(source_meta)  # the base run's, recorded in this stage's meta and report too
+    print0(f"RL on the {config['source']} model (step {source_meta.get('step')}, {recipe} recipe): {model_config}")
 
     num_iterations = config["num_iterations"]
     if num_iterations <= 0:
@@ -258,7 +260,7 @@ def main(argv=None):
     example_indices = itertools.cycle(range(rank, len(train_task), world_size))  # this rank's questions
 
     def save(step, passk, final):
-        meta = {"model_config": vars(model_config), "user_config": user_config, "pass_at_k": passk,
+        meta = {"model_config": vars(model_config), "user_config": user_config, "recipe": recipe, "pass_at_k": passk,
                 "source": {"phase": config["source"], "model_tag": config["model_tag"] or None, "step": source_meta.get("step")}}
         if final:  # nanochat's RL checkpoint: the model alone
             save_stage_model(checkpoint_dir, step, model, meta, parallel)
@@ -322,7 +324,7 @@ def main(argv=None):
     recent = [r for _, r in metrics.curve("rl/reward")[-10:]]
     stage.finish("Chat RL", [
         user_config,
-        {"Number of iterations": num_iterations, "DDP world size": world_size,
+        {"Number of iterations": num_iterations, "DDP world size": world_size, "Recipe": recipe,
          "Mean reward (last 10 steps)": sum(recent) / len(recent) if recent else None},
         {f"GSM8K test pass@{k + 1}": p for k, p in enumerate(passk)} if passk else {},
     ], {"rl/reward": ("Chat RL mean reward", "mean reward"), "eval/pass@1": ("Chat RL GSM8K pass@1", "pass@1")})

@@ -28,6 +28,7 @@ from nanochat.configurator import Flag, Flags, Rule, parse_flags_or_exit
 from nanochat.data.conversations import check_stage_model, load_stage_model, scale_initial_lr, sft_batches
 from nanochat.distributed.dist import all_reduce_mean
 from nanochat.distributed.parallel import parallel_flags
+from nanochat.recipe import checkpoint_recipe
 from nanochat.stage import Stage
 from nanochat.training import MicroBatches, apply_schedule, lr_multiplier, optimizer_flags, run_flags, source_flags
 from nanochat.usage import BadValue, run_main
@@ -139,7 +140,9 @@ def main(argv=None):
     model, tokenizer, source_meta = load_stage_model(config["source"], device, source_tag, source_step)
     attn = model.set_attn(config["attn"]).describe()
     model, _ = stage.prepare(model)  # --activation_checkpointing, --fp8, the layout
-    print0(f"Fine-tuning the {config['source']} model (step {source_meta.get('step')}): {model_config} | attn {attn}")
+    recipe = checkpoint_recipe(source_meta)  # the base run's, recorded in this stage's meta and report too
+    print0(f"Fine-tuning the {config['source']} model (step {source_meta.get('step')}, {recipe} recipe): {model_config} "
+           f"| attn {attn}")
     print0(f"Batch: {B} conversations x {data_world} rank(s) x {grad_accum} accumulation = "
            f"{config['target_examples_per_step']} conversations/step")
 
@@ -179,8 +182,8 @@ def main(argv=None):
 
     def save(step, final):
         meta = {"model_config": vars(model_config), "user_config": user_config, "val_loss": val_loss, **metrics,
-                "source": {"phase": config["source"], "model_tag": config["model_tag"] or None,
-                           "step": source_meta.get("step")}}
+                "recipe": recipe, "source": {"phase": config["source"], "model_tag": config["model_tag"] or None,
+                                             "step": source_meta.get("step")}}
         if final:  # nanochat's SFT checkpoint: the model alone
             save_stage_model(checkpoint_dir, step, model, meta, parallel)
         else:  # one to resume from: the optimizer state too
@@ -231,7 +234,7 @@ def main(argv=None):
     stage.finish("Chat SFT", [
         user_config,
         {"Training tasks": ", ".join(train_names), "Training rows": len(train_ds),
-         "Number of iterations": num_iterations, "DDP world size": stage.world_size},
+         "Number of iterations": num_iterations, "DDP world size": stage.world_size, "Recipe": recipe},
         {"Training loss": train_loss, "Validation loss": val_loss, **metrics},
     ], {"train/loss": ("Chat SFT loss", "loss (EMA)"), "val/loss": ("Chat SFT validation loss", "loss")})
     return {"step": step, "train_loss": train_loss, "val_loss": val_loss, "metrics": metrics,

@@ -27,6 +27,7 @@ from nanochat.data.conversations import ConversationPacker, check_stage_model, l
 from nanochat.distributed.dist import all_reduce_mean, any_rank
 from nanochat.distributed.parallel import parallel_flags
 from nanochat.loss_eval import evaluate_bpb
+from nanochat.recipe import checkpoint_recipe
 from nanochat.stage import Stage
 from nanochat.tokenizer import get_token_bytes
 from nanochat.training import (
@@ -145,7 +146,8 @@ def main(argv=None):
     print0(f"attention: {model.set_attn(config['attn']).describe()}")
     model, orig_model = stage.prepare(model)  # orig_model: uncompiled, for eval and saving
     token_bytes = get_token_bytes(device=device)
-    print0(f"Base model step {base_meta.get('step')}: {model_config} | {orig_model.num_params():,} params")
+    recipe = checkpoint_recipe(base_meta)  # the base run's, recorded in this stage's meta and report too
+    print0(f"Base model step {base_meta.get('step')} ({recipe} recipe): {model_config} | {orig_model.num_params():,} params")
     if Tlen != model_config.sequence_len:
         print0(f"Note: training at --max_seq_len={Tlen}; the base model was trained at {model_config.sequence_len}")
     print0(f"Batch: {B} x {Tlen} x {data_world} rank(s) x {grad_accum} accumulation = {total_batch:,} tokens/step")
@@ -178,7 +180,7 @@ def main(argv=None):
 
     def save(step, finished):
         meta = {
-            "model_config": vars(model_config), "user_config": user_config, "val_bpb": val_bpb,
+            "model_config": vars(model_config), "user_config": user_config, "val_bpb": val_bpb, "recipe": recipe,
             "min_val_bpb": min_val_bpb if val_bpb is not None else None, "device_batch_size": B, "max_seq_len": Tlen,
             "source": {"phase": "base", "model_tag": config["model_tag"] or None, "step": base_meta.get("step")},
             "loop_state": {"meter": meter.state_dict(), "min_val_bpb": min_val_bpb, "finished": finished},
@@ -224,7 +226,8 @@ def main(argv=None):
     stage.finish(None if dry_run else "Midtraining", [
         user_config,
         {"Training tasks": ", ".join(train_names), "Training conversations": len(train_ds),
-         "Number of iterations": step, "Tokens per step": total_batch, "DDP world size": stage.world_size},
+         "Number of iterations": step, "Tokens per step": total_batch, "DDP world size": stage.world_size,
+         "Recipe": recipe},
         {"Minimum validation bpb": min_val_bpb if val_bpb is not None else None, "Final validation bpb": val_bpb,
          "Total training time": format_duration(meter.total_time)},
     ], {"train/loss": ("Midtraining loss", "loss (EMA)"), "val/bpb": ("Midtraining validation bpb", "bits per byte")})

@@ -194,6 +194,7 @@ def test_mid_sft_rl_chain(chat_env, capsys):
     assert mid["step"] == 3 and math.isfinite(mid["val_bpb"])
     mid_model, _, mid_meta = load_model("mid", "cpu", "eval")
     assert mid_meta["step"] == 3 and mid_meta["model_config"] == vars(base_model.config)
+    assert mid_meta["recipe"] == "december"  # a base meta from before the "recipe" key: a December model_config
     assert changed(params(base_model), params(mid_model))
 
     sft = chat_sft.main(["--device_type=cpu", "--device_batch_size=2", "--target_examples_per_step=4",
@@ -206,6 +207,7 @@ def test_mid_sft_rl_chain(chat_env, capsys):
     assert all(0.0 <= v <= 1.0 for v in sft["metrics"].values())
     sft_model, _, sft_meta = load_model("sft", "cpu", "eval")
     assert sft_meta["source"]["phase"] == "mid" and sft_meta["val_loss"] == sft["val_loss"]
+    assert sft_meta["recipe"] == "december"
     assert changed(params(mid_model), params(sft_model))
 
     rl = chat_rl.main(["--device_type=cpu", "--num_samples=2", "--device_batch_size=2", "--examples_per_step=2",
@@ -216,7 +218,7 @@ def test_mid_sft_rl_chain(chat_env, capsys):
     assert rl["step"] == 2 and len(rl["rewards"]) == 2 and all(0.0 <= r <= 1.0 for r in rl["rewards"])
     assert len(rl["pass_at_k"]) == 2 and rl["pass_at_k"][0] <= rl["pass_at_k"][1]
     _, _, rl_meta = load_model("rl", "cpu", "eval")
-    assert rl_meta["step"] == 2 and rl_meta["source"]["phase"] == "sft"
+    assert rl_meta["step"] == 2 and rl_meta["source"]["phase"] == "sft" and rl_meta["recipe"] == "december"
 
     # one metrics path: every stage's metrics.jsonl has the same namespaced keys for the same things
     from nanochat.metrics import read_metrics

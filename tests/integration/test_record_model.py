@@ -33,7 +33,7 @@ from conftest import REPO, subprocess_env
 from test_posttrain import chat_env  # noqa: F401  (a fixture: tokenizer and task data for the post-training chain)
 from nanochat.engine import Engine, KVCache
 from nanochat.gpt import GPT, GPTConfig, RecordConfig, RecordGPT, config_from_dict, window_sizes
-from nanochat.recipe import RECIPES, resolve_recipe
+from nanochat.recipe import RECIPES, checkpoint_recipe, resolve_recipe, training_data
 
 ANCHOR = Path(os.environ.get("NANOCHAT_ANCHOR_92D63D4", REPO.parent / "shared" / "bench" / "nanochat-92d63d4.tar.gz"))
 SCRIPTS = Path(__file__).resolve().parents[1] / "anchor_scripts"
@@ -249,6 +249,16 @@ def test_the_meta_alone_says_which_model():
     assert type(config_from_dict(vars(december))) is GPTConfig and list(vars(december)) == list(vars(GPTConfig()))
     assert config_from_dict(json.loads(json.dumps(vars(record)))) == record  # what a meta json round trip gives
     assert list(vars(record)) == [*vars(december), "window_pattern"]  # 92d63d4's model_config keys exactly
+
+
+def test_the_recipe_of_a_meta_without_the_key_is_its_models():
+    december = vars(GPTConfig(sequence_len=64, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=128))
+    record = dict(december, window_pattern="SL")
+    assert checkpoint_recipe({"model_config": record, "recipe": "record"}) == "record"  # what every stage writes now
+    # older metas (a base checkpoint of 92d63d4's, a mid/SFT/RL one from before the key): the model says which
+    assert checkpoint_recipe({"model_config": record}) == "record"
+    assert checkpoint_recipe({"model_config": december}) == checkpoint_recipe({}) == "december"
+    assert training_data({"model_config": record}) == ("climbmix", "bestfit")  # base_loss measures it on its data
 
 
 # -----------------------------------------------------------------------------
@@ -508,7 +518,8 @@ def test_our_record_checkpoint_loads_in_92d63d4(anchor, record_run, tmp_path, mo
 
 @pytest.mark.slow
 def test_mid_sft_rl_chain_on_a_record_model(chat_env):  # noqa: F811 (the fixture imported above)
-    """Each post-training stage loads the previous stage's record model from its meta alone and trains it."""
+    """Each post-training stage loads the previous stage's record model from its meta alone, trains it, and records
+    the recipe in its own meta and report section."""
     from nanochat.checkpoint_manager import load_model, save_checkpoint
     from nanochat.gpt import record_config_for_depth
     from nanochat.tokenizer import get_tokenizer
@@ -531,9 +542,12 @@ def test_mid_sft_rl_chain_on_a_record_model(chat_env):  # noqa: F811 (the fixtur
     for stage in ("mid", "sft", "rl"):
         loaded, _, meta = load_model(stage, "cpu", "eval")
         assert type(loaded) is RecordGPT and meta["model_config"] == vars(config), stage
+        assert meta["recipe"] == "record", stage
         state = loaded.state_dict()
         assert any(not torch.equal(state[k], previous[k]) for k in state), f"{stage} did not train the record model"
         previous = state
+    for section in ("midtraining.md", "chat-sft.md", "chat-rl.md"):
+        assert "- Recipe: record" in (chat_env / "report" / section).read_text(), section
 
 
 @pytest.mark.slow

@@ -124,6 +124,7 @@ class Pipeline:
     base_dir: str
     done: str = ""  # the closing line
     failed_hint: str = ""  # after the list of the stages that failed
+    resume_hint: str = ""  # the stop line's word on running again ("" = the same command continues: --resume_from_step=auto)
 
 
 def build(s):
@@ -145,7 +146,11 @@ def build(s):
     done = {"pretrain": f"[{s.launcher}] done ({s.mode})", "speedrun": f"Talk to it: {py} -m scripts.chat_web",
             "runcpu": f"\nDone. Talk to the model:  {py} -m scripts.chat_cli -i sft    or    {py} -m scripts.chat_web -i sft"}
     hint = "Usually missing data offline: point NANOCHAT_DATA_DIR at a directory laid out like ../shared/data (docs/data.md)."
-    return Pipeline(s.launcher, setup, gpu_check, steps, s.env, s.base_dir, done[s.profile], hint)
+    # runcpu.sh's toy stages take no --resume_from_step (gpu_stage_args give every other launcher's stages
+    # --resume_from_step=auto): a second run trains them from the start, so its stop line says how to continue by hand
+    resume = ("running runcpu.sh again starts its stages over; to continue the stopped stage, run its command (the "
+              "RUN: line above) with --resume_from_step=auto") if toy else ""
+    return Pipeline(s.launcher, setup, gpu_check, steps, s.env, s.base_dir, done[s.profile], hint, resume)
 
 
 # -----------------------------------------------------------------------------

@@ -33,8 +33,10 @@ class Runner:
     """Runs commands for one launcher (its name prefixes the log lines), in the environment `env`, with the stop
     signals passed on. In a dry run it only prints them."""
 
-    def __init__(self, name, dry_run, env=None):
+    def __init__(self, name, dry_run, env=None, resume_hint=None):
         self.name, self.dry_run = name, dry_run
+        # what the stop line says about running again: the launcher's own way (runcpu.sh's stages start over)
+        self.resume_hint = resume_hint or "the same command continues from the latest checkpoint (--resume_from_step=auto)"
         self.env = dict(os.environ if env is None else env)  # the commands' environment; steps may add to it
         self.children, self.stopped = [], None
         self.background = {}  # step name -> (process, argv) of a step started in the background
@@ -54,8 +56,7 @@ class Runner:
     def check_stop(self):
         if self.stopped:
             name = signal.Signals(self.stopped).name
-            log(self.name, f"stopped by {name} (a training stage that was running saved its step first); the same "
-                           f"command continues from the latest checkpoint (--resume_from_step=auto)")
+            log(self.name, f"stopped by {name} (a training stage that was running saved its step first); {self.resume_hint}")
             for child in self.children:
                 if child.poll() is None:
                     child.terminate()
@@ -149,7 +150,7 @@ class Runner:
 
 def run_pipeline(pipeline, dry_run):
     """Run a Pipeline: its setup, then (the base dir made) its steps; its exit status."""
-    runner = Runner(pipeline.launcher, dry_run, pipeline.env)
+    runner = Runner(pipeline.launcher, dry_run, pipeline.env, pipeline.resume_hint)
     if dry_run:
         log(pipeline.launcher, "dry run: printing the commands, running nothing")
     if pipeline.bootstrap:  # a fresh machine's setup: checks first, says what it does, in a dry run only prints it

@@ -403,3 +403,5 @@ def test_runcpu_passes_a_stop_signal_to_the_running_stage(world, sig):
     log = calls(world)
     assert log[-1] == {"signal": sig.name} and log[-2]["argv"][1] == "scripts.base_train", log  # the stage got it once
     assert f"stopped by {sig.name}" in out and "scripts.base_loss" not in out
+    # runcpu's stages take no --resume_from_step: the stop line must not promise that a rerun continues
+    assert "running runcpu.sh again starts its stages over" in out and "the same command continues" not in out

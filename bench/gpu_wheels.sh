@@ -18,7 +18,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 # rustbpe for CPython 3.12: build this package's wheel with that interpreter and keep only the extension
 tmp=$(mktemp -d)
 "$PY312" -m pip wheel -q --no-deps -w "$tmp" .
-python3 -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); [z.extract(n, sys.argv[2]) for n in z.namelist() if n.startswith('rustbpe/')]" \
-    "$tmp"/nanochat-*.whl .whl/site
+python3 -m zipfile -e "$tmp"/nanochat-*.whl "$tmp/unpacked"
+rm -rf .whl/site/rustbpe && cp -r "$tmp/unpacked/rustbpe" .whl/site/
 rm -rf "$tmp"
 ls -la .whl .whl/site/rustbpe

@@ -89,12 +89,15 @@ def remove_stale_temp_files(checkpoint_dir, log=print):
         return []
     freed = 0
     for path in stale:
-        if os.path.isdir(path):
-            freed += sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            freed += os.path.getsize(path)
-            os.unlink(path)
+        try:  # on a filesystem the nodes share, every node's first rank tidies: another may remove a file first
+            if os.path.isdir(path):
+                freed += sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                freed += os.path.getsize(path)
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
     log(f"Removed {len(stale)} temp file(s) of an interrupted save from {checkpoint_dir} ({format_bytes(freed)}): "
         f"{', '.join(os.path.basename(p) for p in stale)}")
     return stale

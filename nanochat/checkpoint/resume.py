@@ -18,7 +18,7 @@ from nanochat.checkpoint.files import remove_stale_temp_files
 from nanochat.checkpoint.steps import latest_resumable_step, require_step, step_problem
 from nanochat.checkpoint.train_state import load_train_state
 from nanochat.common import print0
-from nanochat.distributed.dist import gather_objects, get_dist_info
+from nanochat.distributed.dist import barrier, gather_objects, get_dist_info
 from nanochat.usage import BadValue
 
 
@@ -74,12 +74,15 @@ def resolve_resume_step(value, checkpoint_dir, with_optimizer=True):
     The step to resume from, or None for a fresh start. auto: rank 0 looks for the latest complete step
     (steps.latest_resumable_step; resuming reads the checkpoint on every rank, so it sits on a filesystem
     all nodes share) and every rank gets its answer, so all ranks load the same step. First, on each node, the stale
-    temp files of killed saves go (files.remove_stale_temp_files).
+    temp files of killed saves go (files.remove_stale_temp_files), and all ranks wait until every node has tidied.
     """
     choice = parse_resume_step(value)
     _, rank, local_rank, _ = get_dist_info()
     if local_rank == 0:  # every node's first rank: node-local base dirs (NANOCHAT_SHARED_FS=0) are tidied too
         remove_stale_temp_files(checkpoint_dir, log=print)
+    # No rank writes into checkpoint_dir (metrics.jsonl, a save) before every node's tidy-up is over: on a filesystem
+    # the nodes share, a node that starts late would otherwise take this run's own temp file in flight for a stale one.
+    barrier()
     if choice != "auto":
         return None if choice < 0 else choice
     found = latest_resumable_step(checkpoint_dir, with_optimizer, log=print) if rank == 0 else None

@@ -4,7 +4,8 @@ Runs that survive on 2 ranks (gloo on CPU, launched by torchrun as users launch 
 - a stop signal that reaches one rank only: both ranks stop at the same step, save it and exit 0; Ctrl-C to torchrun:
   the ranks save one step and exit 130;
 - the chaos test: kill -9 of a random rank at 3 random moments (one during a save) under torchrun --max-restarts with
-  --resume_from_step=auto, and the final weights equal an uninterrupted run's.
+  --resume_from_step=auto, and the final weights equal an uninterrupted run's;
+- two nodes on one shared filesystem: a node that starts late does not tidy away a running node's temp file.
 """
 
 import json
@@ -174,3 +175,34 @@ def test_chaos_kill_9_and_restart_ends_with_the_uninterrupted_weights(calm):
     assert "chaos: rank" in out and "killed while writing" in out, why + out[-4000:]
     assert out.count("--resume_from_step=auto:") == 4, why + out[-4000:]  # four lives, each looked for a step
     assert_same_weights(final_weights(base_dir, "calm", steps), final_weights(base_dir, "chaos", steps))
+
+
+# Two nodes on one shared filesystem, as test_dist_train's two launchers are: each node's first rank tidies the
+# checkpoint dir at start. Node 1 starts late (LATE seconds); node 0's first write after the tidy-up must survive it.
+LATE_NODE_WORKER = """
+import os, sys, time
+import torch.distributed as dist
+from nanochat.checkpoint.resume import resolve_resume_step
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+os.environ["LOCAL_RANK"] = "0"  # each rank plays the first rank of its own node
+checkpoint_dir, late = sys.argv[1], float(sys.argv[2])
+if rank == 1:
+    time.sleep(late)
+assert resolve_resume_step("-1", checkpoint_dir) is None
+if rank == 0:  # what metrics.jsonl's atomic write has in flight right after start-up
+    open(os.path.join(checkpoint_dir, "metrics.jsonl.inflight.tmp"), "w").close()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_late_node_does_not_take_a_running_nodes_temp_file(tmp_path):
+    checkpoint_dir = tmp_path / "ckpt"
+    checkpoint_dir.mkdir()
+    (checkpoint_dir / "model_000002.pt.old.tmp").write_bytes(b"x" * 10)  # a killed save's: both nodes tidy it
+    worker = tmp_path / "worker.py"
+    worker.write_text(LATE_NODE_WORKER)
+    p = run_torchrun([str(worker), str(checkpoint_dir), "2"], env=subprocess_env(tmp_path))
+    assert sorted(os.listdir(checkpoint_dir)) == ["metrics.jsonl.inflight.tmp"], p.stdout
+    assert "Removed 1 temp file(s)" in p.stdout

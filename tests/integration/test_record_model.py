@@ -125,6 +125,7 @@ def test_same_init_logits_windows_flops_as_92d63d4(probe):
     assert model.estimate_flops() == probe["flops"] and model.scaling_params() == probe["scaling_params"]
 
 
+@pytest.mark.slow  # unpacks and runs 92d63d4's code (its probe: seconds)
 def test_same_optimizer_groups_as_92d63d4(probe):
     model = record_model()
     names = {id(p): n for n, p in model.named_parameters()}
@@ -138,6 +139,7 @@ def test_same_optimizer_groups_as_92d63d4(probe):
         assert {k: mine[k] for k in keys} == {k: theirs[k] for k in keys}, name
 
 
+@pytest.mark.slow  # unpacks and runs 92d63d4's code (its probe: seconds)
 def test_record_defaults_are_92d63d4s_base_train_defaults(anchor):
     tree = ast.parse((anchor / "scripts" / "base_train.py").read_text())
     theirs = {}
@@ -164,6 +166,7 @@ def test_record_defaults_are_92d63d4s_base_train_defaults(anchor):
     assert base_train.CORE_MAX_PER_TASK == theirs["core_metric_max_per_task"]
 
 
+@pytest.mark.slow  # unpacks and runs 92d63d4's code (its probe: seconds)
 @pytest.mark.parametrize("case", range(len(SCALING)))
 def test_batch_lr_and_weight_decay_scaling_are_92d63d4s(probe, case):
     depth, ratio, batch, head_dim, seq, vocab, wd, pattern = SCALING[case]
@@ -187,6 +190,7 @@ def test_batch_lr_and_weight_decay_scaling_are_92d63d4s(probe, case):
     assert steps == max(1, theirs["target_tokens"] // theirs["total_batch_size"])
 
 
+@pytest.mark.slow  # unpacks and runs 92d63d4's code (its probe: seconds)
 @pytest.mark.parametrize("case", range(len(SCHEDULES)))
 def test_schedules_are_92d63d4s(probe, case):
     n, warmup, warmdown, final, wd = SCHEDULES[case]

@@ -37,6 +37,7 @@ def bench(tmp_path, data, *flags):
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
+@pytest.mark.slow  # three training runs of the bench (half a minute): not for the edit-test loop
 def test_recipes_get_equal_flops_and_a_missing_anchor_is_skipped_with_the_reason(tmp_path, data, capsys):
     missing = tmp_path / "no-anchor-here"
     rows = bench(tmp_path, data, "--seeds=42", "--december_steps=4", f"--anchor={missing}")

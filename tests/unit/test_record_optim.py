@@ -114,6 +114,7 @@ def train(params, opts, steps):
             opt.step()
 
 
+@pytest.mark.slow  # a fresh process that unpacks and imports 92d63d4's code
 def test_record_optimizer_matches_nanochat_92d63d4(tmp_path):
     """Every parameter equals 92d63d4's bit for bit: Muon's matrices (its scalar arithmetic in float32 included: see
     muon.f32) and the AdamW ones (math="record": its fused AdamW's float32 arithmetic). torch's AdamW, the same formula

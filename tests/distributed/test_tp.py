@@ -62,6 +62,22 @@ def _single(base_dir, tag, steps, world, extra=()):
     return single_process(base_dir, tag, steps, world, [*TINY, *extra])
 
 
+# One process, AC_STEPS steps at the tp runs' global batch: the reference that the AC and the compiled TP runs (same
+# flags, same steps) both compare against, trained once for the module (a tag's directory is copied where a test
+# needs it: its own base dir holds its TP run beside it).
+AC_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def one_process_ref(module_base_dir):
+    _single(module_base_dir, "ref", AC_STEPS, 1)
+    return module_base_dir / "base_checkpoints" / "ref"
+
+
+def copy_ref(ref, base_dir, tag):
+    shutil.copytree(ref, base_dir / "base_checkpoints" / tag)
+
+
 def _torchrun(base_dir, tag, steps, nproc, extra=(), timeout=400):
     return run_torchrun(["-m", "scripts.base_train", *TINY, f"--total_batch_size={256 * nproc // 2}",
                          f"--num_iterations={steps}", f"--model_tag={tag}", "--tp_size=2", *extra],
@@ -98,13 +114,13 @@ def test_dp2_x_tp2_on_four_ranks_matches_one_process(base_dir):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_tp_with_ac_eval_sampling_and_checkpoint(base_dir):
+def test_tp_with_ac_eval_sampling_and_checkpoint(base_dir, one_process_ref):
     """AC=full under TP, bpb evaluation and sampling mid-run; the TP checkpoint (sharded) loads in one process (same
     logits)."""
     from nanochat.checkpoint_manager import load_model
 
-    steps = 4
-    _single(base_dir, "refac", steps, 1)
+    steps = AC_STEPS
+    copy_ref(one_process_ref, base_dir, "refac")
     p = _torchrun(base_dir, "tpac", steps, 2, ["--activation_checkpointing=full", "--eval_every=2", "--eval_tokens=512",
                                                "--sample_every=2"])
     assert "Activation checkpointing (full)" in p.stdout
@@ -262,10 +278,10 @@ def test_mid_and_sft_tp2_match_one_process(tmp_path, monkeypatch):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_tp_compiled_with_ac_matches_eager_one_process(base_dir):
+def test_tp_compiled_with_ac_matches_eager_one_process(base_dir, one_process_ref):
     """torch.compile (per block, as under FSDP) x TP x activation checkpointing: no graph break, same run as eager."""
-    steps = 3
-    _single(base_dir, "refc", steps, 1)
+    steps = AC_STEPS
+    copy_ref(one_process_ref, base_dir, "refc")
     p = run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=256", f"--num_iterations={steps}",
                       "--model_tag=tpc", "--tp_size=2", "--compile=1", "--activation_checkpointing=full"],
                      env=subprocess_env(base_dir, NANOCHAT_COMPILE="1"), timeout=900)

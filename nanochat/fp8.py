@@ -249,9 +249,11 @@ def _scaled_matmul(a, b, a_inv, b_inv, out_dtype, fast_accum):
     return torch._scaled_mm(a.contiguous(), b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
-@torch._dynamo.allow_in_graph  # one opaque node for torch.compile (the casts are not traced and re-fused)
 class _Float8Matmul(torch.autograd.Function):
-    """out = x @ W^T with the three matmuls in FP8 (see above). x is 2-D, in the compute dtype (the output's)."""
+    """out = x @ W^T with the three matmuls in FP8 (see above). x is 2-D, in the compute dtype (the output's).
+    torch.compile sees it as one opaque node (the casts are not traced and re-fused): Float8Linear.from_float tells
+    dynamo so, not this module's import, since importing torch._dynamo costs seconds that a process which never builds
+    an optimizer or compiles (a usage error, chat_web) need not pay."""
 
     @staticmethod
     def forward(ctx, x, weight):
@@ -286,6 +288,7 @@ class Float8Linear(nn.Linear):
     @classmethod
     def from_float(cls, linear):
         """The same parameters (shared, not copied) in a Float8Linear; works on the meta device."""
+        torch._dynamo.allow_in_graph(_Float8Matmul)  # before any compile traces a forward (idempotent)
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=False)
         new.weight, new.bias = linear.weight, linear.bias

@@ -20,6 +20,13 @@ REPO = Path(__file__).resolve().parents[1]
 # --compile=auto compiles on CPU too; in the suite's tiny runs compile time would dominate, so tests run eager
 # (tests/integration/test_compile.py compiles on purpose). Inherited by the scripts and torchrun ranks tests launch.
 os.environ.setdefault("NANOCHAT_COMPILE", "0")
+# Several workers share the cores (pytest-xdist, as tests/run.sh runs the suite): one torch thread each, as the
+# processes the tests start have (subprocess_env). torch's default, a thread per core in every worker, spin-waits
+# against the other worker's threads: the fast lane took 110 s instead of 97 on 2 cores. Test modules leave it alone.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(1)
 TEST_DATA = REPO / "tests" / "assets" / "data"
 SHARED_DATA = REPO.parent / "shared" / "data"
 WIKITEXT = TEST_DATA / "pretrain" / "wikitext-2"

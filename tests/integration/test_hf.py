@@ -30,8 +30,6 @@ from scripts import export_hf, import_hf  # noqa: E402
 
 ONE = DataRanks(0, 1, 0)  # a single process evaluates every example (ranks are required: TP splits by data rank)
 
-torch.set_num_threads(2)
-
 VOCAB = 2000  # asked of the tokenizer trainer (built-in text alone yields fewer); the tests use the size it gets
 # the text corpora of ../shared/data (capped per file to keep the test a few seconds)
 CORPORA = [

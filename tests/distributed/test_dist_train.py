@@ -44,6 +44,23 @@ def single_process(base_dir, tag, steps, world, extra=()):
     return p.stdout
 
 
+@pytest.fixture(scope="module")
+def reference(module_base_dir):
+    """One-process runs that several tests compare against, each trained once per module (a training process spends
+    seconds importing before its first step): reference(base_dir, tag, steps, world, extra) puts the run with those
+    settings into the test's base_dir as `tag`."""
+    trained = {}
+
+    def put(base_dir, tag, steps, world, extra=()):
+        key = (steps, world, tuple(extra))
+        if key not in trained:
+            trained[key] = f"ref{len(trained)}"
+            single_process(module_base_dir, trained[key], steps, world, extra)
+        shutil.copytree(module_base_dir / "base_checkpoints" / trained[key], base_dir / "base_checkpoints" / tag)
+
+    return put
+
+
 def assert_same_run(base_dir, ref_tag, tag, steps, atol=1e-4):
     ref_l, l = losses(base_dir, ref_tag), losses(base_dir, tag)
     assert len(ref_l) == len(l) == steps
@@ -56,9 +73,9 @@ def assert_same_run(base_dir, ref_tag, tag, steps, atol=1e-4):
 
 
 @pytest.mark.parametrize("use_muon", [1, 0])
-def test_ddp_two_ranks_match_one_process(base_dir, use_muon):
+def test_ddp_two_ranks_match_one_process(base_dir, reference, use_muon):
     steps = 5
-    single_process(base_dir, f"ref{use_muon}", steps, 2, [f"--use_muon={use_muon}"])
+    reference(base_dir, f"ref{use_muon}", steps, 2, [f"--use_muon={use_muon}"])
     run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={steps}",
                   f"--model_tag=ddp{use_muon}", f"--use_muon={use_muon}"], env=subprocess_env(base_dir))
     assert_same_run(base_dir, f"ref{use_muon}", f"ddp{use_muon}", steps)
@@ -68,9 +85,9 @@ def test_ddp_two_ranks_match_one_process(base_dir, use_muon):
 
 
 @pytest.mark.parametrize("use_muon", [1, 0])
-def test_fsdp_two_ranks_match_one_process(base_dir, use_muon):
+def test_fsdp_two_ranks_match_one_process(base_dir, reference, use_muon):
     steps = 5
-    single_process(base_dir, f"ref{use_muon}", steps, 2, [f"--use_muon={use_muon}"])
+    reference(base_dir, f"ref{use_muon}", steps, 2, [f"--use_muon={use_muon}"])
     run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={steps}",
                   f"--model_tag=fsdp{use_muon}", f"--use_muon={use_muon}", "--use_fsdp=1"], env=subprocess_env(base_dir))
     assert_same_run(base_dir, f"ref{use_muon}", f"fsdp{use_muon}", steps)
@@ -84,11 +101,11 @@ RECORD = ["--recipe=record", "--depth=2", "--head_dim=64", "--max_seq_len=256", 
 
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp"])
-def test_record_recipe_two_ranks_match_one_process(base_dir, layout):
+def test_record_recipe_two_ranks_match_one_process(base_dir, reference, layout):
     """DistAdamW/DistMuon (ddp) and FSDPRecordAdamW/FSDPMuon (fsdp) with the record recipe == one process reading the
     same global batches: the same losses step for step and the same weights (float summation order apart)."""
     steps = 5
-    single_process(base_dir, "recref", steps, 2, [*RECORD, "--total_batch_size=1024"])
+    reference(base_dir, "recref", steps, 2, [*RECORD, "--total_batch_size=1024"])
     run_torchrun(["-m", "scripts.base_train", *TINY, *RECORD, "--total_batch_size=1024", f"--num_iterations={steps}",
                   f"--model_tag=rec{layout}", *(["--use_fsdp=1"] if layout == "fsdp" else [])],
                  env=subprocess_env(base_dir))

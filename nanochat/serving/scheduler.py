@@ -188,6 +188,7 @@ class Scheduler:
         # counters for /stats
         self.steps = self.tokens_generated = self.requests_done = self.requests_served = self.errors = 0
         self.busy_s = self.decode_s = 0.0  # time in steps, and in their decode part
+        self.decode_steps = self.decoded_rows = 0  # their ratio is the mean decode batch: how much batching happened
         self._thread = None
         self._wake = threading.Condition()
         self._stop = False
@@ -339,6 +340,8 @@ class Scheduler:
             return
         for r in rows:
             r.length += 1
+        self.decode_steps += 1
+        self.decoded_rows += len(rows)
         # sampling: the greedy rows of every request in one argmax, the others per request with its own generator
         chosen = {}
         greedy = [r for r in rows if r.request.temperature < 1e-5]
@@ -530,6 +533,8 @@ class Scheduler:
             "max_context": self.max_context,
             "kv_cache_bytes": self.pool.nbytes() + (self.prefix.nbytes() if self.prefix else 0),
             "steps": self.steps,
+            "decode_steps": self.decode_steps,
+            "decoded_rows": self.decoded_rows,
             "busy_s": round(self.busy_s, 3),
             "decode_s": round(self.decode_s, 3),
             "decode": "compiled" if self.compiled else "eager",

@@ -125,15 +125,26 @@ def test_fsdp_deferred_grad_sync_matches_one_process(base_dir):
     assert_same_run(base_dir, "refacc", "fsdpacc", steps)
 
 
-def test_resume_on_two_ranks_is_exact(base_dir):
-    n = 3
-    args = ["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={2 * n}", f"--save_every={n}"]
-    run_torchrun(args + ["--model_tag=full"], env=subprocess_env(base_dir))
+RESUME_AT = 3  # the 2-rank run below saves this step and 2 * RESUME_AT
+TWO_RANKS = ["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={2 * RESUME_AT}",
+             f"--save_every={RESUME_AT}"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(module_base_dir):
+    """A 2-rank DDP run of 2 * RESUME_AT steps, saving step RESUME_AT: resumed on 2 ranks, refused on 1."""
+    run_torchrun([*TWO_RANKS, "--model_tag=full"], env=subprocess_env(module_base_dir))
+    return module_base_dir / "base_checkpoints" / "full"
+
+
+def test_resume_on_two_ranks_is_exact(base_dir, two_rank_run):
+    n = RESUME_AT
     src, dst = base_dir / "base_checkpoints" / "full", base_dir / "base_checkpoints" / "resumed"
+    shutil.copytree(two_rank_run, src)
     dst.mkdir()
     for f in src.glob(f"*{n:06d}*"):
         shutil.copy(f, dst / f.name)
-    run_torchrun(args + ["--model_tag=resumed", f"--resume_from_step={n}"], env=subprocess_env(base_dir))
+    run_torchrun([*TWO_RANKS, "--model_tag=resumed", f"--resume_from_step={n}"], env=subprocess_env(base_dir))
     assert losses(base_dir, "resumed") == losses(base_dir, "full")[n:]
     a, _ = final_params(base_dir, "full", 2 * n)
     b, _ = final_params(base_dir, "resumed", 2 * n)
@@ -141,11 +152,10 @@ def test_resume_on_two_ranks_is_exact(base_dir):
         assert torch.equal(a[k], b[k]), k
 
 
-def test_resume_with_other_world_size_is_refused(base_dir):
-    run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", "--num_iterations=2", "--model_tag=w2"],
-                 env=subprocess_env(base_dir))
-    cmd = [sys.executable, "-m", "scripts.base_train", *TINY, "--total_batch_size=512", "--num_iterations=4",
-           "--model_tag=w2", "--resume_from_step=2"]
+def test_resume_with_other_world_size_is_refused(base_dir, two_rank_run):
+    shutil.copytree(two_rank_run, base_dir / "base_checkpoints" / "w2")
+    cmd = [sys.executable, "-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={4 * RESUME_AT}",
+           "--model_tag=w2", f"--resume_from_step={RESUME_AT}"]
     p = subprocess.run(cmd, cwd=REPO, env=subprocess_env(base_dir), capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "saved by 2 rank(s)" in p.stderr
 

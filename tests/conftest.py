@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("NANOCHAT_COMPILE", "0")
 # Several workers share the cores (pytest-xdist, as tests/run.sh runs the suite): one torch thread each, as the
 # processes the tests start have (subprocess_env). torch's default, a thread per core in every worker, spin-waits
-# against the other worker's threads: the fast lane took 110 s instead of 97 on 2 cores. Test modules leave it alone.
+# against the other worker's threads: the fast lane took 110 s instead of 97 on 2 cores. (A test that needs
+# another count sets it in a fixture and restores it: tests/unit/test_gpt.py, tests/integration/test_hf.py.)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 

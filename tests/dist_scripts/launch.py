@@ -1,25 +1,18 @@
 """
-Helpers for tests that launch the scripts in this folder: torchrun with gloo on CPU (`sys.executable -m
-torch.distributed.run`, a free port, a timeout) or a plain single process. Import by path from a test:
+Helpers for tests that launch the scripts in this folder: N ranks with gloo on CPU (tests/ranks.py: as torchrun starts
+them, a free port, a timeout) or a plain single process. Import by path from a test:
 
     launch = load_launch()   # see tests/distributed/test_dist_optim.py
 """
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env():
@@ -46,18 +39,12 @@ def _run(cmd, timeout):
     return proc.stdout
 
 
-def torchrun(script, args=(), nproc=2, timeout=240):
-    """Run SCRIPTS/script under torchrun on 127.0.0.1; returns its stdout (raises with the logs on failure)."""
-    for attempt in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(SCRIPTS / script), *map(str, args)]
-        try:
-            return _run(cmd, timeout)
-        except AssertionError as e:
-            # another process may grab the free port between our probe and torchrun's bind: retry once on that only
-            if attempt == 0 and ("EADDRINUSE" in str(e) or "address already in use" in str(e).lower()):
-                continue
-            raise
+def ranks(script, args=(), nproc=2, timeout=240):
+    """Run SCRIPTS/script in `nproc` ranks on 127.0.0.1 (tests/ranks.py: as torchrun's workers, without its launcher);
+    returns its stdout (raises with the logs on failure)."""
+    from ranks import run_ranks  # tests/ is on the path of the tests that load this module
+
+    return run_ranks([SCRIPTS / script, *args], nproc=nproc, env=_env(), timeout=timeout).stdout
 
 
 def single(script, args=(), timeout=240):

@@ -30,7 +30,7 @@ def runs(tmp_path_factory):
     pytest.importorskip("nanochat.gpt")
     d = tmp_path_factory.mktemp("ddp")
     launch.single("gpt_train_check.py", ["--mode=single", "--use_muon=1", "--record=1", f"--out={d / 'ref.pt'}"])
-    launch.torchrun("gpt_train_check.py", ["--mode=ddp", "--use_muon=1", "--record=1", "--synthetic=1", f"--out={d / 'ddp.pt'}"], timeout=400)
+    launch.ranks("gpt_train_check.py", ["--mode=ddp", "--use_muon=1", "--record=1", "--synthetic=1", f"--out={d / 'ddp.pt'}"], timeout=400)
     return torch.load(d / "ref.pt", weights_only=True), torch.load(d / "ddp.pt", weights_only=True)
 
 

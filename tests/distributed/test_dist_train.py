@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, free_port, run_torchrun, subprocess_env
+from conftest import REPO, free_port, subprocess_env
+from ranks import run_ranks
 from nanochat.checkpoint_manager import load_checkpoint
 from nanochat.metrics import read_metrics
 
@@ -76,7 +77,7 @@ def assert_same_run(base_dir, ref_tag, tag, steps, atol=1e-4):
 def test_ddp_two_ranks_match_one_process(base_dir, reference, use_muon):
     steps = 5
     reference(base_dir, f"ref{use_muon}", steps, 2, [f"--use_muon={use_muon}"])
-    run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={steps}",
+    run_ranks(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={steps}",
                   f"--model_tag=ddp{use_muon}", f"--use_muon={use_muon}"], env=subprocess_env(base_dir))
     assert_same_run(base_dir, f"ref{use_muon}", f"ddp{use_muon}", steps)
     # one optimizer file per rank: the optimizer state is sharded (ZeRO-2 / DistMuon ownership)
@@ -88,7 +89,7 @@ def test_ddp_two_ranks_match_one_process(base_dir, reference, use_muon):
 def test_fsdp_two_ranks_match_one_process(base_dir, reference, use_muon):
     steps = 5
     reference(base_dir, f"ref{use_muon}", steps, 2, [f"--use_muon={use_muon}"])
-    run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={steps}",
+    run_ranks(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={steps}",
                   f"--model_tag=fsdp{use_muon}", f"--use_muon={use_muon}", "--use_fsdp=1"], env=subprocess_env(base_dir))
     assert_same_run(base_dir, f"ref{use_muon}", f"fsdp{use_muon}", steps)
 
@@ -106,7 +107,7 @@ def test_record_recipe_two_ranks_match_one_process(base_dir, reference, layout):
     same global batches: the same losses step for step and the same weights (float summation order apart)."""
     steps = 5
     reference(base_dir, "recref", steps, 2, [*RECORD, "--total_batch_size=1024"])
-    run_torchrun(["-m", "scripts.base_train", *TINY, *RECORD, "--total_batch_size=1024", f"--num_iterations={steps}",
+    run_ranks(["-m", "scripts.base_train", *TINY, *RECORD, "--total_batch_size=1024", f"--num_iterations={steps}",
                   f"--model_tag=rec{layout}", *(["--use_fsdp=1"] if layout == "fsdp" else [])],
                  env=subprocess_env(base_dir))
     assert_same_run(base_dir, "recref", f"rec{layout}", steps)
@@ -119,7 +120,7 @@ def test_fsdp_deferred_grad_sync_matches_one_process(base_dir):
     """With 2 micro-steps per rank, reduce-scattering once per step gives the same run as syncing every micro-step."""
     steps = 3
     single_process(base_dir, "refacc", steps, 2, ["--total_batch_size=1024"])
-    p = run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=1024", f"--num_iterations={steps}",
+    p = run_ranks(["-m", "scripts.base_train", *TINY, "--total_batch_size=1024", f"--num_iterations={steps}",
                       "--model_tag=fsdpacc", "--use_fsdp=1", "--fsdp_defer_grad_sync=1"], env=subprocess_env(base_dir))
     assert "2 accumulation" in p.stdout
     assert_same_run(base_dir, "refacc", "fsdpacc", steps)
@@ -133,7 +134,7 @@ TWO_RANKS = ["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--nu
 @pytest.fixture(scope="module")
 def two_rank_run(module_base_dir):
     """A 2-rank DDP run of 2 * RESUME_AT steps, saving step RESUME_AT: resumed on 2 ranks, refused on 1."""
-    run_torchrun([*TWO_RANKS, "--model_tag=full"], env=subprocess_env(module_base_dir))
+    run_ranks([*TWO_RANKS, "--model_tag=full"], env=subprocess_env(module_base_dir))
     return module_base_dir / "base_checkpoints" / "full"
 
 
@@ -144,7 +145,7 @@ def test_resume_on_two_ranks_is_exact(base_dir, two_rank_run):
     dst.mkdir()
     for f in src.glob(f"*{n:06d}*"):
         shutil.copy(f, dst / f.name)
-    run_torchrun([*TWO_RANKS, "--model_tag=resumed", f"--resume_from_step={n}"], env=subprocess_env(base_dir))
+    run_ranks([*TWO_RANKS, "--model_tag=resumed", f"--resume_from_step={n}"], env=subprocess_env(base_dir))
     assert losses(base_dir, "resumed") == losses(base_dir, "full")[n:]
     a, _ = final_params(base_dir, "full", 2 * n)
     b, _ = final_params(base_dir, "resumed", 2 * n)
@@ -194,7 +195,7 @@ def test_fsdp_checkpoint_loads_in_one_process(base_dir):
     single_process(base_dir, "refl", steps, 2)
     # evaluation and sampling run during FSDP training too (the weights are sharded DTensors there); step 1 samples
     # right after a training step with no evaluation before it (the root module's weights are still sharded then)
-    p = run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={steps}",
+    p = run_ranks(["-m", "scripts.base_train", *TINY, "--total_batch_size=512", f"--num_iterations={steps}",
                       "--model_tag=fsdpl", "--use_fsdp=1", "--eval_every=2", "--eval_tokens=1024", "--sample_every=1"],
                      env=subprocess_env(base_dir))
     assert [r["step"] for r in records(base_dir, "fsdpl") if "val/bpb" in r] == [0, 2]
@@ -245,7 +246,7 @@ def test_cleanup_tears_the_gloo_groups_down(strategy):
     import json
 
     script = REPO / "tests" / "dist_scripts" / "cleanup_check.py"
-    p = run_torchrun([str(script), strategy], env=subprocess_env(), timeout=240)
+    p = run_ranks([str(script), strategy], env=subprocess_env(), timeout=240)
     lines = {d["at"]: d["gloo_threads"] for d in map(json.loads, (line for line in p.stdout.splitlines() if line.startswith("{")))}
     if strategy != "ddp":
         assert "pt_gloo_runloop" in lines["cleanup"]
@@ -276,12 +277,12 @@ def test_fsdp_resume_on_a_sample_step_then_trains(base_dir):
     n = 2
     args = ["-m", "scripts.base_train", *TINY, "--total_batch_size=256", f"--num_iterations={2 * n}", f"--save_every={n}",
             "--use_fsdp=1"]
-    run_torchrun(args + ["--model_tag=full"], nproc=1, env=subprocess_env(base_dir))
+    run_ranks(args + ["--model_tag=full"], nproc=1, env=subprocess_env(base_dir))
     src, dst = base_dir / "base_checkpoints" / "full", base_dir / "base_checkpoints" / "resumed"
     dst.mkdir()
     for f in src.glob(f"*{n:06d}*"):
         shutil.copytree(f, dst / f.name) if f.is_dir() else shutil.copy(f, dst / f.name)
-    p = run_torchrun(args + ["--model_tag=resumed", f"--resume_from_step={n}", f"--sample_every={n}"], nproc=1,
+    p = run_ranks(args + ["--model_tag=resumed", f"--resume_from_step={n}", f"--sample_every={n}"], nproc=1,
                      env=subprocess_env(base_dir))
     assert p.stdout.count("'The capital of France is' ->") == 2  # the resume step, then the last step
     assert losses(base_dir, "resumed") == losses(base_dir, "full")[n:]

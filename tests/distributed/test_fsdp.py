@@ -36,7 +36,7 @@ def runs(tmp_path_factory):
     ref = torch.load(d / "ref.pt", weights_only=True)
     # the single-process run's final weights, written as a DDP-path checkpoint (one plain state dict file)
     torch.save(ref["use_muon=1"]["params"], d / "model_000006.pt")
-    launch.torchrun(
+    launch.ranks(
         "gpt_train_check.py",
         ["--mode=fsdp", "--use_muon=1,0", "--record=1", "--synthetic=1", f"--ddp_ckpt={d / 'model_000006.pt'}", f"--out={d / 'fsdp.pt'}"],
         timeout=400,
@@ -145,7 +145,7 @@ def test_full_weights_lets_ranks_run_their_own_forwards():
     """fsdp.full_weights (chat_rl's sampling under FSDP): inside, plain full weights equal to the sharded masters and
     no collective per forward (the ranks run 1 and 3 forwards); after, the sharded layout and apply_fsdp's
     reshard-after-forward flags are back and training goes on exactly as one process's."""
-    out = launch.json_lines(launch.torchrun("full_weights_check.py", timeout=240))[-1]
+    out = launch.json_lines(launch.ranks("full_weights_check.py", timeout=240))[-1]
     assert out["plain"] and out["after"]
     assert max(out["inside"]) == 0.0
     assert max(out["logits"]) < 1e-5
@@ -158,7 +158,7 @@ def test_sampling_before_the_first_training_forward():
     """GPT.generate, the Engine, or full_weights inside inference_mode as the sharded model's first forward (a run
     resumed on a sample step, chat_sft's evals at step 0): the training forward and backward after it work and give
     one process's loss and gradients (FSDP2's unsharded parameters are not left as inference tensors)."""
-    out = launch.json_lines(launch.torchrun("inference_first_check.py", timeout=240))[-1]
+    out = launch.json_lines(launch.ranks("inference_first_check.py", timeout=240))[-1]
     assert sorted(out) == ["engine", "full_weights_in_inference_mode", "generate"]
     for case, r in out.items():
         assert r["error"] is None, (case, r["error"])

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.dist
 
 @pytest.mark.parametrize("mode, optimizers", [("fsdp", ["FSDPRecordAdamW", "FSDPMuon"]), ("tp", ["FSDPRecordAdamW", "ShardedMuon"])])
 def test_record_model_sharded_equals_one_process(mode, optimizers):
-    [out] = launch.json_lines(launch.torchrun("record_layout_check.py", [mode], timeout=400))
+    [out] = launch.json_lines(launch.ranks("record_layout_check.py", [mode], timeout=400))
     assert out["loss"] < 1e-6 and out["logits"] < 1e-5 and out["state"] == 0.0
     # every parameter of the record model has its gradient, equal up to float summation order
     assert {"value_embeds.0.weight", "value_embeds.2.weight", "transformer.h.0.attn.ve_gate.weight", "smear_gate.weight",

@@ -1,5 +1,6 @@
 """
-Runs that survive on 2 ranks (gloo on CPU, launched by torchrun as users launch it):
+Runs that survive on 2 ranks (gloo on CPU; the signal and chaos tests under torchrun, as users launch, since its
+agent passes the signals on and restarts the ranks; the others start the ranks directly, tests/ranks.py):
 - --deterministic with --compile=1: N steps + resume + N steps == 2N steps bit for bit, on the DDP path and FSDP2;
 - a stop signal that reaches one rank only: both ranks stop at the same step, save it and exit 0; Ctrl-C to torchrun:
   the ranks save one step and exit 130;
@@ -19,6 +20,7 @@ import time
 import pytest
 
 from conftest import REPO, free_port, run_torchrun, subprocess_env
+from ranks import run_ranks
 from nanochat.checkpoint.steps import latest_resumable_step
 from test_resume import assert_same_weights, ckpt_dir, copy_step, final_weights, losses
 
@@ -28,14 +30,18 @@ TINY = ["--depth=2", "--max_seq_len=64", "--device_batch_size=4", "--total_batch
         "--core_metric_every=-1", "--sample_every=-1", "--device_type=cpu"]
 
 
-def torchrun_base_train(base_dir, *args, launcher=(), script=("-m", "scripts.base_train"), env=None, timeout=300):
+def train_two_ranks(base_dir, *args, launcher=None, script=("-m", "scripts.base_train"), env=None, timeout=300):
+    """base_train on two ranks (tests/ranks.py); under real torchrun with its `launcher` options when given (the chaos
+    test's --max-restarts: torchrun's agent restarts the killed ranks)."""
     if "--compile=1" in args:  # a cold compile on each rank: minutes on a busy 2-core machine (a CI runner beside jobs)
         timeout = max(timeout, 600)
-    return run_torchrun([*script, *TINY, *args], env=env or subprocess_env(base_dir), extra_launcher_args=launcher,
-                        timeout=timeout)
+    cmd, env = [*script, *TINY, *args], env or subprocess_env(base_dir)
+    if launcher is not None:
+        return run_torchrun(cmd, env=env, extra_launcher_args=launcher, timeout=timeout)
+    return run_ranks(cmd, env=env, timeout=timeout)
 
 
-# The uninterrupted runs several tests compare against are run once per module (each is a 2-rank torchrun, a compiled
+# The uninterrupted runs several tests compare against are run once per module (each is a 2-rank run, a compiled
 # one costs a minute of the 2-core CPU): CALM_ARGS is the chaos test's command, whose uninterrupted run is also the
 # one the DDP path's compiled resume repeats; EAGER_ARGS is the run both stop-signal tests stop and resume.
 CHAOS_STEPS = 10
@@ -48,14 +54,14 @@ EAGER_ARGS = [f"--num_iterations={STOP_STEPS}", "--save_every=100"]
 @pytest.fixture(scope="module")
 def calm(module_base_dir):
     """The compiled --deterministic 2-rank DDP run of CHAOS_STEPS steps, never interrupted (saves every 2 steps)."""
-    torchrun_base_train(module_base_dir, *CALM_ARGS, "--model_tag=calm")
+    train_two_ranks(module_base_dir, *CALM_ARGS, "--model_tag=calm")
     return module_base_dir
 
 
 @pytest.fixture(scope="module")
 def eager(module_base_dir):
     """The default (eager) 2-rank run of STOP_STEPS steps, never interrupted."""
-    torchrun_base_train(module_base_dir, *EAGER_ARGS, "--model_tag=eager")
+    train_two_ranks(module_base_dir, *EAGER_ARGS, "--model_tag=eager")
     return module_base_dir
 
 
@@ -69,10 +75,10 @@ def test_deterministic_compiled_resume_is_bit_exact_on_two_ranks(request, path):
     else:
         base_dir, n, ref = request.getfixturevalue("base_dir"), 2, "full"
         total, args = 2 * n, ["--compile=1", "--deterministic=1", f"--num_iterations={2 * n}", "--use_fsdp=1"]
-        torchrun_base_train(base_dir, *args, f"--save_every={n}", f"--model_tag={ref}")
+        train_two_ranks(base_dir, *args, f"--save_every={n}", f"--model_tag={ref}")
         args = [*args, "--resume_from_step=auto"]
     copy_step(base_dir, ref, "resumed", n)
-    p = torchrun_base_train(base_dir, *args, "--model_tag=resumed")
+    p = train_two_ranks(base_dir, *args, "--model_tag=resumed")
     assert f"resuming from step {n}" in p.stdout
     full, resumed = losses(base_dir, ref), losses(base_dir, "resumed")
     after = range(n + 1, total + 1)
@@ -125,7 +131,7 @@ def test_stop_signal_to_one_rank_stops_both_at_the_same_step(eager):
     assert out.count("SIGUSR1 received") == 1, out[-4000:]
     stopped_at = latest_resumable_step(str(ckpt_dir(base_dir, tag)))
     assert stopped_at is not None and 3 <= stopped_at < steps and f"Stopped at step {stopped_at}" in out
-    torchrun_base_train(base_dir, *EAGER_ARGS, f"--model_tag={tag}", "--resume_from_step=auto")
+    train_two_ranks(base_dir, *EAGER_ARGS, f"--model_tag={tag}", "--resume_from_step=auto")
     assert_same_weights(final_weights(base_dir, "eager", steps), final_weights(base_dir, tag, steps))
 
 
@@ -146,7 +152,7 @@ def test_ctrl_c_to_torchrun_stops_every_rank_at_one_saved_step(eager):
     line = (f"Stopped at step {stopped_at} on a stop signal (Ctrl-C (SIGINT)): checkpoint saved in {d}; start the "
             f"same command with --resume_from_step=auto (or --resume_from_step={stopped_at}) to continue")
     assert [x for x in out.splitlines() if x.startswith("Stopped at step")] == [line], out[-4000:]
-    torchrun_base_train(base_dir, *EAGER_ARGS, f"--model_tag={tag}", "--resume_from_step=auto")
+    train_two_ranks(base_dir, *EAGER_ARGS, f"--model_tag={tag}", "--resume_from_step=auto")
     assert_same_weights(final_weights(base_dir, "eager", steps), final_weights(base_dir, tag, steps))
 
 
@@ -167,7 +173,7 @@ def test_chaos_kill_9_and_restart_ends_with_the_uninterrupted_weights(calm):
     plan = chaos_plan(random.Random(seed))
     why = f"CHAOS_SEED={seed} plan={plan}"
     base_dir, steps = calm, CHAOS_STEPS
-    p = torchrun_base_train(base_dir, *CALM_ARGS, "--model_tag=chaos", timeout=400, launcher=["--max-restarts=3"],
+    p = train_two_ranks(base_dir, *CALM_ARGS, "--model_tag=chaos", timeout=400, launcher=["--max-restarts=3"],
                             script=["tests/dist_scripts/chaos_train.py"],
                             env=subprocess_env(base_dir, CHAOS_PLAN=json.dumps(plan)))
     out = p.stdout + p.stderr
@@ -203,6 +209,6 @@ def test_a_late_node_does_not_take_a_running_nodes_temp_file(tmp_path):
     (checkpoint_dir / "model_000002.pt.old.tmp").write_bytes(b"x" * 10)  # a killed save's: both nodes tidy it
     worker = tmp_path / "worker.py"
     worker.write_text(LATE_NODE_WORKER)
-    p = run_torchrun([str(worker), str(checkpoint_dir), "2"], env=subprocess_env(tmp_path))
+    p = run_ranks([str(worker), str(checkpoint_dir), "2"], env=subprocess_env(tmp_path))
     assert sorted(os.listdir(checkpoint_dir)) == ["metrics.jsonl.inflight.tmp"], p.stdout
     assert "Removed 1 temp file(s)" in p.stdout

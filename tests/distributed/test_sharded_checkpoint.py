@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_torchrun, subprocess_env
+from conftest import REPO, subprocess_env
+from ranks import RanksFailed, run_ranks
 from nanochat import checkpoint_manager as cm
 from nanochat.checkpoint import files, steps
 from nanochat.checkpoint import sharded as sc
@@ -208,9 +209,9 @@ def test_checkpoint_format_flags(monkeypatch):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("sharded")
-    launch.torchrun("sharded_ckpt_check.py", ["--mode=save", f"--dir={d}"], nproc=2, timeout=300)
+    launch.ranks("sharded_ckpt_check.py", ["--mode=save", f"--dir={d}"], nproc=2, timeout=300)
     for n in (1, 2, 4):
-        launch.torchrun("sharded_ckpt_check.py", ["--mode=load", f"--dir={d}"], nproc=n, timeout=300)
+        launch.ranks("sharded_ckpt_check.py", ["--mode=load", f"--dir={d}"], nproc=n, timeout=300)
     return d
 
 
@@ -277,11 +278,8 @@ def test_async_save_holds_the_state_of_its_step(runs, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_rank_killed_mid_save_leaves_the_previous_step(tmp_path, capsys):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={launch.free_port()}", str(HERE / "dist_scripts" / "sharded_ckpt_check.py"), "--mode=save",
-           f"--dir={tmp_path}", "--crash=1"]
-    p = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode != 0  # rank 1 died (SIGKILL) while writing its shard of step 4
+    with pytest.raises(RanksFailed, match="failed"):  # rank 1 died (SIGKILL) while writing its shard of step 4
+        launch.ranks("sharded_ckpt_check.py", ["--mode=save", f"--dir={tmp_path}", "--crash=1"], timeout=300)
     d = str(tmp_path / "sharded")
     assert (tmp_path / "sharded" / "sharded_000004.partial").is_dir()
     assert steps.step_format(d, 4) is None
@@ -302,9 +300,9 @@ def test_a_rank_killed_mid_save_leaves_the_previous_step(tmp_path, capsys):
 def tp_runs(tmp_path_factory):
     """TP=2 on 2 ranks saves (sharded, its default format); TP=2 on 2 ranks and FSDP on 1 and 2 ranks load it."""
     d = tmp_path_factory.mktemp("tp_sharded")
-    launch.torchrun("tp_ckpt_check.py", ["--mode=save", f"--dir={d}"], nproc=2, timeout=300)
+    launch.ranks("tp_ckpt_check.py", ["--mode=save", f"--dir={d}"], nproc=2, timeout=300)
     for layout, n in (("tp", 2), ("fsdp", 1), ("fsdp", 2)):
-        launch.torchrun("tp_ckpt_check.py", ["--mode=load", f"--dir={d}", f"--layout={layout}"], nproc=n, timeout=300)
+        launch.ranks("tp_ckpt_check.py", ["--mode=load", f"--dir={d}", f"--layout={layout}"], nproc=n, timeout=300)
     return d
 
 
@@ -370,13 +368,13 @@ def test_base_train_fsdp_resumes_a_sharded_step_on_another_world_size(base_dir):
     env = subprocess_env(base_dir)
     args = ["-m", "scripts.base_train", *TINY, "--num_iterations=4", "--save_every=2", "--use_fsdp=1"]
     # sampling at step 2 leaves FSDP's root gathered right before that save (the save must reshard first)
-    run_torchrun(args + ["--model_tag=two", "--async_save=1", "--sample_every=2"], env=env)
+    run_ranks(args + ["--model_tag=two", "--async_save=1", "--sample_every=2"], env=env)
     two = base_dir / "base_checkpoints" / "two"
     assert steps.sharded_steps(str(two)) == [2, 4] and not list(two.glob("model_*.pt"))
     one = base_dir / "base_checkpoints" / "one"
     one.mkdir()
     os.symlink(two / "sharded_000002", one / "sharded_000002")
-    p = run_torchrun(args + ["--model_tag=one", "--resume_from_step=2", "--data_world_size=2"], nproc=1, env=env)
+    p = run_ranks(args + ["--model_tag=one", "--resume_from_step=2", "--data_world_size=2"], nproc=1, env=env)
     assert "Resumed from step 2" in p.stdout
     a, _, _ = cm.load_checkpoint(str(two), 4, "cpu")
     b, _, _ = cm.load_checkpoint(str(one), 4, "cpu")
@@ -386,7 +384,7 @@ def test_base_train_fsdp_resumes_a_sharded_step_on_another_world_size(base_dir):
     again = base_dir / "base_checkpoints" / "again"
     again.mkdir()
     os.symlink(two / "sharded_000002", again / "sharded_000002")
-    run_torchrun(args + ["--model_tag=again", "--resume_from_step=2"], env=env)
+    run_ranks(args + ["--model_tag=again", "--resume_from_step=2"], env=env)
     c, _, _ = cm.load_checkpoint(str(again), 4, "cpu")
     assert all(torch.equal(a[k], c[k]) for k in a)
     model, _, meta = cm.load_model("base", "cpu", "eval", model_tag="two")  # what base_loss/chat/export_hf call
@@ -403,7 +401,7 @@ def test_base_train_fsdp_resumes_a_sharded_step_on_another_world_size(base_dir):
 @pytest.mark.timeout(600)
 def test_checkpoint_bench_runs(tmp_path):
     """bench/checkpoint_bench.py (the docs/benchmarks.md table) on a tiny model: every format saves and is measured."""
-    p = run_torchrun(["-m", "bench.checkpoint_bench", "--depth=1", "--vocab_size=512", "--repeat=1",
+    p = run_ranks(["-m", "bench.checkpoint_bench", "--depth=1", "--vocab_size=512", "--repeat=1",
                       f"--dir={tmp_path}"], env=subprocess_env())
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["world"] == 2 and out["params"] > 0

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_torchrun, subprocess_env
+from conftest import subprocess_env
+from ranks import run_ranks
 from test_dist_train import final_params, losses, records, single_process
 
 HERE = Path(__file__).resolve().parents[1]
@@ -79,7 +80,7 @@ def copy_ref(ref, base_dir, tag):
 
 
 def _torchrun(base_dir, tag, steps, nproc, extra=(), timeout=400):
-    return run_torchrun(["-m", "scripts.base_train", *TINY, f"--total_batch_size={256 * nproc // 2}",
+    return run_ranks(["-m", "scripts.base_train", *TINY, f"--total_batch_size={256 * nproc // 2}",
                          f"--num_iterations={steps}", f"--model_tag={tag}", "--tp_size=2", *extra],
                         nproc=nproc, env=subprocess_env(base_dir), timeout=timeout)
 
@@ -171,7 +172,7 @@ def test_sharded_muon_matches_muon_on_awkward_layouts():
     spec = importlib.util.spec_from_file_location("nanochat_test_launch", HERE / "dist_scripts" / "launch.py")
     launch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launch)
-    out = launch.json_lines(launch.torchrun("tp_muon_check.py", nproc=4, timeout=300))
+    out = launch.json_lines(launch.ranks("tp_muon_check.py", nproc=4, timeout=300))
     assert sorted({r["options"] for r in out}) == ["december", "record"]  # the record recipe's options too
     assert all(r["ok"] for r in out), out
 
@@ -260,7 +261,7 @@ def test_mid_and_sft_tp2_match_one_process(tmp_path, monkeypatch):
                 "--num_iterations=3", "--eval_every=3", "--eval_tokens=256", f"--model_tag={tag}"]
 
     mid_train.main(mid_args("one"))
-    p = run_torchrun(["-m", "scripts.mid_train", *mid_args("tp"), "--tp_size=2"], env=subprocess_env(base))
+    p = run_ranks(["-m", "scripts.mid_train", *mid_args("tp"), "--tp_size=2"], env=subprocess_env(base))
     assert "x 1 rank(s) x 2 accumulation" in p.stdout
     compare("mid", [("train/loss", 1e-5), ("val/bpb", 1e-5)], 3)
 
@@ -270,7 +271,7 @@ def test_mid_and_sft_tp2_match_one_process(tmp_path, monkeypatch):
                 "--eval_metrics_max_problems=3", f"--model_tag={tag}"]
 
     chat_sft.main(sft_args("one"))
-    p = run_torchrun(["-m", "scripts.chat_sft", *sft_args("tp"), "--tp_size=2"], env=subprocess_env(base))
+    p = run_ranks(["-m", "scripts.chat_sft", *sft_args("tp"), "--tp_size=2"], env=subprocess_env(base))
     assert "x 1 rank(s) x 2 accumulation" in p.stdout
     compare("chatsft", [("train/loss", 1e-5), ("val/loss", 1e-5), ("train/num_tokens", 0), ("eval/MMLU_acc", 0),
                         ("eval/ARC-Easy_acc", 0)], 3)  # the accuracy evals run on the TP model (lockstep)
@@ -282,7 +283,7 @@ def test_tp_compiled_with_ac_matches_eager_one_process(base_dir, one_process_ref
     """torch.compile (per block, as under FSDP) x TP x activation checkpointing: no graph break, same run as eager."""
     steps = AC_STEPS
     copy_ref(one_process_ref, base_dir, "refc")
-    p = run_torchrun(["-m", "scripts.base_train", *TINY, "--total_batch_size=256", f"--num_iterations={steps}",
+    p = run_ranks(["-m", "scripts.base_train", *TINY, "--total_batch_size=256", f"--num_iterations={steps}",
                       "--model_tag=tpc", "--tp_size=2", "--compile=1", "--activation_checkpointing=full"],
                      env=subprocess_env(base_dir, NANOCHAT_COMPILE="1"), timeout=900)
     assert "cold compile" in p.stdout and "graph break" not in p.stdout + p.stderr

@@ -224,7 +224,8 @@ compute_cleanup()
 @pytest.mark.dist
 def test_ddp_splits_problems_and_all_reduces(tmp_path):
     """Two ranks: each sees its share of the problems, and both report the single-process accuracy."""
-    from conftest import run_torchrun, subprocess_env
+    from conftest import subprocess_env
+    from ranks import run_ranks
     from tasks.spellingbee import SpellingBee
 
     arc = shared("arc", "ARC-Easy-test.jsonl")
@@ -239,7 +240,7 @@ def test_ddp_splits_problems_and_all_reduces(tmp_path):
     out = tmp_path / "out.json"
     script.write_text(DIST_SCRIPT.format(tests=str(Path(__file__).parent.parent), tokdir=str(tmp_path / "tok"),
                                          data=str(SHARED), out=str(out)))
-    run_torchrun([str(script)], nproc=2, env=subprocess_env(), timeout=180)
+    run_ranks([str(script)], nproc=2, env=subprocess_env(), timeout=180)
     r0, r1 = (json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1))
     assert r0["world"] == r1["world"] == 2
     assert r0["cat"] == r1["cat"] == sum(k == "A" for k in keys) / 11
@@ -285,7 +286,8 @@ def test_ddp_ranks_agree_on_a_task_one_rank_lacks(tmp_path):
     ARC-Easy out on both ranks, naming rank 1 and where it looked; the run completes with ARC-Challenge summed over
     both ranks. An SFT share with nothing to train on one rank raises on both instead of hanging.
     """
-    from conftest import run_torchrun, subprocess_env
+    from conftest import subprocess_env
+    from ranks import run_ranks
     from nanochat.checkpoint_manager import save_checkpoint
 
     arc = shared("arc")
@@ -309,7 +311,7 @@ def test_ddp_ranks_agree_on_a_task_one_rank_lacks(tmp_path):
     env = subprocess_env(base, HF_ENDPOINT=f"http://127.0.0.1:{closed_port()}")
     env.pop("HF_HUB_OFFLINE", None)
     env.pop("NANOCHAT_DATA_DIR", None)
-    p = run_torchrun([str(script)], nproc=2, env=env, timeout=180)
+    p = run_ranks([str(script)], nproc=2, env=env, timeout=180)
     r0, r1 = (json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1))
     assert r0["world"] == r1["world"] == 2
     assert r0["used"] == r1["used"] == ["ARC-Challenge"] and r0["mixture"] == r1["mixture"] > 0

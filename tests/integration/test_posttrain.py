@@ -275,7 +275,8 @@ def test_sft_and_rl_two_ranks_match_one_process(chat_env, capsys, monkeypatch):
     DDP path and under FSDP); 2 ranks x 1 question == 1 process x 2 questions, same samples and update (RL, both)."""
     import shutil
 
-    from conftest import run_torchrun, subprocess_env
+    from conftest import subprocess_env
+    from ranks import run_ranks
     from nanochat.checkpoint_manager import load_checkpoint
     from nanochat.metrics import read_metrics
     from scripts import chat_rl, chat_sft
@@ -311,7 +312,7 @@ def test_sft_and_rl_two_ranks_match_one_process(chat_env, capsys, monkeypatch):
             assert torch.allclose(a[k], b[k], atol=1e-5), k
 
     single = chat_sft.main(sft_args("one", 2))
-    run_torchrun(["-m", "scripts.chat_sft", *sft_args("two", 1)], env=subprocess_env(chat_env))
+    run_ranks(["-m", "scripts.chat_sft", *sft_args("two", 1)], env=subprocess_env(chat_env))
     assert single["step"] == 3
     assert_same_sft("one", "two")
 
@@ -323,7 +324,7 @@ def test_sft_and_rl_two_ranks_match_one_process(chat_env, capsys, monkeypatch):
     shutil.copytree(chat_env / "base_checkpoints" / "d1", chat_env / "base_checkpoints" / "fsdp")
     shutil.copytree(chat_env / "base_checkpoints" / "d1", chat_env / "base_checkpoints" / "one5")
     chat_sft.main(odd(sft_args("one5", 2)))
-    p = run_torchrun(["-m", "scripts.chat_sft", *odd(sft_args("fsdp", 1)), "--use_fsdp=1"], env=subprocess_env(chat_env))
+    p = run_ranks(["-m", "scripts.chat_sft", *odd(sft_args("fsdp", 1)), "--use_fsdp=1"], env=subprocess_env(chat_env))
     assert "skipping" not in p.stdout
     assert_same_sft("one5", "fsdp")
 
@@ -358,7 +359,7 @@ def test_sft_and_rl_two_ranks_match_one_process(chat_env, capsys, monkeypatch):
     sft_model, _, _ = load_checkpoint(str(root / "one"), 3, "cpu")  # where RL started: the update moved it
     assert any(not torch.equal(single_model[k], sft_model[k]) for k in single_model)
     for extra in ([], ["--use_fsdp=1"]):
-        got, model, proc = rl_run(lambda: run_torchrun([str(script), *rl_args, *extra], env=subprocess_env(chat_env)))
+        got, model, proc = rl_run(lambda: run_ranks([str(script), *rl_args, *extra], env=subprocess_env(chat_env)))
         assert "returned a view tensor" not in proc.stderr  # FSDP2's warning: the per-token loss is not a view
         for key in keys:
             assert_same_series(got[key], single[key], abs=1e-5 if key == "train/loss" else 1e-9)

@@ -119,7 +119,7 @@ def test_fsdp_and_ddp_same_losses():
     spec = importlib.util.spec_from_file_location("nanochat_test_launch", HERE / "dist_scripts" / "launch.py")
     launch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launch)
-    out = launch.json_lines(launch.torchrun("ac_check.py", timeout=500))[-1]
+    out = launch.json_lines(launch.ranks("ac_check.py", timeout=500))[-1]
     for strategy in ("fsdp", "ddp"):
         res = out[strategy]
         assert res["calls"] == {"none": 12, "full": 24, "selective": 18}, strategy  # 4 blocks x 3 steps + recomputed

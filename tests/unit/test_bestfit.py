@@ -329,7 +329,8 @@ def test_two_ranks_pack_as_one_process_reading_as_two_and_resume_exactly(base_di
     from test_dist_train import TINY as DIST_TINY
     from test_dist_train import assert_same_run, final_params, losses, single_process
 
-    from conftest import run_torchrun, subprocess_env
+    from conftest import subprocess_env
+    from ranks import run_ranks
 
     import_mixed_corpus(base_dir / "base_data_climbmix")
     # no clipping: on the DDP path each rank clips its own gradient, as nanochat does (README, docs/distributed.md)
@@ -337,10 +338,10 @@ def test_two_ranks_pack_as_one_process_reading_as_two_and_resume_exactly(base_di
     n = 3
     args = ["-m", "scripts.base_train", *DIST_TINY, *extra, "--total_batch_size=512", f"--num_iterations={2 * n}"]
     single_process(base_dir, "ref", 2 * n, 2, extra)
-    run_torchrun(args + ["--model_tag=full", f"--save_every={n}"], env=subprocess_env(base_dir))
+    run_ranks(args + ["--model_tag=full", f"--save_every={n}"], env=subprocess_env(base_dir))
     assert_same_run(base_dir, "ref", "full", 2 * n)
     copy_step(base_dir, "full", "resumed", n)
-    run_torchrun(args + ["--model_tag=resumed", f"--resume_from_step={n}"], env=subprocess_env(base_dir))
+    run_ranks(args + ["--model_tag=resumed", f"--resume_from_step={n}"], env=subprocess_env(base_dir))
     assert losses(base_dir, "resumed") == losses(base_dir, "full")[n:]
     (a, _), (b, meta) = final_params(base_dir, "full", 2 * n), final_params(base_dir, "resumed", 2 * n)
     assert all(torch.equal(a[k], b[k]) for k in a)

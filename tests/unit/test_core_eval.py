@@ -354,7 +354,8 @@ DIST_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.dist
 def test_ddp_matches_single_process(bundle, tmp_path):
-    from conftest import free_port, run_torchrun, subprocess_env
+    from conftest import free_port, subprocess_env
+    from ranks import run_ranks
 
     script = tmp_path / "dist_core.py"
     result = tmp_path / "result.json"
@@ -362,7 +363,7 @@ def test_ddp_matches_single_process(bundle, tmp_path):
     script.write_text(DIST_SCRIPT.format(tests=str(REPO / "tests"), bundle=str(bundle), out=str(result), dead_url=dead_url))
     env = subprocess_env(base_dir=tmp_path / "empty_base")
     env.pop("NANOCHAT_DATA_DIR", None)
-    run_torchrun([str(script)], nproc=2, env=env, timeout=120)
+    run_ranks([str(script)], nproc=2, env=env, timeout=120)
     r0, r1 = (json.loads(Path(f"{result}.{r}").read_text()) for r in (0, 1))
     assert r0["world"] == 2 and r0["out"] == r1["out"]
     assert r0["out"]["results"] == pytest.approx(EXPECTED_ACC, abs=1e-9)

@@ -160,7 +160,7 @@ def test_emulated_fp8_under_fsdp_trains_like_the_unconverted_model():
     spec = importlib.util.spec_from_file_location("nanochat_test_launch", here / "dist_scripts" / "launch.py")
     launch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launch)
-    out = launch.json_lines(launch.torchrun("fp8_fsdp_check.py", timeout=500))[-1]
+    out = launch.json_lines(launch.ranks("fp8_fsdp_check.py", timeout=500))[-1]
     single, _ = train(cpu_model(), 3)
     for a, b in zip(out["none"], single):  # FSDP over 2 ranks = one process on the whole batch
         assert abs(a - b) < 1e-4, (out, single)

@@ -630,20 +630,20 @@ def test_step_breakdown_accounts_for_the_step(capsys):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_train_bench_under_torchrun_takes_the_ddp_and_fsdp_paths(capsys):
+def test_train_bench_on_two_ranks_takes_the_ddp_and_fsdp_paths(capsys):
     """`torchrun -m bench.train_bench --use_fsdp=0|1` (the DDP-vs-FSDP MFU rows of docs/benchmarks.md): each rank
     trains on the same synthetic batches, so every step's loss equals one process's; one process refuses --use_fsdp=1."""
     import json
 
     from bench.train_bench import main
-    from conftest import run_torchrun
+    from ranks import run_ranks
 
     tiny = ["--depth=1", "--max_seq_len=32", "--device_batch_size=2", "--vocab_size=256", "--steps=2", "--warmup=1",
             "--device_type=cpu", "--attn=sdpa", "--compile=0"]
     main(tiny)
     ref = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for use_fsdp, name in ((0, "ddp"), (1, "fsdp")):
-        p = run_torchrun(["-m", "bench.train_bench", *tiny, f"--use_fsdp={use_fsdp}"])
+        p = run_ranks(["-m", "bench.train_bench", *tiny, f"--use_fsdp={use_fsdp}"])
         r = json.loads(p.stdout.strip().splitlines()[-1])  # rank 0 alone prints
         assert r["parallel"] == f"{name} x2" and p.stdout.count('"parallel"') == 1
         assert abs(r["first_loss"] - ref["first_loss"]) < 1e-5 and abs(r["last_loss"] - ref["last_loss"]) < 1e-4, (r, ref)

@@ -334,9 +334,9 @@ def sharded_record_runs(tmp_path_factory):
     launch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launch)
     d = tmp_path_factory.mktemp("sharded_record")
-    launch.torchrun("sharded_ckpt_check.py", ["--mode=save", f"--dir={d}", "--record=1"], nproc=2, timeout=300)
+    launch.ranks("sharded_ckpt_check.py", ["--mode=save", f"--dir={d}", "--record=1"], nproc=2, timeout=300)
     for n in (1, 2):
-        launch.torchrun("sharded_ckpt_check.py", ["--mode=load", f"--dir={d}", "--record=1"], nproc=n, timeout=300)
+        launch.ranks("sharded_ckpt_check.py", ["--mode=load", f"--dir={d}", "--record=1"], nproc=n, timeout=300)
     return d
 
 

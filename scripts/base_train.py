@@ -201,8 +201,8 @@ def main(argv=None):
         # under FSDP/TP every rank runs the forward (the all-gathers are collective); rank 0 prints
         if step > 0 and stage.due(step, "sample_every", last_step) and (stage.master or parallel.collective_forward):
             with stage.evaluating(orig_model):
-                for prompt in SAMPLE_PROMPTS:
-                    out = list(orig_model.generate(tokenizer(prompt, prepend="<|bos|>"), max_tokens=16, temperature=0))
+                prompts = [tokenizer(prompt, prepend="<|bos|>") for prompt in SAMPLE_PROMPTS]
+                for prompt, out in zip(SAMPLE_PROMPTS, orig_model.generate_greedy(prompts, max_tokens=16)):
                     print0(f"  {prompt!r} -> {tokenizer.decode(out)!r}")
 
         if step > start_step and (stage.due(step, "save_every", last_step, at_last=False) or last_step):

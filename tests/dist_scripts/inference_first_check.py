@@ -2,7 +2,7 @@
 Inference before the first training forward under FSDP, on 2 gloo ranks (tests/distributed/test_fsdp.py). FSDP2 creates its
 unsharded parameters at a group's first all-gather; apply_fsdp creates them up front so that a first all-gather inside
 torch.inference_mode cannot leave them as inference tensors. For each way of sampling first -- GPT.generate
-(base_train's samples, e.g. a run resumed on a --sample_every step), the KV-cache Engine (chat_sft's generative
+and GPT.generate_greedy (base_train's samples, e.g. a run resumed on a --sample_every step), the KV-cache Engine (chat_sft's generative
 evals, lockstep), and full_weights entered inside inference_mode with a different number of forwards per rank -- a
 fresh sharded model samples, then takes a forward and backward on a batch that every rank shares. Rank 0 prints one
 JSON line {case: {"error": message or None, "loss": |FSDP loss - one process's|, "grad": max |gradient difference|}}.
@@ -35,6 +35,8 @@ def sample_first(case, m, tokenizer, prompt, rank):
     m.eval()
     if case == "generate":
         list(m.generate(prompt, max_tokens=4, temperature=0))
+    elif case == "generate_greedy":
+        m.generate_greedy([prompt, prompt[:2]], max_tokens=4)
     elif case == "engine":  # the same greedy rows on every rank: the same forwards, as chat_sft's lockstep evals
         Engine(m, tokenizer).generate_batch(prompt, num_samples=2, max_tokens=4, temperature=0)
     elif case == "full_weights_in_inference_mode":
@@ -56,7 +58,7 @@ def main():
     ref_loss = ref(x, y)
     ref_loss.backward()
     out = {}
-    for case in ("generate", "engine", "full_weights_in_inference_mode"):
+    for case in ("generate", "generate_greedy", "engine", "full_weights_in_inference_mode"):
         m = apply_fsdp(model())
         try:
             sample_first(case, m, tokenizer, prompt, rank)

@@ -155,11 +155,11 @@ def test_full_weights_lets_ranks_run_their_own_forwards():
 
 @pytest.mark.timeout(300)
 def test_sampling_before_the_first_training_forward():
-    """GPT.generate, the Engine, or full_weights inside inference_mode as the sharded model's first forward (a run
+    """GPT.generate or generate_greedy, the Engine, or full_weights inside inference_mode as the sharded model's first forward (a run
     resumed on a sample step, chat_sft's evals at step 0): the training forward and backward after it work and give
     one process's loss and gradients (FSDP2's unsharded parameters are not left as inference tensors)."""
     out = launch.json_lines(launch.ranks("inference_first_check.py", timeout=240))[-1]
-    assert sorted(out) == ["engine", "full_weights_in_inference_mode", "generate"]
+    assert sorted(out) == ["engine", "full_weights_in_inference_mode", "generate", "generate_greedy"]
     for case, r in out.items():
         assert r["error"] is None, (case, r["error"])
         assert r["loss"] < 1e-5 and r["grad"] < 1e-5, (case, r)

@@ -509,6 +509,34 @@ def test_generate():
     assert len(list(model.generate(prompt, max_tokens=40, temperature=0.0))) == 40
 
 
+@pytest.mark.parametrize("record", [0, 1])
+def test_generate_greedy_gives_each_prompt_what_generate_gives_it_alone(record):
+    """The training loop's sample prints: prompts of different lengths in one right-padded batch, one forward per new
+    token; each row continues as greedy `generate` continues it alone (the record model: its
+    16-position window cuts the longer rows)."""
+    from nanochat.gpt import RecordConfig, RecordGPT
+
+    if record:
+        torch.manual_seed(0)
+        model = RecordGPT(RecordConfig(sequence_len=16, vocab_size=97, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
+                                       window_pattern="SL"), attn="sdpa")
+        model.init_weights()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.2)
+    else:
+        model = make_model()
+    model.eval()
+    prompts = [[5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [40, 41, 42], [7, 7, 7, 7, 7, 7, 7]]
+    got = model.generate_greedy(prompts, max_tokens=12)
+    assert got == [list(model.generate(p, max_tokens=12, temperature=0)) for p in prompts]
+    assert len({tuple(g) for g in got}) == len(prompts)  # the rows are not all the same continuation
+    with pytest.raises(ValueError, match="use generate"):
+        model.generate_greedy([[1] * model.rotary_seq_len], max_tokens=2)
+    with pytest.raises(ValueError, match="non-empty lists"):
+        model.generate_greedy([[1], []], max_tokens=2)
+
+
 # -----------------------------------------------------------------------------
 # Learning
 

@@ -7,6 +7,7 @@ same as one at the top, and so does a module named in a string to importlib (imp
 """
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -23,11 +24,27 @@ FORBIDDEN = {
 DYNAMIC_IMPORTERS = {"import_module", "find_spec", "__import__"}
 
 
+@functools.lru_cache(maxsize=None)
+def _parsed(text, filename):
+    tree = ast.parse(text, filename=filename)
+    return tree, tuple(ast.walk(tree))
+
+
+def parse(path):
+    """The module at `path`, parsed once per source text in a session: the tests below read the same files many times
+    (keyed by the text, so a file a test rewrites is parsed again)."""
+    return _parsed(path.read_text(encoding="utf-8"), str(path))[0]
+
+
+def walk(path):
+    """Every node of `path`'s tree (ast.walk's order), from the same cache."""
+    return _parsed(path.read_text(encoding="utf-8"), str(path))[1]
+
+
 def imported_modules(path, package):
     """(line, dotted module name) for every module the file at `path` (inside `package`) imports."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     found = []
-    for node in ast.walk(tree):
+    for node in walk(path):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -136,8 +153,7 @@ def library_imports(root, load_time_only):
     mods = library_modules(root)
     graph = {}
     for mod, path in mods.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        nodes = list(_import_time_nodes(tree)) if load_time_only else list(ast.walk(tree))
+        nodes = list(_import_time_nodes(parse(path))) if load_time_only else walk(path)
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         names = set()
         for node in nodes:
@@ -228,7 +244,7 @@ def shared_module_state(root):
     mods = library_modules(root)
     rebound = {}  # module -> names it rebinds
     for mod, path in mods.items():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in walk(path):
             if isinstance(node, ast.Global):
                 rebound.setdefault(mod, set()).update(node.names)
     bad = []
@@ -236,9 +252,8 @@ def shared_module_state(root):
         for path in sorted((root / package).rglob("*.py")):
             parts = list(path.relative_to(root).with_suffix("").parts)
             me = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            tree = ast.parse(path.read_text(encoding="utf-8"))
             aliases = {}  # local name -> library module
-            for node in ast.walk(tree):
+            for node in walk(path):
                 if isinstance(node, ast.Import):
                     for alias in node.names:
                         if alias.name in mods:
@@ -249,7 +264,7 @@ def shared_module_state(root):
                             aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
                         elif alias.name in rebound.get(node.module, ()):
                             bad.append(f"{path.relative_to(root)}:{node.lineno} reads {node.module}.{alias.name}")
-            for node in ast.walk(tree):
+            for node in walk(path):
                 if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
                     mod = aliases.get(node.value.id)
                     if mod and mod != me and node.attr in rebound.get(mod, ()):
@@ -272,7 +287,7 @@ MODULE_STATE = {
 def rebound_globals(root):
     found = set()
     for mod, path in library_modules(root).items():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in walk(path):
             if isinstance(node, ast.Global):
                 found |= {(mod, name) for name in node.names}
     return found
@@ -300,7 +315,7 @@ def test_the_parallel_plan_is_asked_by_capability_not_by_name():
     bad = []
     for package in ("nanochat", "scripts", "bench"):
         for path in sorted((REPO / package).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            for node in walk(path):
                 if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "name" \
                         and isinstance(node.left.value, ast.Name) and node.left.value.id == "parallel":
                     bad.append(f"{path.relative_to(REPO)}:{node.lineno}")
@@ -316,7 +331,7 @@ def script_main_lengths(root):
     """{script: lines of its main()} for every scripts/*.py that has one."""
     out = {}
     for path in sorted((root / "scripts").glob("*.py")):
-        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        for node in parse(path).body:
             if isinstance(node, ast.FunctionDef) and node.name == "main":
                 out[path.name] = node.end_lineno - node.lineno + 1
     return out
@@ -453,9 +468,8 @@ def test_the_launchers_run_before_anything_is_installed():
         if path in seen:
             continue
         seen.add(path)
-        tree = ast.parse(path.read_text(encoding="utf-8"))
         launch_code = path.parent.name == "launch"
-        for node in ast.walk(tree) if launch_code else _import_time_nodes(tree):
+        for node in walk(path) if launch_code else _import_time_nodes(parse(path)):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and not node.level:

@@ -27,9 +27,11 @@ from conftest import REPO, subprocess_env
 from ranks import RanksFailed, run_ranks
 from nanochat import checkpoint_manager as cm
 from nanochat.checkpoint import files, steps
-from nanochat.checkpoint import sharded as sc
 from nanochat.dataloader import loader_states_for_world
 from nanochat.gpt import GPT, GPTConfig
+
+# nanochat.checkpoint.sharded (torch.distributed.checkpoint: ~1 s to import) is imported inside the functions that use
+# it: every test worker collects this file, one runs it.
 
 HERE = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("nanochat_test_launch", HERE / "dist_scripts" / "launch.py")
@@ -52,6 +54,8 @@ def tiny_model(seed=0):
 
 def save_one_process(checkpoint_dir, step, model):
     """A sharded step written by one process (no process group: DCP writes one shard)."""
+    from nanochat.checkpoint import sharded as sc
+
     sc.save_sharded(str(checkpoint_dir), step, sc.train_state_dict(model),
                     {"model_config": vars(TINY_CONFIG), "step": step})
 
@@ -254,6 +258,8 @@ def test_training_continues_after_a_resharded_load(runs, world):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_consolidation_writes_the_single_file_paths_bytes(runs, tmp_path):
+    from nanochat.checkpoint import sharded as sc
+
     written = sc.consolidate(files.sharded_step_dir(str(runs / "sharded"), 2), str(tmp_path), 2)
     names = sorted(os.path.basename(p) for p in written)
     assert names == sorted(os.listdir(runs / "single")) == [
@@ -267,6 +273,8 @@ def test_consolidation_writes_the_single_file_paths_bytes(runs, tmp_path):
 @pytest.mark.timeout(900)
 def test_async_save_holds_the_state_of_its_step(runs, tmp_path):
     """The async save was still being written while training went on: it holds step 2, the same as the sync save."""
+    from nanochat.checkpoint import sharded as sc
+
     a, b = tmp_path / "a", tmp_path / "b"
     sc.consolidate(files.sharded_step_dir(str(runs / "async"), 2), str(a), 2)
     sc.consolidate(files.sharded_step_dir(str(runs / "sharded"), 2), str(b), 2)
@@ -338,6 +346,8 @@ def test_a_tp_step_is_sharded_and_resumes_on_one_and_two_ranks(tp_runs, layout, 
 def test_a_tp_step_consolidates_its_model(tp_runs, tmp_path):
     """The model of a TP step consolidates into nanochat's single file as an FSDP step's does; its optimizer state (a
     rectangle per rank of the (dp, tp) mesh) stays in the sharded step, which resumes on any layout: said, not written."""
+    from nanochat.checkpoint import sharded as sc
+
     step_dir = files.sharded_step_dir(str(tp_runs / "tp"), 2)
     with pytest.raises(ValueError, match=r"saved by the --tp_size=2 path: its optimizer state stays in .*--optimizer=0"):
         sc.consolidate(step_dir, str(tmp_path), 2)

@@ -4,18 +4,26 @@ checked through base_train's own entry point, and the converted model trains wit
 e4m3/e5m2 casts and scales, the matmul in fp32 instead of on FP8 tensor cores), eager and under torch.compile.
 """
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn as nn
 
+import test_fp8_native as native_tests  # the tiny training run, shared with the native FP8's tests
+from nanochat.fp8 import check_fp8_supported, convert_to_fp8
 from nanochat.gpt import GPT, GPTConfig
+from test_fp8_native import train, train_batch
 
-float8 = pytest.importorskip("torchao.float8", reason="torchao is the optional extra `fp8`")
-from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+# torchao is imported by the tests (through nanochat.fp8 or torchao_linear), not here: its import takes ~2 s and every
+# test worker collects this file
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is the optional extra `fp8`")
 
-import test_fp8_native as native_tests  # noqa: E402  (the tiny training run, shared with the native FP8's tests)
-from nanochat.fp8 import check_fp8_supported, convert_to_fp8  # noqa: E402
-from test_fp8_native import train, train_batch  # noqa: E402
+
+def torchao_linear():
+    from torchao.float8.float8_linear import Float8Linear
+
+    return Float8Linear
 
 BLOCK_LINEARS = ["attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
 
@@ -38,7 +46,7 @@ def test_converts_exactly_the_block_linears(recipe):
     assert sorted(converted) == sorted(expected) and skipped == []
     types = linear_types(model)
     for name in expected:
-        assert types[name] is Float8Linear, name
+        assert types[name] is torchao_linear(), name
     assert types["lm_head"] is nn.Linear  # the logits stay in bf16
     assert type(model.transformer.wte) is nn.Embedding
     assert model.transformer.h[0].attn.c_q.weight.device.type == "meta"  # nothing was materialised or run
@@ -56,7 +64,7 @@ def test_dims_not_divisible_by_16_are_skipped():
     types = linear_types(model)
     assert types["transformer.h.0.attn.c_k"] is nn.Linear and types["transformer.h.0.attn.c_v"] is nn.Linear
     for name in ["attn.c_q", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]:
-        assert types[f"transformer.h.0.{name}"] is Float8Linear, name
+        assert types[f"transformer.h.0.{name}"] is torchao_linear(), name
     assert len(converted) == 4
 
 
@@ -107,7 +115,7 @@ GRAD_RTOL = 0.25
 def test_emulated_fp8_trains_like_the_unconverted_model(recipe):
     ref_losses, ref_grads = train(cpu_model(), 4)
     model = cpu_model(recipe)
-    assert type(model.transformer.h[0].mlp.c_fc) is Float8Linear and type(model.lm_head) is nn.Linear
+    assert type(model.transformer.h[0].mlp.c_fc) is torchao_linear() and type(model.lm_head) is nn.Linear
     losses, grads = train(model, 4)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0] - 1.0, losses  # it trains
@@ -239,7 +247,7 @@ def test_apply_fp8_logs_each_layer_kind_and_why(monkeypatch):
     assert lines[0].startswith("FP8 (tensorwise, --fp8_impl=torchao, --fp8_filter=auto): 12 of 72 block Linear layers converted")
     assert "  mlp.c_fc: FP8 x12 (K=768, N=3072: past tensorwise's break-even (K > 4096 or N > 1024))" in lines
     assert "  attn.c_q: bf16 x12 (K=768 <= 4096 and N=768 <= 1024: too small to gain (tensorwise))" in lines
-    assert type(model.transformer.h[0].mlp.c_fc) is Float8Linear and type(model.transformer.h[0].attn.c_q) is nn.Linear
+    assert type(model.transformer.h[0].mlp.c_fc) is torchao_linear() and type(model.transformer.h[0].attn.c_q) is nn.Linear
     # nothing gains at a tiny width: said, and the run is plainly bf16
     lines.clear()
     tiny = meta_model(GPTConfig(sequence_len=32, vocab_size=100, n_layer=1, n_head=2, n_kv_head=2, n_embd=64))

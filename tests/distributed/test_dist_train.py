@@ -8,12 +8,13 @@ process and give the same logits.
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from conftest import REPO, free_port, subprocess_env
-from ranks import run_ranks
+from ranks import RanksFailed, run_ranks
 from nanochat.checkpoint_manager import load_checkpoint
 from nanochat.metrics import read_metrics
 
@@ -267,6 +268,24 @@ def test_failed_torchrun_reports_why_a_rank_died(tmp_path):
     why = worker_errors(p.stderr, p.stdout)
     assert "Fatal Python error: Aborted" in why
     assert 'line 5 in finish' in why and "ChildFailedError" not in why
+
+
+def test_ranks_stop_together_and_say_why(tmp_path):
+    """tests/ranks.py, the launcher of the tests above: a rank that fails takes the waiting rank down at once and the
+    failure names its code and its lines; a time limit stops ranks that never finish."""
+    script = tmp_path / "rank1_fails.py"
+    script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit('Error: rank 1 gives up')\n"
+                      "time.sleep(60)\n")
+    start = time.monotonic()
+    with pytest.raises(RanksFailed, match=r"(?s)2 ranks of .*rank1_fails.py failed \(1\).*Error: rank 1 gives up"):
+        run_ranks([script], env=subprocess_env())
+    assert time.monotonic() - start < 30  # not the 60 s rank 0 would have slept
+    with pytest.raises(RanksFailed, match="did not finish within 1s"):
+        run_ranks([script, "--unused"], nproc=1, env=subprocess_env(), timeout=1)
+    # each rank sees the world as torchrun's workers do; the outputs come back rank by rank
+    ok = tmp_path / "world.py"
+    ok.write_text("import os\nprint(*(os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE')))\n")
+    assert run_ranks([ok], nproc=3, env=subprocess_env()).stdout.splitlines() == ["0 0 3 3", "1 1 3 3", "2 2 3 3"]
 
 
 def test_fsdp_resume_on_a_sample_step_then_trains(base_dir):

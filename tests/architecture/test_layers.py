@@ -502,3 +502,33 @@ def test_every_test_file_sits_in_a_group_on_pytests_path():
     line = re.search(r"^pythonpath = \[(.*)\]$", (REPO / "pyproject.toml").read_text(), re.M)  # tomllib is 3.11+
     assert line and set(re.findall(r'"([^"]+)"', line.group(1))) == {"tests", *(f"tests/{g}" for g in TEST_GROUPS)}
     assert not set(TEST_GROUPS) & {"dist", "build", "venv", "node_modules"}  # pytest's default norecursedirs
+
+
+def module_level_thread_settings(path):
+    """Lines of `path` that set torch's thread count when the module is imported (outside any function or class)."""
+    found = []
+    for stmt in parse(path).body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in ("set_num_threads", "set_num_interop_threads"):
+                found.append(node.lineno)
+    return found
+
+
+def test_no_test_module_sets_torchs_threads_on_import():
+    """Each xdist worker runs one torch thread (tests/conftest.py). Every worker imports every test file to collect
+    it, so a module-level torch.set_num_threads(n) changes the count for all the tests of both workers: two threads
+    in each worker spin-wait against each other on two cores (a line in test_engine.py did that: the fast lane took
+    100-136 s instead of 81). A test that needs another count sets it in a fixture and restores it."""
+    bad = [f"{p.relative_to(REPO)}:{line}" for p in sorted((REPO / "tests").rglob("*.py"))
+           if p.name != "conftest.py" for line in module_level_thread_settings(p)]
+    assert not bad, f"set the thread count in a fixture that restores it, not on import: {bad}"
+
+
+def test_a_thread_setting_on_import_is_caught(tmp_path):
+    path = tmp_path / "test_x.py"
+    path.write_text("import torch\ntorch.set_num_threads(2)\n\ndef test_a():\n    torch.set_num_threads(1)\n"
+                    "if True:\n    torch.set_num_interop_threads(1)\n")
+    assert module_level_thread_settings(path) == [2, 7]

@@ -19,8 +19,6 @@ from nanochat.serving.workers import Worker
 
 pytestmark = pytest.mark.slow  # drives a headless browser
 
-torch.set_num_threads(1)
-
 MAX_TOKENS = 24
 
 

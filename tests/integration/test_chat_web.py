@@ -24,8 +24,6 @@ from nanochat.serving.generation import RowText
 from nanochat.serving.schema import MAX_MESSAGE_CHARS, MAX_MESSAGES, MAX_TOTAL_CHARS
 from nanochat.serving.workers import Worker
 
-torch.set_num_threads(1)
-
 API_KEY = "test-key-123"
 DEFAULT_MAX_TOKENS = 12
 

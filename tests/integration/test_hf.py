@@ -15,8 +15,23 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers", minversion="5.0", reason="the hf extra (transformers>=5) is not installed: pip install -e '.[hf]'")
-pytest.importorskip("safetensors", reason="the hf extra (safetensors) is not installed: pip install -e '.[hf]'")
+
+
+def missing_hf_extra():
+    """Why the hf extra is unusable here, or None. Read from the installed packages' metadata, not by importing
+    transformers (seconds, in every xdist worker, since each collects every test file)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major = int(version("transformers").split(".")[0])
+        version("safetensors")
+    except PackageNotFoundError as e:
+        return f"the hf extra ({e.name}) is not installed: pip install -e '.[hf]'"
+    return None if major >= 5 else "the hf extra needs transformers>=5: pip install -e '.[hf]'"
+
+
+if missing_hf_extra():
+    pytest.skip(missing_hf_extra(), allow_module_level=True)
 
 from conftest import SHARED_DATA, TEST_DATA  # noqa: E402
 

@@ -10,8 +10,6 @@ import torch
 from chat_fixtures import ScriptedModel, greedy_by_recompute, tiny_model, tiny_tokenizer
 from nanochat.engine import Engine, KVCache, sample_next_token
 
-torch.set_num_threads(2)
-
 
 @pytest.fixture(scope="module")
 def tok():

@@ -3,7 +3,7 @@ Batched generation for evaluation and RL: chat_eval's generative tasks and chat_
 through the Engine (the path before issue 30) against many prompts decoding together through the continuous-batching
 scheduler (nanochat/serving/scheduler.py), same model, same run, alternating.
 
-    python -m bench.generate_bench                      # CPU, d4: GSM8K eval (-b 1 vs -b 16), RL rollouts
+    python -m bench.generate_bench                      # CPU, d4: GSM8K eval (-b 1 vs -b 8), RL rollouts
     python -m bench.generate_bench --device_type=cuda --depth=20 --problems=256 --batch=128
 
 The model is random-init at --depth (nanochat's shapes; speed does not depend on the weights' values; it seldom
@@ -21,6 +21,8 @@ import torch
 
 from nanochat.common import device_type_flag
 from nanochat.configurator import Flag, Flags
+from scripts.chat_eval import FLAGS as EVAL_FLAGS
+from scripts.chat_rl import FLAGS as RL_FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,10 +35,14 @@ FLAGS = Flags(
     "work",
     Flag("problems", 48, "GSM8K test problems for the eval"),
     Flag("max_new_tokens", 64, "tokens per answer"),
-    Flag("batch", 16, "sequences decoded together on the batched path (chat_eval -b, chat_rl --rollout_batch)"),
+    # the batched paths' sizes default to what chat_eval and chat_rl run with by default
+    Flag("batch", EVAL_FLAGS["batch_size"].default, "problems decoded together on chat_eval's batched path (-b)"),
+    Flag("rollout_batch", RL_FLAGS["rollout_batch"].default, "sequences decoded together on chat_rl's batched path "
+         "(--rollout_batch)"),
     Flag("questions", 8, "GSM8K train questions for the rollouts"),
-    Flag("num_samples", 4, "samples per question (chat_rl --num_samples)"),
-    Flag("device_batch_size", 4, "samples per Engine call (chat_rl --device_batch_size)"),
+    Flag("num_samples", RL_FLAGS["num_samples"].default, "samples per question (chat_rl --num_samples)"),
+    Flag("device_batch_size", RL_FLAGS["device_batch_size"].default, "samples per Engine call (chat_rl "
+         "--device_batch_size)"),
     description=__doc__,
 )
 
@@ -96,7 +102,7 @@ def main(argv=None):
     outs = {}
     for temperature in (0.0, 1.0):
         sampling = dict(max_tokens=args.max_new_tokens, temperature=temperature, top_k=50)
-        for key, b in (("engine", 0), ("batched", args.batch)):
+        for key, b in (("engine", 0), ("batched", args.rollout_batch)):
             t0 = time.perf_counter()
             with autocast:
                 out = rollouts(engine, tokenizer, train, convs, args.num_samples, args.device_batch_size, seeds, b,

@@ -12,7 +12,11 @@ local port; the clients are asyncio httpx streams in this process, each a closed
 end, send the next (--requests_per_client each), prompts of mixed lengths (--prompt_tokens), greedy, --max_tokens.
 
 Measured per server and concurrency:
-- aggregate output tok/s: completion tokens (the usage the server reports) / wall time of the level;
+- aggregate output tok/s: completion tokens (the usage the server reports) / wall time of the level. The level
+  ends with a drain: clients whose replies were shorter finish first, and the last ones run with fewer neighbours
+  (with 4 requests of 16-80 tokens per client, ~20% of the client-time); so also
+- tok/s with every client busy: the tokens the server generated (its /stats counter) from the level's start until
+  the first client sends its last reply's end, over that time: the load of `concurrency` clients, without the drain;
 - TTFT: request sent -> first content chunk; ITL: gaps between content chunks (the server sends text every ~20 ms
   at most, WAKE_EVERY_S, so one chunk may hold several tokens: ITL p50 is then the chunking, p99 the stalls);
 - multi-turn (--turns): conversations that resend their history each turn, the reply of turn N in the prompt of
@@ -263,24 +267,36 @@ async def load_level(url, concurrency, messages, requests_per_client, max_tokens
     # as the next request goes out on it, and a POST is not retried (httpx.ReadError)
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+        busy = {}  # the server's token counter and the time when the first client runs out of requests
+
         async def one_client(c):
             out = []
             for r in range(requests_per_client):
                 i = first + c * requests_per_client + r
                 out.append((r, *await chat(client, [{"role": "user", "content": messages[i % len(messages)]}],
                                            max_tokens[i % len(max_tokens)])))
+            if not busy:
+                busy["at"] = time.perf_counter()
+                busy["tokens"] = generated_tokens((await client.get("/stats")).json())
             return out
 
+        tokens0 = generated_tokens((await client.get("/stats")).json())
         t0 = time.perf_counter()
         results = [x for xs in await asyncio.gather(*[one_client(c) for c in range(concurrency)]) for x in xs]
         wall = time.perf_counter() - t0
     tokens = sum(r[3] for r in results)
     later = [r[1] for r in results if r[0] > 0]  # past each client's first request: no longer the start-up burst
     return {"concurrency": concurrency, "requests": len(results), "tokens": tokens, "wall_s": wall,
-            "tok_s": tokens / wall, "ttft_p50_s": pct([r[1] for r in results], 50),
+            "tok_s": tokens / wall, "busy_tok_s": (busy["tokens"] - tokens0) / (busy["at"] - t0),
+            "busy_s": busy["at"] - t0, "ttft_p50_s": pct([r[1] for r in results], 50),
             "ttft_p99_s": pct([r[1] for r in results], 99), "ttft_p99_after_first_s": pct(later, 99),
             "itl_p50_s": pct([g for r in results for g in r[2]], 50), "itl_p99_s": pct([g for r in results for g in r[2]], 99),
             "latency_p50_s": pct([r[5] for r in results], 50)}
+
+
+def generated_tokens(stats):
+    """Tokens generated so far by every replica of a chat_web server, from its /stats."""
+    return sum(w["tokens_generated"] for w in stats["workers"])
 
 
 async def conversations(url, n, turns, messages, max_tokens, first=0):
@@ -359,7 +375,7 @@ def main(argv=None):
                 row = asyncio.run(load_level(servers[name].url, c, pool, per_client, max_tokens, first))
                 row["server"] = name
                 rows.append(row)
-                print(f"{name:>16} c={c:<4} {row['tok_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_s'] * 1e3:7.1f} ms "
+                print(f"{name:>16} c={c:<4} {row['tok_s']:8.1f} tok/s ({row['busy_tok_s']:.1f} all busy)  TTFT p50 {row['ttft_p50_s'] * 1e3:7.1f} ms "
                       f"p99 {row['ttft_p99_s'] * 1e3:7.1f} ms  ITL p50 {row['itl_p50_s'] * 1e3:6.1f} ms "
                       f"p99 {row['itl_p99_s'] * 1e3:6.1f} ms  ({row['requests']} requests, {row['wall_s']:.1f} s)", flush=True)
             first += c * per_client
@@ -393,13 +409,15 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work):
           f"messages of {args.prompt_tokens} tokens, replies of up to {args.max_tokens} tokens, greedy. "
           f"Load average {load_before[0]:.1f} before, {load_after[0]:.1f} after. Server logs: {work}")
     print()
-    print("| concurrency | server | aggregate tok/s | speed-up | TTFT p50 / p99 (ms) | TTFT p99 after the first "
-          "round (ms) | ITL p50 / p99 (ms) |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
-    base = {r["concurrency"]: r["tok_s"] for r in rows if r["server"] == "one per worker"}
+    print("| concurrency | server | aggregate tok/s | speed-up | tok/s, every client busy | speed-up | TTFT p50 / "
+          "p99 (ms) | TTFT p99 after the first round (ms) | ITL p50 / p99 (ms) |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    base = {r["concurrency"]: r for r in rows if r["server"] == "one per worker"}
     for r in sorted(rows, key=lambda r: (r["concurrency"], r["server"])):
-        up = f"{r['tok_s'] / base[r['concurrency']]:.2f}x" if r["server"] == "batching" and r["concurrency"] in base else ""
-        print(f"| {r['concurrency']} | {r['server']} | {r['tok_s']:,.1f} | {up} | {r['ttft_p50_s'] * 1e3:.0f} / "
+        ups = [f"{r[k] / base[r['concurrency']][k]:.2f}x" if r["server"] == "batching" and r["concurrency"] in base
+               else "" for k in ("tok_s", "busy_tok_s")]
+        print(f"| {r['concurrency']} | {r['server']} | {r['tok_s']:,.1f} | {ups[0]} | {r['busy_tok_s']:,.1f} | {ups[1]} | "
+              f"{r['ttft_p50_s'] * 1e3:.0f} / "
               f"{r['ttft_p99_s'] * 1e3:.0f} | {r['ttft_p99_after_first_s'] * 1e3:.0f} | {r['itl_p50_s'] * 1e3:.1f} / "
               f"{r['itl_p99_s'] * 1e3:.1f} |")
     lone = next((r for r in rows if r["server"] == "batching" and r["concurrency"] == 1), None)

@@ -36,14 +36,25 @@ WIKITEXT = TEST_DATA / "pretrain" / "wikitext-2"
 # Test files in order of their expected run time, longest first. tests/run.sh hands whole files to two workers
 # (pytest-xdist --dist loadfile --no-loadscope-reorder: in this order); a minutes-long file of torchrun runs that came
 # last would leave one worker idle while the other finishes it, so they come first and the many short files fill in
-# at the end. The weights are rough costs per test on the 2-core CPU (a torchrun, a training subprocess, in-process).
+# at the end. The weights are rough costs per test on the 2-core CPU (a torchrun, a training subprocess, in-process:
+# 0.1 s, or what the file's `cost` mark says, for the few in-process files that take many seconds). Only the tests
+# that run count (trylast: after -m and -k have deselected theirs), so the fast lane is ordered by its own costs.
 FILE_WEIGHT = {"dist": 30.0, "slow": 5.0}
+IN_PROCESS_COST = 0.1
 
 
 def run_cost(item):
-    return max([w for m, w in FILE_WEIGHT.items() if item.get_closest_marker(m)], default=0.1)
+    cost = item.get_closest_marker("cost")
+    return max([w for m, w in FILE_WEIGHT.items() if item.get_closest_marker(m)],
+               default=cost.args[0] if cost else IN_PROCESS_COST)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cost(seconds): what each test of an in-process file takes, when far above "
+                            f"{IN_PROCESS_COST} s (tests/conftest.py hands out the files to the workers by their costs)")
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     cost = {}
     for item in items:

@@ -24,6 +24,8 @@ from nanochat.serving.generation import RowText
 from nanochat.serving.schema import MAX_MESSAGE_CHARS, MAX_MESSAGES, MAX_TOTAL_CHARS
 from nanochat.serving.workers import Worker
 
+pytestmark = pytest.mark.cost(0.15)  # seconds per test, in process: the order files are handed out in (conftest.py)
+
 API_KEY = "test-key-123"
 DEFAULT_MAX_TOKENS = 12
 

@@ -12,6 +12,8 @@ from nanochat import compile as C
 from nanochat import muon
 from nanochat.gpt import GPT, GPTConfig
 
+pytestmark = pytest.mark.cost(0.8)  # seconds per test, in process: the order files are handed out in (conftest.py)
+
 
 class CountingBackend:
     """A torch.compile backend that runs graphs eagerly and keeps them, to count and inspect them."""

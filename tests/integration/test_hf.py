@@ -43,6 +43,8 @@ from nanochat.tokenizer import SPECIAL_TOKENS, RustBPETokenizer, compute_token_b
 from nanochat.distributed.dist import DataRanks  # noqa: E402
 from scripts import export_hf, import_hf  # noqa: E402
 
+pytestmark = pytest.mark.cost(0.3)  # seconds per test, in process: the order files are handed out in (conftest.py)
+
 ONE = DataRanks(0, 1, 0)  # a single process evaluates every example (ranks are required: TP splits by data rank)
 
 VOCAB = 2000  # asked of the tokenizer trainer (built-in text alone yields fewer); the tests use the size it gets

@@ -27,6 +27,8 @@ from nanochat import presets
 from nanochat.usage import BadValue
 from nanochat.launch import nodes
 
+pytestmark = pytest.mark.cost(0.2)  # seconds per test, in process: the order files are handed out in (conftest.py)
+
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "pretrain.sh"
 VOLC_SUBMIT = REPO / "volc" / "volc_submit.sh"

@@ -26,6 +26,8 @@ from conftest import free_port
 from nanochat.launch.pipeline import build
 from scripts.launch import runcpu_settings
 
+pytestmark = pytest.mark.cost(0.4)  # seconds per test, in process: the order files are handed out in (conftest.py)
+
 REPO = Path(__file__).resolve().parents[2]
 RESTART = ["--max-restarts=3", "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
 RESUME = "--save_every=500 --resume_from_step=auto"

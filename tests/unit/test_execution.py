@@ -18,6 +18,8 @@ from nanochat import execution
 from nanochat.execution import REQUIRED_LAYERS, SandboxUnavailable, execute_code, isolation
 from nanochat.usage import CannotRun
 
+pytestmark = pytest.mark.cost(0.3)  # seconds per test, in process: the order files are handed out in (conftest.py)
+
 
 def layers():
     return isolation() if sys.platform == "linux" else frozenset()

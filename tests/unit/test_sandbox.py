@@ -21,6 +21,8 @@ from nanochat import sandbox
 from nanochat.execution import execute_code
 from test_execution import humaneval_files, isolated, needs
 
+pytestmark = pytest.mark.cost(0.15)  # seconds per test, in process: the order files are handed out in (conftest.py)
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

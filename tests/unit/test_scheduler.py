@@ -15,6 +15,8 @@ from nanochat.gpt import GPTConfig
 from nanochat.serving.kv_slots import BLOCK, decode_buckets, kv_bytes_per_token, plan_kv
 from nanochat.serving.scheduler import Job, Scheduler, generate_many
 
+pytestmark = pytest.mark.cost(1.0)  # seconds per test, in process: the order files are handed out in (conftest.py)
+
 BUDGET = 256 * 2**20  # every scheduler here gets an explicit KV budget: nothing depends on this machine's free memory
 
 

@@ -19,6 +19,8 @@ import pytest
 from tasks.common import Task, TaskMixture, TaskSequence, render_mc
 from nanochat.data.task_data import TaskDataNotFound
 
+pytestmark = pytest.mark.cost(0.2)  # seconds per test, in process: the order files are handed out in (conftest.py)
+
 # excerpts of the real data sets in ../shared/data, same layout (tests/assets/README.md): every clone has them
 SHARED = Path(__file__).resolve().parents[1] / "assets" / "data"
 

@@ -16,7 +16,7 @@ Measured per server and concurrency:
   ends with a drain: clients whose replies were shorter finish first, and the last ones run with fewer neighbours
   (with 4 requests of 16-80 tokens per client, ~20% of the client-time); so also
 - tok/s with every client busy: the tokens the server generated (its /stats counter) from the level's start until
-  the first client sends its last reply's end, over that time: the load of `concurrency` clients, without the drain;
+  the first client has received its last reply, over that time: the load of `concurrency` clients, without the drain;
 - TTFT: request sent -> first content chunk; ITL: gaps between content chunks (the server sends text every ~20 ms
   at most, WAKE_EVERY_S, so one chunk may hold several tokens: ITL p50 is then the chunking, p99 the stalls);
 - multi-turn (--turns): conversations that resend their history each turn, the reply of turn N in the prompt of
@@ -375,7 +375,8 @@ def main(argv=None):
                 row = asyncio.run(load_level(servers[name].url, c, pool, per_client, max_tokens, first))
                 row["server"] = name
                 rows.append(row)
-                print(f"{name:>16} c={c:<4} {row['tok_s']:8.1f} tok/s ({row['busy_tok_s']:.1f} all busy)  TTFT p50 {row['ttft_p50_s'] * 1e3:7.1f} ms "
+                print(f"{name:>16} c={c:<4} {row['tok_s']:8.1f} tok/s ({row['busy_tok_s']:.1f} all busy)  "
+                      f"TTFT p50 {row['ttft_p50_s'] * 1e3:7.1f} ms "
                       f"p99 {row['ttft_p99_s'] * 1e3:7.1f} ms  ITL p50 {row['itl_p50_s'] * 1e3:6.1f} ms "
                       f"p99 {row['itl_p99_s'] * 1e3:6.1f} ms  ({row['requests']} requests, {row['wall_s']:.1f} s)", flush=True)
             first += c * per_client

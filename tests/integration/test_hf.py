@@ -16,7 +16,6 @@ import pytest
 import torch
 
 
-
 def missing_hf_extra():
     """Why the hf extra is unusable here, or None. Read from the installed packages' metadata, not by importing
     transformers (seconds, in every xdist worker, since each collects every test file)."""
@@ -30,8 +29,9 @@ def missing_hf_extra():
     return None if major >= 5 else "the hf extra needs transformers>=5: pip install -e '.[hf]'"
 
 
-if missing_hf_extra():
-    pytest.skip(missing_hf_extra(), allow_module_level=True)
+_why_not = missing_hf_extra()
+if _why_not:
+    pytest.skip(_why_not, allow_module_level=True)
 
 from conftest import SHARED_DATA, TEST_DATA  # noqa: E402
 

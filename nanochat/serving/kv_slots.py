@@ -69,17 +69,54 @@ def default_budget_bytes(device):
 
 def decode_buckets(max_rows):
     """
-    Batch sizes a decode step runs at: 4, 8, then multiples of 8 growing by about 1.5x (16, 24, 40, 64, 96, ...),
-    the last one max_rows rounded up to a multiple of 8. Few shapes (each a compiled graph where decode is compiled),
-    at most ~1.5x padding, and never below 4 rows: on the CPU BLAS measured here (docs/benchmarks.md, continuous
-    batching) a matmul's row comes out the same bits at M = 4, 8 and any M >= 12, but not at M < 4 (nor, with two
-    threads, at 5-7 or 9-11), so the padded batch keeps every row's arithmetic the same whatever the batch size.
+    Batch sizes a compiled decode step runs at (one graph each, on CUDA a captured CUDA graph): 4, 8, then multiples
+    of 8 growing by about 1.5x (16, 24, 40, 64, 96, ...), the last one max_rows rounded up to a multiple of 8. Few
+    shapes and at most ~1.5x padding. The pool has as many rows as the largest bucket. An eager step runs at the
+    sizes of decode_sizes instead.
     """
     top = max(8, -(-max_rows // 8) * 8) if max_rows > 4 else 4
     out = [4]
     while out[-1] < top:
         out.append(min(top, max(out[-1] + 8 if out[-1] >= 8 else 8, (out[-1] * 3 // 2 + 7) // 8 * 8)))
     return out
+
+
+def invariant_sizes(weights, max_rows):
+    """
+    The batch sizes up to max_rows at which a matmul with each of `weights` (Linear weights, out x in) gives every
+    row the same bits as at max_rows. A BLAS picks its kernel by the matrix sizes, and its kernels sum in different
+    orders: on the CPU of docs/benchmarks.md (torch's MKL, one or two threads) a row comes out one way at 2-10 rows
+    and another from 11 rows on (from 16 where the inner size is 1024); another machine differed at 5-7 and 9-11
+    rows only. So these sizes are measured here, on random rows, with the thread count and dtype the decode runs in
+    (~0.1 s at d4 and 64 rows). max_rows is always one of them.
+    """
+    sizes = set(range(1, max_rows + 1))
+    gen = torch.Generator().manual_seed(0)
+    seen = set()
+    for w in weights:
+        key = (tuple(w.shape), w.dtype, str(w.device))
+        if key in seen:
+            continue
+        seen.add(key)
+        x = torch.randn(max_rows, w.size(1), generator=gen).to(device=w.device, dtype=w.dtype)
+        full = F.linear(x, w)
+        for m in sorted(sizes):
+            if m < max_rows and not torch.equal(F.linear(x[:m], w), full[:m]):
+                sizes.discard(m)
+    return sorted(sizes)
+
+
+def decode_sizes(model, rows, invariant):
+    """
+    The batch sizes an eager decode step may run at, up to the pool's `rows` (a step takes the smallest one that
+    holds its rows): every size when not batch-invariant (no filler rows), else the sizes at which every Linear of
+    `model` computes a row the same bits (invariant_sizes): a request's logits then do not depend on how many
+    neighbours it has. (A compiled step runs at the buckets, decode_buckets.)
+    """
+    if not invariant:
+        return list(range(1, rows + 1))
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return invariant_sizes(weights, rows)
 
 
 MIN_PREFIX_CACHE_BLOCKS = 64  # below this the prefix cache is off (the budget went to the slots)
@@ -208,7 +245,9 @@ class DecodeView:
     trim=False, as a compiled step needs one shape), with `invariant` through invariant_attention (a row's result
     the same bits in any batch), else torch's SDPA. Inside the forward only tensors' sizes say the batch size, so a
     compiled step can take it as a symbolic size. Filler rows (set_step's None) sit at position 0, attend column 0
-    and write the scratch column.
+    and write the scratch column; with trim, the fillers after the last live row skip attention (their output is
+    zero: nothing reads a filler's logits, and a row's attention is computed on its own, so skipping others changes
+    no bit of it).
     """
 
     last_only = False
@@ -226,6 +265,7 @@ class DecodeView:
         self.window_masks = {w: torch.zeros_like(self.mask) for w in sorted(set(windows))}
         self.columns = torch.arange(pool.columns, device=device)
         self.span = pool.columns
+        self.live = batch  # rows up to the last live one (set_step): attention runs on these
         self.one_thread = torch.get_num_threads() == 1
 
     def tensors(self):
@@ -256,6 +296,7 @@ class DecodeView:
             mask &= self.mask
         if self.trim:
             self.span = -(-(max(pos) + 1) // ATTN_BLOCK) * ATTN_BLOCK
+            self.live = max((i + 1 for i, p in enumerate(positions) if p is not None), default=1)
         self.one_thread = torch.get_num_threads() == 1  # here, not in the compiled step (a graph break there)
 
     def insert_kv(self, layer_idx, k, v):
@@ -266,8 +307,16 @@ class DecodeView:
         return kv[0, :B], kv[1, :B]
 
     def attend(self, layer_idx, q, k, v, window=None):
-        span = self.span
         mask = self.mask if window is None else self.window_masks[window]  # window: the layer's sliding window
+        n = self.live
+        if self.trim and n < q.size(0):  # trailing filler rows: zeros, not attention (eager only: fixed shapes)
+            out = q.new_zeros(q.shape)
+            out[:n] = self._attend(q[:n], k[:n], v[:n], mask[:n])
+            return out
+        return self._attend(q, k, v, mask)
+
+    def _attend(self, q, k, v, mask):
+        span = self.span
         if self.invariant:
             return invariant_attention(q, k, v, mask, span, self.one_thread)
         return F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask[..., :span],

@@ -26,16 +26,20 @@ Every step, in order:
    to the prefix cache and its slot is free for the next step.
 
 Same answers alone or in a crowd: a request's tokens do not depend on which requests share its steps. Its prefill runs
-alone (batch 1, chunks fixed by its own prompt and prefix hit), and the decode step is made batch-invariant: the batch
-is padded to a bucket of at least 4 rows (decode_buckets), attention runs under a per-row mask, and on CPU through
-kv_slots.invariant_attention (torch's CPU flash kernel splits the keys differently by batch size when it has
-several threads). tests/unit/test_scheduler.py checks it token for token, for 32+ prompts arriving at different steps. A
+alone (batch 1, chunks fixed by its own prompt and prefix hit), and the decode step is made batch-invariant (on CPU,
+the default): it runs only at batch sizes at which every matmul computes a row the same bits (kv_slots.decode_sizes,
+measured at the first step: a BLAS picks its kernel by the sizes, and on the CPU of docs/benchmarks.md rows come out
+one way below 16 rows and another from 16 on, so a step there computes at least 16 rows), attention runs under a
+per-row mask, on CPU through kv_slots.invariant_attention (torch's CPU flash kernel splits the keys differently by
+batch size when it has several threads), and only for the rows up to the last live one. tests/unit/test_scheduler.py
+checks it token for token and logit for logit, for 32+ prompts arriving at different steps. Without batch
+invariance (CUDA, where decode is compiled) an eager step runs at exactly its rows. A
 prefix-cache hit is the one thing that changes a request's arithmetic: its cached keys/values were computed in
 another chunking (or by decode steps), equal to recomputing them up to float rounding; --prefix_cache=0 turns it off
 where bit-for-bit reproducibility matters more than the time to first token.
 
-Decode runs on fixed shapes: a compiled step per bucket where the Engine would compile (`decode_compile`, auto = on
-CUDA, captured as a CUDA graph), eager elsewhere. The model is called through the same forward API as the Engine's
+Decode is compiled where the Engine would compile (`decode_compile`, auto = on CUDA, captured as a CUDA graph), one
+step per bucket of kv_slots.decode_buckets (fixed shapes), and eager elsewhere. The model is called through the same forward API as the Engine's
 (`model(ids, kv_cache=view)`, the views of nanochat/serving/kv_slots.py). The record model (RecordGPT) batches too:
 the views give its sliding-window layers per-window masks (`attend(..., window)`) and its smear each row's previous
 token id (`prev_ids`), so a row carries no model state beyond its keys/values.
@@ -52,7 +56,8 @@ from dataclasses import dataclass
 import torch
 
 from nanochat.engine import RowState, check_generation_args, sample_next_token
-from nanochat.serving.kv_slots import ATTN_BLOCK, BLOCK, DecodeView, PrefixCache, SlotPool, decode_buckets, kv_bytes_per_token, plan_kv
+from nanochat.serving.kv_slots import (ATTN_BLOCK, BLOCK, DecodeView, PrefixCache, SlotPool, decode_buckets, decode_sizes,
+                                       kv_bytes_per_token, plan_kv)
 
 logger = logging.getLogger("nanochat.serving")
 
@@ -173,9 +178,13 @@ class Scheduler:
         if batch_invariant is None:
             batch_invariant = self.device.type == "cpu"
         self.compiled = engine.decode_compiled
-        windows = getattr(model, "windows", ())  # RecordGPT's sliding windows, one per layer
-        self.views = {b: DecodeView(self.pool, b, batch_invariant, trim=not self.compiled, windows=windows)
-                      for b in self.buckets}
+        self.batch_invariant = batch_invariant
+        self.windows = getattr(model, "windows", ())  # RecordGPT's sliding windows, one per layer
+        # the decode views, by batch size: a compiled step's buckets now (their addresses are marked static when it
+        # compiles), an eager step's sizes as they are first used
+        self.views = {b: DecodeView(self.pool, b, batch_invariant, trim=False, windows=self.windows)
+                      for b in (self.buckets if self.compiled else [])}
+        self._sizes = {}  # eager decode sizes by torch thread count (decode_sizes)
         self._step_fn = None
         self._checked = set()
         # the requests; `inbox` is the only structure other threads touch (append / popleft are atomic)
@@ -323,8 +332,10 @@ class Scheduler:
             self._compact()
             rows = [r for r in self.slots if r is not None and r.request.state == "decode"]
             top = max(r.slot for r in rows) + 1
-        B = next(b for b in self.buckets if b >= top)
-        view = self.views[B]
+        B = next(b for b in self._decode_sizes() if b >= top)
+        view = self.views.get(B)
+        if view is None:
+            view = self.views[B] = DecodeView(self.pool, B, self.batch_invariant, trim=True, windows=self.windows)
         ids, positions, prev = [0] * B, [None] * B, [-1] * B  # filler rows: see DecodeView
         for r in rows:
             ids[r.slot], positions[r.slot] = r.next_token, r.length
@@ -362,6 +373,17 @@ class Scheduler:
             by_request.setdefault(r.request.id, []).append((r, chosen[r.slot]))
         for pairs in by_request.values():
             self._advance(pairs[0][0].request, pairs)
+
+    def _decode_sizes(self):
+        """The batch sizes this step may run at: the buckets when compiled, else decode_sizes (measured once per
+        thread count: with batch invariance they are the BLAS's, which may change with the threads)."""
+        if self.compiled:
+            return self.buckets
+        threads = torch.get_num_threads()
+        if threads not in self._sizes:
+            with self.autocast():
+                self._sizes[threads] = decode_sizes(self.model, self.pool.rows, self.batch_invariant)
+        return self._sizes[threads]
 
     def _forward(self, view):
         if not self.compiled:
@@ -520,7 +542,7 @@ class Scheduler:
         cache = (f"prefix cache {self.prefix.num_blocks} blocks of {BLOCK} tokens" if self.prefix is not None
                  else "no prefix cache")
         return (f"{self.max_batch} sequences x {self.max_context} positions ({self.pool.nbytes() / 2**20:.0f} MiB), "
-                f"{cache}, decode {'compiled' if self.compiled else 'eager'}, buckets {self.buckets}")
+                f"{cache}, decode {'compiled' if self.compiled else 'eager'} at {describe_sizes(self._decode_sizes())} rows")
 
     def stats(self):
         rows = self.running_rows()
@@ -540,6 +562,17 @@ class Scheduler:
             "decode": "compiled" if self.compiled else "eager",
             "prefix_cache": self.prefix.stats() if self.prefix else None,
         }
+
+
+def describe_sizes(sizes):
+    """[4, 8, 16, 24] -> '4, 8, 16, 24'; runs of consecutive sizes as ranges: [1, 2, ..., 64] -> '1-64'."""
+    runs = []
+    for size in sizes:
+        if runs and size == runs[-1][1] + 1:
+            runs[-1][1] = size
+        else:
+            runs.append([size, size])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def generate_many(engine, jobs, max_batch=32, max_context=None, prefix_cache=False, on_finish=None, **kwargs):

@@ -134,6 +134,50 @@ def test_32_prompts_8_at_a_time_give_the_same_tokens_and_logits_as_alone(tok, d4
     assert steps > 10 * n
 
 
+def test_a_crowd_of_20_gives_the_logits_of_alone_bit_for_bit(tok, d4, threads):
+    """Past the batch size where the BLAS changes kernels (here: from 16 rows on, a row's matmul sums in another
+    order than at 4 or 8 rows), a request alone and in a crowd of 20 still gets the same logits bit for bit: the
+    decode step runs only at sizes measured to compute a row the same bits (kv_slots.decode_sizes). Before, a lone
+    request decoded at 4 rows and a crowd at 24, and the bits differed on this machine."""
+    engine = Engine(d4, tok)
+    prompts = mixed_prompts(tok, 20, seed=5)
+    jobs = [Job(p, max_tokens=[5, 12][i % 2], temperature=0.0) for i, p in enumerate(prompts)]
+    crowd_scheduler = Recording(engine, max_batch=24, kv_budget_bytes=BUDGET, prefix_cache=False)
+    crowd = run(crowd_scheduler, jobs)
+    assert max(crowd_scheduler.views) >= 20  # they really decoded together
+    for i in (0, 7, 19):
+        solo_scheduler = Recording(engine, max_batch=24, kv_budget_bytes=BUDGET, prefix_cache=False)
+        (solo,) = run(solo_scheduler, [jobs[i]])
+        assert solo.tokens == crowd[i].tokens
+        for (_, row, step), value in solo_scheduler.logits.items():
+            assert torch.equal(value, crowd_scheduler.logits[(i, row, step)]), (i, step)
+
+
+def test_decode_sizes_are_those_where_the_blas_gives_a_row_the_same_bits(monkeypatch):
+    """invariant_sizes keeps a batch size only if every weight's matmul gives each row the bits it gets at the
+    largest size: on this machine's BLAS as it is, and with a BLAS whose rows change at 5-7 rows (as one machine's
+    did) and at 1 row."""
+    from nanochat.serving import kv_slots
+
+    torch.manual_seed(0)
+    weights = [torch.randn(96, 64), torch.randn(64, 256), torch.randn(96, 64)]
+    sizes = kv_slots.invariant_sizes(weights, 24)
+    assert sizes[-1] == 24
+    x = torch.randn(24, 64)
+    full = torch.nn.functional.linear(x, weights[0])
+    assert all(torch.equal(torch.nn.functional.linear(x[:m], weights[0]), full[:m]) for m in sizes)
+
+    real_linear = torch.nn.functional.linear
+
+    def blas(x, w):  # a kernel per size class: 1 row, 5-7 rows and the rest sum differently
+        out = real_linear(x, w)
+        return out + 1e-6 * out if x.size(0) in (1, 5, 6, 7) else out
+
+    monkeypatch.setattr(kv_slots.F, "linear", blas)
+    assert kv_slots.invariant_sizes(weights, 24) == [m for m in sizes if m not in (1, 5, 6, 7)]
+    assert kv_slots.decode_sizes(torch.nn.Linear(64, 96, bias=False), 12, invariant=False) == list(range(1, 13))
+
+
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 def test_decode_attention_gives_a_row_the_same_bits_in_any_batch(threads):
     """The decode step's attention on CPU (invariant_attention: flash with one thread, blockwise_attention with

@@ -73,6 +73,8 @@ FLAGS = Flags(
     Flag("kv_cache_gb", None, "the batching servers' --kv_cache_gb (auto: their default share of the free memory; "
          "set it on a GPU, where the servers share the device)", type=float),
     Flag("decode_compile", "auto", "both servers' --decode_compile"),
+    Flag("batch_invariant", "auto", "the batching servers' --batch_invariant (0: decode at exactly the rows running)",
+         choices=["auto", "1", "0"]),
     Flag("threads", 0, "torch threads of both servers (OMP_NUM_THREADS; 0: torch's default)"),
     "multi-turn",
     Flag("turns", 5, "turns per conversation (0: skip)"),
@@ -353,7 +355,8 @@ def main(argv=None):
     turn_pool = message_pool(tokenizer, [args.turn_tokens] * 256, seed=1)
 
     kv = (["--max_context", str(args.max_context)] if args.max_context else []) + \
-        (["--kv_cache_gb", str(args.kv_cache_gb)] if args.kv_cache_gb else [])
+        (["--kv_cache_gb", str(args.kv_cache_gb)] if args.kv_cache_gb else []) + \
+        ["--batch_invariant", str(args.batch_invariant)]
     servers = {"batching": Server("batching", args, env, ["--max_batch", str(args.max_batch), *kv])}
     if args.baseline:
         servers["one per worker"] = Server("one_per_worker", args, env, ["--batching", "0"])
@@ -407,7 +410,8 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work):
     threads = f"{args.threads} torch thread(s) per server" if args.threads else "torch's default threads"
     print(f"Serving, {model_desc} on {hw}, {threads}; {args.requests_per_client} requests per client (at least "
           f"{args.min_requests} per level), user "
-          f"messages of {args.prompt_tokens} tokens, replies of up to {args.max_tokens} tokens, greedy. "
+          f"messages of {args.prompt_tokens} tokens, replies of up to {args.max_tokens} tokens, greedy; batching "
+          f"server --batch_invariant={args.batch_invariant}. "
           f"Load average {load_before[0]:.1f} before, {load_after[0]:.1f} after. Server logs: {work}")
     print()
     print("| concurrency | server | aggregate tok/s | speed-up | tok/s, every client busy | speed-up | TTFT p50 / "

@@ -92,6 +92,10 @@ def build_arg_parser():
         Flag("kv_cache_gb", None, "memory for the KV slots and the prefix cache, per replica; auto = 85% of the GPU's "
              "free memory after loading (25% of available RAM on CPU)", type=float),
         Flag("prefix_cache", True, "keep finished sequences' keys/values for later requests that start the same way"),
+        Flag("batch_invariant", "auto", "a request's logits the same bits whatever its neighbours: decode only at batch "
+             "sizes where the matmuls give a row the same bits (on the CPU measured, at least 16 rows) and with the "
+             "invariant attention; auto = on CPU (eager decode); 0 = decode at exactly the rows running (faster with "
+             "few users; tokens may then differ in rare near-ties)", choices=["auto", "1", "0"]),
         description=__doc__,
     )
 
@@ -226,6 +230,7 @@ def main(argv=None):
         max_context=args.max_context,
         kv_cache_gb=args.kv_cache_gb,
         prefix_cache=args.prefix_cache,
+        batch_invariant={"auto": None, "1": True, "0": False}[str(args.batch_invariant)],
     )
     import uvicorn
 

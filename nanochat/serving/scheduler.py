@@ -152,7 +152,8 @@ class Scheduler:
     Continuous batching over one Engine's model (one scheduler per device replica). See the module docstring.
     max_batch: most sequences decoded together. max_context: positions per slot, i.e. the longest prompt + reply
     (default the model's sequence_len, at most what its rotary table addresses). kv_budget_bytes: memory for slots
-    and the prefix cache (default a share of the device's free memory, DEFAULT_BUDGET_FRACTION). autocast: a
+    and the prefix cache (default a share of the device's free memory, DEFAULT_BUDGET_FRACTION). batch_invariant: a
+    request's logits the same bits whatever its neighbours (default on CPU; see the module docstring). autocast: a
     callable returning the context every forward runs in (the server's bf16 autocast on CUDA). log_requests: a log
     line per finished request (the server's).
     """
@@ -560,6 +561,8 @@ class Scheduler:
             "busy_s": round(self.busy_s, 3),
             "decode_s": round(self.decode_s, 3),
             "decode": "compiled" if self.compiled else "eager",
+            "batch_invariant": self.batch_invariant,
+            "decode_sizes": describe_sizes(self._decode_sizes()),  # the batch sizes a decode step runs at
             "prefix_cache": self.prefix.stats() if self.prefix else None,
         }
 

@@ -92,6 +92,30 @@ def post_chat(base_url, body, path="/chat/completions", headers=AUTH, timeout=60
 # Basics
 
 
+def test_batch_invariance_off_decodes_at_the_rows_running(tok, model):
+    """--batch_invariant=0: the scheduler decodes at exactly the rows it runs (no filler rows up to the sizes where
+    the BLAS keeps a row's bits), /stats says so, and concurrent greedy replies are still the model's own."""
+    bodies = [{"model": "nanochat", "max_tokens": 10, "temperature": 0,
+               "messages": [{"role": "user", "content": f"Tell me about the castle number {i}"}]} for i in range(3)]
+    stats = {}
+    for invariant in (False, None):
+        app = create_app([Worker(Engine(model, tok))], api_key=API_KEY, max_batch=8, max_context=512,
+                         batch_invariant=invariant)
+        with ServerThread(app, **server_options()) as s:
+            async def main():
+                async with httpx.AsyncClient(base_url=s.base_url, timeout=120, headers=AUTH) as client:
+                    return await asyncio.gather(*[client.post("/v1/chat/completions", json=b) for b in bodies])
+
+            replies = asyncio.run(main())
+            stats[invariant] = httpx.get(s.base_url + "/stats").json()["workers"][0]["batching"]
+        for body, r in zip(bodies, replies):
+            assert r.status_code == 200, r.text
+            text, _ = expected_reply(model, tok, tok.render_for_completion({"messages": body["messages"]}, strict=False), 10)
+            assert r.json()["choices"][0]["message"]["content"] == text
+    assert stats[False]["batch_invariant"] is False and stats[False]["decode_sizes"] == "1-8"
+    assert stats[None]["batch_invariant"] is True and stats[None]["decode_sizes"].endswith("8")  # CPU: on by default
+
+
 def test_health_stats_models_and_page(server):
     health = httpx.get(server.base_url + "/health").json()
     assert health == {"status": "ok", "ready": True, "num_gpus": 0, "num_workers": 1, "available_workers": 1}

@@ -62,9 +62,12 @@ def test_fsdp_matches_one_process(runs, variant):
     for k, v in a["params"].items():
         assert torch.equal(a["init"][k], b["init"][k]), f"{k}: different initial weights"
         moved, diff = (v - a["init"][k]).abs(), (v - b["params"][k]).abs()
-        # float noise on average; Adam's g/sqrt(v) can amplify it in a few near-zero-gradient elements, so the
-        # largest difference gets a looser bound (still 100x below how far training moved the weights)
-        assert diff.mean() <= 1e-5 * moved.mean(), f"{k}: mean difference {diff.mean()} (training moved it by {moved.mean()} on average)"
+        # float noise on average (the record variant's polar-express Muon amplifies the all-reduce's other summing
+        # order: 1.003e-5 of the movement for h.2.attn.c_v on an AVX-512/AMX Xeon, 2026-11-27, where 1e-5 was the
+        # bound; a real divergence is of the order of the movement itself); Adam's g/sqrt(v) can amplify it in a few
+        # near-zero-gradient elements, so the largest difference gets a looser bound (still 100x below how far
+        # training moved the weights)
+        assert diff.mean() <= 4e-5 * moved.mean(), f"{k}: mean difference {diff.mean()} (training moved it by {moved.mean()} on average)"
         assert diff.max() <= 1e-2 * moved.max(), f"{k}: max difference {diff.max()} (training moved it by up to {moved.max()})"
 
 

@@ -25,24 +25,24 @@ Every step, in order:
    stop tokens and calculator state (the Engine's RowState). A sequence that stops leaves at once; its keys/values go
    to the prefix cache and its slot is free for the next step.
 
-Same answers alone or in a crowd: a request's tokens do not depend on which requests share its steps. Its prefill runs
-alone (batch 1, chunks fixed by its own prompt and prefix hit), and the decode step is made batch-invariant (on CPU,
-the default): it runs only at batch sizes at which every matmul computes a row the same bits (kv_slots.decode_sizes,
-measured at the first step: a BLAS picks its kernel by the sizes, and on the CPU of docs/benchmarks.md rows come out
-one way below 16 rows and another from 16 on, so a step there computes at least 16 rows), attention runs under a
-per-row mask, on CPU through kv_slots.invariant_attention (torch's CPU flash kernel splits the keys differently by
-batch size when it has several threads), and only for the rows up to the last live one. tests/unit/test_scheduler.py
-checks it token for token and logit for logit, for 32+ prompts arriving at different steps. Without batch
-invariance (CUDA, where decode is compiled) an eager step runs at exactly its rows. A
+Same answers alone or in a crowd: a request's tokens do not depend on which requests share its steps. Its prefill
+runs alone (batch 1, chunks fixed by its own prompt and prefix hit), and the decode step is made batch-invariant (on
+CPU, the default): it runs only at batch sizes at which every matmul computes a row the same bits
+(kv_slots.decode_sizes, measured at the first step: a BLAS picks its kernel by the sizes, and on the CPU of
+docs/benchmarks.md rows come out one way below 16 rows and another from 16 on, so a step there computes at least 16
+rows), attention runs under a per-row mask, on CPU through kv_slots.invariant_attention (torch's CPU flash kernel
+splits the keys differently by batch size when it has several threads), and only for the rows up to the last live
+one. tests/unit/test_scheduler.py checks it token for token and logit for logit, for 32+ prompts arriving at
+different steps. Without batch invariance (the default on CUDA) an eager step runs at exactly its rows. A
 prefix-cache hit is the one thing that changes a request's arithmetic: its cached keys/values were computed in
 another chunking (or by decode steps), equal to recomputing them up to float rounding; --prefix_cache=0 turns it off
 where bit-for-bit reproducibility matters more than the time to first token.
 
 Decode is compiled where the Engine would compile (`decode_compile`, auto = on CUDA, captured as a CUDA graph), one
-step per bucket of kv_slots.decode_buckets (fixed shapes), and eager elsewhere. The model is called through the same forward API as the Engine's
-(`model(ids, kv_cache=view)`, the views of nanochat/serving/kv_slots.py). The record model (RecordGPT) batches too:
-the views give its sliding-window layers per-window masks (`attend(..., window)`) and its smear each row's previous
-token id (`prev_ids`), so a row carries no model state beyond its keys/values.
+step per bucket of kv_slots.decode_buckets (fixed shapes), and eager elsewhere. The model is called through the same
+forward API as the Engine's (`model(ids, kv_cache=view)`, the views of nanochat/serving/kv_slots.py). The record
+model (RecordGPT) batches too: the views give its sliding-window layers per-window masks (`attend(..., window)`) and
+its smear each row's previous token id (`prev_ids`), so a row carries no model state beyond its keys/values.
 """
 
 import itertools

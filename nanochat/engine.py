@@ -20,7 +20,8 @@ serves every step. On CUDA the host reads each step's tokens one step behind: th
 host waits for the tokens it needs for stop and tool checks, so the GPU never waits for Python.
 """
 
-from collections import deque
+import threading
+from collections import defaultdict, deque
 
 import torch
 import torch.nn.functional as F
@@ -324,6 +325,25 @@ def decode_compile_flag():
                 "eager on CPU (measured no faster there); 1 = also on CPU; 0 = eager", choices=list(DECODE_COMPILE_CHOICES))
 
 
+def prepare_thread_for_cuda_graphs():
+    """
+    Call on a thread before it runs a compiled CUDA step ("reduce-overhead": CUDA graph trees). torch 2.11 keeps the
+    graph trees' per-thread state in a thread-local that only the thread importing them (and autograd's threads)
+    gets: a compiled step run on any other thread fails an assert in cudagraph_trees.get_obj (seen on an H100 in
+    chat_web --batching=0, whose replies ran one thread each). Later torch sets the state up on first use; this
+    does the same, once per thread. The state is per thread, so a thread records its own CUDA graphs: keep the
+    compiled steps of a replica on one long-lived thread (the scheduler's, a worker's generation thread).
+    """
+    from torch._inductor import cudagraph_trees as trees
+
+    if hasattr(trees.local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+        return
+    trees.local.tree_manager_containers = {}
+    trees.local.tree_manager_locks = defaultdict(threading.Lock)
+    torch._C._stash_obj_in_tls("tree_manager_containers", trees.local.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", trees.local.tree_manager_locks)
+
+
 STATIC_CACHES_KEPT = 4  # fixed-shape caches (batch x capacity) an Engine keeps for later replies of the same shape
 
 
@@ -389,6 +409,8 @@ class Engine:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self._compiled_step = torch.compile(step, mode="reduce-overhead" if cuda else None, dynamic=False)
         mark = torch.compiler.cudagraph_mark_step_begin if cache.pos_t.device.type == "cuda" else (lambda: None)
+        if cache.pos_t.device.type == "cuda":
+            prepare_thread_for_cuda_graphs()  # the thread that iterates generate() runs the steps
 
         checked = []
 

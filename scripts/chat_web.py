@@ -238,7 +238,8 @@ def main(argv=None):
     if warning:
         logger.warning(warning)
     logger.info(f"chat UI at http://{args.host}:{args.port}/  OpenAI API at http://{args.host}:{args.port}/v1" + (" (API key required)" if api_key else ""))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **server_options())
+    admitted = len(workers) * (args.max_batch if args.batching else 1) + args.max_queue  # generating + waiting
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **server_options(admitted=admitted))
 
 
 if __name__ == "__main__":

@@ -27,13 +27,17 @@ logger = logging.getLogger("nanochat.serving")
 
 BODY_READ_TIMEOUT_S = 10.0  # a request body (at most 1 MB) must arrive within this: a stalled client gets a 408
 MAX_CONNECTIONS = 256  # open connections (and requests in flight) beyond this get a 503 (uvicorn's limit_concurrency)
+CONNECTION_HEADROOM = 64  # connections beyond the requests a server admits: /health, /stats, the page, a 429's retry
 
 UI_PATH = Path(__file__).resolve().parent / "ui.html"
 
 
-def server_options(max_connections=MAX_CONNECTIONS):
-    """uvicorn's settings for this server (chat_web passes them to uvicorn.run; the tests serve with them too)."""
-    return {"limit_concurrency": max_connections}
+def server_options(max_connections=MAX_CONNECTIONS, admitted=0):
+    """uvicorn's settings for this server (chat_web passes them to uvicorn.run; the tests serve with them too). The
+    connection cap is at least the requests the pool admits (`admitted`: generating plus queued) and some headroom:
+    a request the pool would take must not get a 503 at the socket first (at --max_batch=256 a fixed cap of 256
+    refused clients of a 256-client load)."""
+    return {"limit_concurrency": max(max_connections, admitted + CONNECTION_HEADROOM) if admitted else max_connections}
 
 
 def sse(obj):
@@ -106,6 +110,10 @@ def create_app(
                                            batch_invariant=batch_invariant)
             for w in workers:
                 logger.info(f"worker {w.gpu_id}: continuous batching, {w.scheduler.describe()}")
+            await asyncio.to_thread(pool.wait_warm)  # not ready (nor listening) before the decode step is compiled
+            for w in workers:
+                if w.scheduler.compiled:
+                    logger.info(f"worker {w.gpu_id}: decode step compiled at every bucket in {w.scheduler.warm_s:.1f} s")
         else:
             pool = WorkerPool(workers, max_queue=max_queue)
         state["pool"] = pool

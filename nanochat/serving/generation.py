@@ -223,7 +223,7 @@ async def _start_batched(pool, request, prompt, params):
 
 
 async def _start_on_worker(pool, request, prompt, params):
-    """Wait for a free worker, then run Engine.generate on it in a thread of its own."""
+    """Wait for a free worker, then run Engine.generate on the worker's generation thread."""
     worker = await pool.acquire(request)
     if worker is None:
         return None
@@ -244,7 +244,7 @@ async def _start_on_worker(pool, request, prompt, params):
                       top_k=params["top_k"] or None, top_p=params["top_p"], seed=_seed(params))
 
     def work():
-        # Runs in its own thread so the event loop keeps serving other clients during forward passes.
+        # Runs on the worker's thread so the event loop keeps serving other clients during forward passes.
         t0, steps = time.perf_counter(), 0
         try:
             with worker.autocast():
@@ -269,5 +269,5 @@ async def _start_on_worker(pool, request, prompt, params):
             except RuntimeError:
                 pass
 
-    threading.Thread(target=work, name=f"nanochat-gen-{worker.gpu_id}", daemon=True).start()
+    worker.run_in_thread(work)
     return worker, bridge, stop.set

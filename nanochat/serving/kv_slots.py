@@ -195,11 +195,11 @@ class PrefillView:
         end = self.start + T
         if end > self.pool.slot_len:
             raise ValueError(f"a prefill to {end} tokens overflows the slot of {self.pool.slot_len}")
-        kv = self.pool.layers[layer_idx]
-        kv[0, self.row, :, self.start:end] = k[0]
-        kv[1, self.row, :, self.start:end] = v[0]
+        keys, values = self.pool.layers[layer_idx]
+        keys[self.row, :, self.start:end] = k[0]
+        values[self.row, :, self.start:end] = v[0]
         r = self.row
-        return kv[0, r:r + 1, :, :end], kv[1, r:r + 1, :, :end]
+        return keys[r:r + 1, :, :end], values[r:r + 1, :, :end]
 
 
 def blockwise_attention(q, k, v, mask, span):
@@ -301,11 +301,11 @@ class DecodeView:
         self.one_thread = torch.get_num_threads() == 1  # here, not in the compiled step (a graph break there)
 
     def insert_kv(self, layer_idx, k, v):
-        kv = self.pool.layers[layer_idx]
-        kv[0, self.rows, :, self.column] = k[:, :, 0]
-        kv[1, self.rows, :, self.column] = v[:, :, 0]
+        keys, values = self.pool.layers[layer_idx]
+        keys[self.rows, :, self.column] = k[:, :, 0]
+        values[self.rows, :, self.column] = v[:, :, 0]
         B = self.rows.size(0)
-        return kv[0, :B], kv[1, :B]
+        return keys[:B], values[:B]
 
     def attend(self, layer_idx, q, k, v, window=None):
         mask = self.mask if window is None else self.window_masks[window]  # window: the layer's sliding window
@@ -327,33 +327,38 @@ class DecodeView:
 class SlotPool:
     """
     `rows` slots of slot_len positions for every layer, plus a scratch column, rounded up to whole ATTN_BLOCKs: per
-    layer one tensor (2, rows, heads, columns, dim), zeroed (a masked position still enters attention's sums as
-    0 * value, and uninitialised memory may hold NaN). One tensor per layer, not views of one: a compiled step writes
-    graph inputs in place, and writes through views of one tensor made inductor copy the whole cache back every step
-    (see KVCache.start_fixed_shape).
+    layer a pair of tensors (keys, values), each (rows, heads, columns, dim), zeroed (a masked position still enters
+    attention's sums as 0 * value, and uninitialised memory may hold NaN). Two tensors per layer, not views of one: a
+    compiled step writes graph inputs in place only when it writes the input itself; a write through a view (keys and
+    values as kv[0] and kv[1] of one (2, ...) tensor, or layers as slices of one tensor) made inductor copy the whole
+    tensor into a new buffer and back every step: on an H100 at d20 and 256 rows, 1000 MiB a layer, out of memory
+    (see also KVCache.start_fixed_shape; tests/unit/test_scheduler.py reads the compiled code).
     """
 
     def __init__(self, num_layers, kv_heads, head_dim, rows, slot_len, dtype, device):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.rows, self.slot_len, self.dtype, self.device = rows, slot_len, dtype, torch.device(device)
         self.columns = -(-(slot_len + 1) // ATTN_BLOCK) * ATTN_BLOCK
-        shape = (2, rows, kv_heads, self.columns, head_dim)
-        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (rows, kv_heads, self.columns, head_dim)
+        self.layers = [tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)) for _ in range(num_layers)]
 
     @property
     def scratch(self):
         return self.columns - 1
 
+    def tensors(self):
+        return [t for pair in self.layers for t in pair]
+
     def nbytes(self):
-        return sum(t.numel() * t.element_size() for t in self.layers)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def prefill_view(self, row, start, prev_id=None):
         return PrefillView(self, row, start, prev_id)
 
     def copy_prefix(self, src, dst, n):
         """The first n positions of slot src into slot dst (a request's extra samples start from its prompt)."""
-        for kv in self.layers:
-            kv[:, dst, :, :n] = kv[:, src, :, :n]
+        for t in self.tensors():
+            t[dst, :, :n] = t[src, :, :n]
 
 
 class PrefixCache:
@@ -416,9 +421,10 @@ class PrefixCache:
         if n == 0:
             return 0
         index = torch.tensor(blocks, device=self.pool.device)
-        for store, kv in zip(self.layers, self.pool.layers):
+        for store, pair in zip(self.layers, self.pool.layers):
             got = store[:, index].transpose(1, 2).reshape(2, self.pool.kv_heads, len(blocks) * BLOCK, self.pool.head_dim)
-            kv[:, row, :, :n] = got[:, :, :n]
+            for i, t in enumerate(pair):  # keys, values
+                t[row, :, :n] = got[i, :, :n]
         self.hits += 1
         self.hit_tokens += n
         return n
@@ -445,9 +451,10 @@ class PrefixCache:
         src = torch.tensor([b for b, _ in new], device=self.pool.device)
         dst = torch.tensor([block for _, block in new], device=self.pool.device)
         H, D = self.pool.kv_heads, self.pool.head_dim
-        for store, kv in zip(self.layers, self.pool.layers):
-            blocks = kv[:, row, :, : n_blocks * BLOCK].reshape(2, H, n_blocks, BLOCK, D).transpose(1, 2)
-            store[:, dst] = blocks[:, src]
+        for store, pair in zip(self.layers, self.pool.layers):
+            for i, t in enumerate(pair):  # keys, values
+                blocks = t[row, :, : n_blocks * BLOCK].reshape(H, n_blocks, BLOCK, D).transpose(0, 1)
+                store[i, dst] = blocks[src]
 
     def stats(self):
         return {

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.engine import RowState, check_generation_args, sample_next_token
+from nanochat.engine import RowState, check_generation_args, prepare_thread_for_cuda_graphs, sample_next_token
 from nanochat.serving.kv_slots import (ATTN_BLOCK, BLOCK, DecodeView, PrefixCache, SlotPool, decode_buckets, decode_sizes,
                                        kv_bytes_per_token, plan_kv)
 
@@ -202,6 +202,8 @@ class Scheduler:
         self._thread = None
         self._wake = threading.Condition()
         self._stop = False
+        self.warmed = threading.Event()  # set by the serving thread once warm_up is over (start)
+        self.warm_s = 0.0
 
     # ------------------------------------------------------------------ submitting
 
@@ -390,7 +392,7 @@ class Scheduler:
         if not self.compiled:
             return self.model(view.ids, kv_cache=view)[:, -1, :]
         if self._step_fn is None:
-            for t in self.pool.layers:
+            for t in self.pool.tensors():
                 torch._dynamo.mark_static_address(t)
             for v in self.views.values():
                 for t in v.tensors():
@@ -406,6 +408,7 @@ class Scheduler:
             cuda = self.device.type == "cuda"
             self._step_fn = torch.compile(step, mode="reduce-overhead" if cuda else None, dynamic=None)
         if self.device.type == "cuda":
+            prepare_thread_for_cuda_graphs()  # whichever thread steps (the server's scheduler thread, generate_many's)
             torch.compiler.cudagraph_mark_step_begin()
         if view.batch in self._checked:  # this bucket's guards held once: skip re-checking them every step
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
@@ -462,8 +465,8 @@ class Scheduler:
             if row.request.state != "decode":
                 continue
             dst = self.free_slots.pop()
-            for kv in self.pool.layers:
-                kv[:, dst, :, : row.length] = kv[:, slot, :, : row.length]
+            for t in self.pool.tensors():
+                t[dst, :, : row.length] = t[slot, :, : row.length]
             self.slots[dst], self.slots[slot] = row, None
             row.slot = dst
             self.free_slots.append(slot)
@@ -509,8 +512,31 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the serving thread
 
+    @torch.inference_mode()
+    def warm_up(self):
+        """
+        Compile the decode step and, on CUDA, record its CUDA graph at every bucket now, on the thread that will
+        step (CUDA graphs belong to the thread that records them): otherwise the first requests wait for both
+        compiles (~35-40 s each at d20 on an H100, measured) and later ones for a graph at each new bucket. Each
+        bucket runs twice, all of its rows fillers (they write only the scratch column): CUDA graph trees run a new
+        graph once before they record it. Returns the seconds it took; nothing to do when the step is eager.
+        """
+        if not self.compiled:
+            return 0.0
+        t0 = time.perf_counter()
+        with self.autocast():
+            for _ in range(2):
+                for b in self.buckets:
+                    view = self.views[b]
+                    view.set_step([0] * b, [None] * b, [-1] * b)
+                    self._forward(view)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
     def start(self):
-        """Step on a daemon thread whenever there is work (the chat server's one scheduler per replica)."""
+        """Step on a daemon thread whenever there is work (the chat server's one scheduler per replica), after
+        warm_up on that thread; `warmed` is set when the warm-up is over."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=f"nanochat-scheduler-{self.name}", daemon=True)
             self._thread.start()
@@ -525,6 +551,12 @@ class Scheduler:
             self._thread = None
 
     def _loop(self):
+        try:
+            self.warm_s = self.warm_up()
+        except Exception:  # the step compiles on first use instead, and reports its own errors then
+            logger.exception(f"scheduler {self.name}: warming up the compiled decode step failed")
+        finally:
+            self.warmed.set()
         while not self._stop:
             with self._wake:
                 while not self._stop and not (self.inbox or self.waiting or self.requests):

@@ -9,11 +9,16 @@ The chat server's model replicas and how requests reach them. A Worker is one En
 """
 
 import asyncio
+import logging
+import queue
+import threading
 from contextlib import nullcontext
 
 import torch
 
 from nanochat.serving.schema import RequestError
+
+logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.1  # how often a waiting request checks whether its client is still there
 RETRY_AFTER_S = 2  # the Retry-After of a 429 when the queue is full: about one short reply's time
@@ -36,6 +41,25 @@ class Worker:
         self.errors = 0
         self.scheduler = None  # set by a BatchingPool
         self.mailbox = None  # the wake-ups of its requests' streams (nanochat/serving/generation.py), per event loop
+        self._jobs = None  # the queue of its generation thread (run_in_thread), started on first use
+
+    def run_in_thread(self, fn):
+        """Run fn() on this worker's generation thread: one long-lived thread per worker, not one per request, since
+        a compiled CUDA step records its CUDA graphs per thread (prepare_thread_for_cuda_graphs in engine.py): a
+        thread per reply would record them again for every reply. A WorkerPool gives a worker one request at a
+        time, so the jobs never wait behind each other."""
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve_jobs, name=f"nanochat-gen-{self.gpu_id}", daemon=True).start()
+        self._jobs.put(fn)
+
+    def _serve_jobs(self):
+        while True:
+            fn = self._jobs.get()
+            try:
+                fn()
+            except BaseException:  # fn reports its own failures; this thread must outlive any of them
+                logger.exception(f"worker {self.gpu_id}: a generation job failed")
 
     def autocast(self):
         if self.device.type == "cuda" and self.dtype != torch.float32:
@@ -182,6 +206,11 @@ class BatchingPool(Admission):
                                     log_requests=True, **scheduler_options)
             w.scheduler.start()
         self.running_limit = sum(w.scheduler.max_batch for w in self.workers)
+
+    def wait_warm(self):
+        """Block until every scheduler's warm-up (a compiled decode step's compiles and CUDA graphs) is over."""
+        for w in self.workers:
+            w.scheduler.warmed.wait()
 
     def close(self):
         for w in self.workers:

@@ -658,6 +658,56 @@ def test_worker_error_is_reported_and_the_worker_stays_usable(tok, model):
         assert stats["workers"][0]["errors"] == 3 and stats["available_workers"] == 1
 
 
+def test_the_server_listens_only_after_every_scheduler_warmed_up(tok, model, monkeypatch):
+    """Each replica's scheduler compiles its decode step (every bucket, CUDA graphs on a GPU) on its own thread
+    before the server takes requests: the first users do not wait for the compiles (~40 s each at d20)."""
+    from nanochat.serving.scheduler import Scheduler
+
+    seen = []
+
+    def slow_warm_up(self):
+        seen.append(threading.current_thread().name)
+        time.sleep(0.5)
+        seen.append(time.monotonic())
+        return 0.5
+
+    monkeypatch.setattr(Scheduler, "warm_up", slow_warm_up)
+    app = create_app([Worker(Engine(model, tok), gpu_id=i) for i in range(2)], api_key=None, max_batch=4)
+    with ServerThread(app) as s:
+        listening = time.monotonic()
+        assert httpx.get(s.base_url + "/health").json()["ready"]
+        assert sse_events(post_chat(s.base_url, {"messages": msgs("hi"), "max_tokens": 2}).text)[-1] == '{"done": true}'
+    assert sorted(x for x in seen if isinstance(x, str)) == ["nanochat-scheduler-0", "nanochat-scheduler-1"]
+    assert all(t < listening for t in seen if isinstance(t, float))
+
+
+class ThreadRecording(FlakyModel):
+    """Wraps a model; keeps the thread of every forward."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.threads = []
+
+    def forward(self, idx, kv_cache=None):
+        self.threads.append(threading.current_thread())  # the object: an ended thread's ident may be reused
+        return super().forward(idx, kv_cache=kv_cache)
+
+
+def test_one_request_per_worker_generates_on_one_thread_per_worker(tok, model):
+    """--batching=0: every reply of a worker runs on that worker's one generation thread, not a thread per reply
+    (a compiled CUDA step records its CUDA graphs per thread; on torch 2.11 a step on a new thread failed)."""
+    recorded = [ThreadRecording(model), ThreadRecording(model)]
+    app = create_app([Worker(Engine(m, tok), gpu_id=i) for i, m in enumerate(recorded)], api_key=None, batching=False)
+    with ServerThread(app) as s:
+        for i in range(6):
+            body = {"messages": msgs(f"question {i}"), "max_tokens": 3}
+            assert sse_events(post_chat(s.base_url, body).text)[-1] == '{"done": true}'
+    assert all(m.threads for m in recorded), "both workers served some of the six replies"
+    threads = [set(m.threads) for m in recorded]
+    assert [len(t) for t in threads] == [1, 1] and threads[0] != threads[1]
+    assert threading.current_thread() not in threads[0] | threads[1]
+
+
 def test_workers_from_a_factory_and_several_workers(tok, model):
     # two replicas: two requests run at the same time, each reported with its worker's gpu id
     scripted = [ScriptedModel(tok.get_vocab_size(), [], tok.encode(" a")[0], delay=0.05) for _ in range(2)]
@@ -991,6 +1041,23 @@ def test_connections_beyond_the_cap_get_a_503_until_some_close(tok, model):
                 sock.close()
         wait_for(lambda: httpx.get(s.base_url + "/health").status_code == 200)
         assert post_chat(s.base_url, {"model": "nanochat", "messages": msgs("hi")}, "/v1/chat/completions").status_code == 200
+
+
+def test_the_connection_cap_admits_every_request_the_pool_admits(tok, model):
+    """chat_web raises the connection cap to the requests its pool admits (max_batch + max_queue) plus headroom:
+    24 simultaneous streams against a cap of 8 and a pool that takes 8 + 16 all get their reply, none a 503 (an
+    H100 run at --max_batch=256 had 256 clients refused by the fixed cap of 256)."""
+    app = create_app([Worker(Engine(model, tok))], api_key=None, max_tokens=3, max_batch=8, max_queue=16)
+    with ServerThread(app, **server_options(max_connections=8, admitted=8 + 16)) as s:
+        async def one(client, i):
+            async with client.stream("POST", "/chat/completions", json={"messages": msgs(f"q{i}")}) as r:
+                return r.status_code, sse_events((await r.aread()).decode())[-1:]
+
+        async def main():
+            async with httpx.AsyncClient(base_url=s.base_url, timeout=120, limits=httpx.Limits(max_connections=64)) as c:
+                return await asyncio.gather(*[one(c, i) for i in range(24)])
+
+        assert asyncio.run(main()) == [(200, ['{"done": true}'])] * 24
 
 
 def test_the_record_model_is_served_batched(tok):

@@ -468,3 +468,32 @@ def test_fixed_shape_step_equals_the_sliced_step_whatever_the_unfilled_slots_hol
             assert torch.isfinite(b).all()
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
         assert fixed.get_pos() == eager.get_pos() and fixed.pos_t.item() == eager.get_pos()
+
+
+def test_a_new_thread_gets_its_own_cuda_graph_state():
+    """prepare_thread_for_cuda_graphs: a thread other than the one that imported CUDA graph trees has no state for
+    them (torch 2.11's cudagraph_trees.get_obj then asserts, as a chat_web worker thread did on an H100); after the
+    call it has its own, found where get_obj looks (the thread-local and the TLS stash), and a second call keeps it."""
+    import threading
+
+    from torch._inductor import cudagraph_trees as trees
+
+    from nanochat.engine import prepare_thread_for_cuda_graphs
+
+    main = trees.get_obj(trees.local, "tree_manager_containers")
+    seen = {}
+
+    def probe():
+        seen["before"] = hasattr(trees.local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers")
+        prepare_thread_for_cuda_graphs()
+        first = trees.local.tree_manager_containers
+        prepare_thread_for_cuda_graphs()
+        seen["kept"] = trees.local.tree_manager_containers is first
+        seen["stashed"] = torch._C._get_obj_in_tls("tree_manager_containers") is first
+        seen["locks"] = torch._C._is_key_in_tls("tree_manager_locks")
+        seen["own"] = first is not main
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    assert seen == {"before": False, "kept": True, "stashed": True, "locks": True, "own": True}

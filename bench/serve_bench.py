@@ -215,6 +215,12 @@ def lengths(spec, n, seed):
     return [rng.choice(choices) for _ in range(n)]
 
 
+def extremes(spec):
+    """The smallest, middle and largest of a lengths spec ("lo-hi" or "a,b,c")."""
+    xs = [int(x) for x in str(spec).replace("-", ",").split(",")]
+    return min(xs), (min(xs) + max(xs)) // 2, max(xs)
+
+
 def message_pool(tokenizer, sizes, seed):
     """A user message of each size in tokens: WikiText excerpts from seeded positions."""
     path = next(p for p in TEXTS if p.exists())
@@ -368,8 +374,19 @@ def main(argv=None):
     try:
         for s in servers.values():
             s.wait_ready(args.startup_timeout)
-        for s in servers.values():  # warm-up: first forwards, allocations, compiled steps of the small buckets
-            asyncio.run(load_level(s.url, 4, pool, 1, [8], first=len(pool) - 4))
+        # warm-up, every server at once (compiling is CPU-bound work the host's cores do side by side): first
+        # forwards and allocations, and on a GPU the one-request server's compiled step, one graph per cache size
+        # (a power of two of prompt + max_tokens), which it would otherwise compile inside the levels' timings:
+        # the shortest, middle and longest prompts, each with the shortest and longest reply, two at a time (the
+        # batching servers compiled every bucket before they said ready)
+        p_lo, p_mid, p_hi = extremes(args.prompt_tokens)
+        t_lo, _, t_hi = extremes(args.max_tokens)
+        warm_msgs = message_pool(tokenizer, [p_lo, p_lo, p_mid, p_mid, p_hi, p_hi], seed=3)
+
+        async def warm_up():
+            await asyncio.gather(*[load_level(s.url, 2, warm_msgs, 3, [t_lo, t_hi]) for s in servers.values()])
+
+        asyncio.run(warm_up())
         first = 0
         for i, c in enumerate(levels):
             names = ["batching"] + (["one per worker"] if args.baseline and (not args.baseline_up_to or c <= args.baseline_up_to) else [])

@@ -245,6 +245,43 @@ def sample_next_token(logits, rng, temperature=1.0, top_k=None, top_p=None):
     return choice if idx is None else idx.gather(-1, choice)
 
 
+def sample_rows(logits, uniforms, temperature, top_k, top_p):
+    """
+    One token per row of logits (R, V) -> (R,) long, each row with its own temperature (> 0), top_k (None: all) and
+    top_p (None or 1.0: all), drawn by inverse transform from uniforms (R,) in [0, 1): the first token, in vocabulary
+    order, at which the cumulative probability passes u. Every operation is row by row and the order is the
+    vocabulary's, never a sort's (whose order of equal logits may vary), so a row's token is a function of its
+    logits, settings and u alone: the rows of many requests, each drawing u from its own generator, are sampled in
+    one batch of kernels and one host sync, and a seeded request gets the same tokens whatever its neighbours (the
+    continuous-batching scheduler; sample_next_token draws one request's rows with torch.multinomial). The filters
+    are sample_next_token's, as thresholds: top_k keeps the tokens at least as likely as the k-th, top_p the most
+    likely ones until their mass reaches p (with equal logits at the edge, all of them: ties are kept together).
+    """
+    R, V = logits.shape
+    device = logits.device
+    x = logits.float() / torch.tensor(temperature, dtype=torch.float32).to(device).view(R, 1)
+    ks = [k if k is not None and 0 < k < V else V for k in top_k]
+    if min(ks) < V:  # each row's k-th largest logit, from one topk of the largest k asked for
+        kmax = max(k for k in ks if k < V)
+        kth = torch.topk(x, kmax, dim=-1).values.gather(-1, (torch.tensor(ks).clamp(max=kmax) - 1).to(device).view(R, 1))
+        kth = kth.masked_fill(torch.tensor(ks).to(device).view(R, 1) >= V, float("-inf"))  # rows keeping every token
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = x.softmax(dim=-1)
+    ps = [1.0 if p is None else p for p in top_p]
+    if min(ps) < 1.0:  # the smallest probability each row keeps: its nucleus, found on the sorted values
+        rows = torch.tensor([i for i, p in enumerate(ps) if p < 1.0], device=device)
+        k = max(ks[i] for i, p in enumerate(ps) if p < 1.0)  # beyond a row's k its probabilities are 0 already
+        desc = torch.topk(probs[rows], k, dim=-1).values if k < V else probs[rows].sort(dim=-1, descending=True).values
+        p = torch.tensor([p for p in ps if p < 1.0], dtype=torch.float32).to(device).view(-1, 1)
+        keep = ((desc.cumsum(dim=-1) - desc) < p).sum(dim=-1, keepdim=True)  # >= 1: the most likely always stays
+        floor = torch.zeros(R, 1, device=device).index_copy(0, rows, desc.gather(-1, keep - 1))
+        probs = probs.masked_fill(probs < floor, 0.0)
+    cdf = probs.cumsum(dim=-1)
+    choice = (cdf <= uniforms.to(device, torch.float32).view(R, 1) * cdf[:, -1:]).sum(dim=-1)
+    # u * total rounding up to the total would step past the last token: take the most likely one instead
+    return torch.where(choice < V, choice, probs.argmax(dim=-1))
+
+
 # -----------------------------------------------------------------------------
 # Streaming text
 

@@ -21,7 +21,8 @@ Every step, in order:
    bounded amount, while new requests get their first token soon. A prompt's last chunk gives its
    first token(s); a request sampling n completions copies its prompt's keys/values into its other n - 1 slots.
 4. One decode step for every sequence that is generating, whatever request it belongs to. Each request keeps its own
-   temperature, top_k, top_p, seed (its own torch.Generator: its samples never depend on its neighbours), max_tokens,
+   temperature, top_k, top_p, seed (its own random.Random: a uniform per sampled row, so its samples never depend on
+   its neighbours, while every row of the step is sampled in one batch, engine.sample_rows), max_tokens,
    stop tokens and calculator state (the Engine's RowState). A sequence that stops leaves at once; its keys/values go
    to the prefix cache and its slot is free for the next step.
 
@@ -47,6 +48,7 @@ its smear each row's previous token id (`prev_ids`), so a row carries no model s
 
 import itertools
 import logging
+import random
 import threading
 import time
 from collections import deque
@@ -55,7 +57,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.engine import RowState, check_generation_args, prepare_thread_for_cuda_graphs, sample_next_token
+from nanochat.engine import (GREEDY_BELOW, RowState, check_generation_args, prepare_thread_for_cuda_graphs,
+                             sample_rows)
 from nanochat.serving.kv_slots import (ATTN_BLOCK, BLOCK, DecodeView, PrefixCache, SlotPool, decode_buckets, decode_sizes,
                                        kv_bytes_per_token, plan_kv)
 
@@ -273,8 +276,7 @@ class Scheduler:
             request.rows = [Row(request, i, self.free_slots.pop()) for i in range(n)]
             for row in request.rows:
                 self.slots[row.slot] = row
-            request.rng = torch.Generator(device=self.device)
-            request.rng.manual_seed(request.seed)
+            request.rng = random.Random(request.seed)  # each sampled row's uniform for sample_rows, on the host
             request.state = "prefill"
             self.requests[request.id] = request
             if self.prefix is not None:  # keep >= 1 prompt token to prefill: its logits give the first token
@@ -320,11 +322,33 @@ class Scheduler:
             row.limit = room if request.max_tokens is None else min(request.max_tokens, room)
         if self.prefix is not None:
             self.prefix.save(request.prompt, first.slot)
-        n = request.num_samples
-        tokens = sample_next_token(logits.expand(n, -1), request.rng, request.temperature, request.top_k, request.top_p)
+        tokens = self._sample(logits.expand(request.num_samples, -1), [request] * request.num_samples)
         request.state = "decode"
         request.first_token_at = time.perf_counter()
-        self._advance(request, list(zip(request.rows, tokens[:, 0].tolist())))
+        self._advance(request, list(zip(request.rows, tokens)))
+
+    @staticmethod
+    def _sample(logits, owners):
+        """One token per row of logits (R, V), row i for request owners[i] with its settings: the greedy rows in one
+        argmax, the others in one sample_rows with a uniform each from its request's generator (drawn in row order,
+        so a request's samples depend on its own rows alone); one host sync for all."""
+        greedy = [i for i, q in enumerate(owners) if q.temperature < GREEDY_BELOW]
+        drawn = [i for i, q in enumerate(owners) if q.temperature >= GREEDY_BELOW]
+        parts = []
+        if greedy:
+            index = torch.tensor(greedy, device=logits.device) if len(greedy) < len(owners) else None
+            parts.append((logits if index is None else logits[index]).argmax(dim=-1))
+        if drawn:
+            index = torch.tensor(drawn, device=logits.device) if len(drawn) < len(owners) else None
+            qs = [owners[i] for i in drawn]
+            u = torch.tensor([q.rng.random() for q in qs], dtype=torch.float64)
+            parts.append(sample_rows(logits if index is None else logits[index], u, [q.temperature for q in qs],
+                                     [q.top_k for q in qs], [q.top_p for q in qs]))
+        chosen = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+        out = [0] * len(owners)
+        for i, token in zip(greedy + drawn, chosen):
+            out[i] = token
+        return out
 
     def _decode(self):
         rows = [r for r in self.slots if r is not None and r.request.state == "decode"]
@@ -356,24 +380,13 @@ class Scheduler:
             r.length += 1
         self.decode_steps += 1
         self.decoded_rows += len(rows)
-        # sampling: the greedy rows of every request in one argmax, the others per request with its own generator
-        chosen = {}
-        greedy = [r for r in rows if r.request.temperature < 1e-5]
-        if greedy:
-            index = torch.tensor([r.slot for r in greedy], device=logits.device)
-            chosen.update(zip((r.slot for r in greedy), logits[index].argmax(dim=-1).tolist()))
+        # sampling: every row of every request at once (_sample), each row from its slot's logits
+        rows.sort(key=lambda r: (r.request.id, r.index))  # a request's rows draw their uniforms in row order
+        index = torch.tensor([r.slot for r in rows], device=logits.device)
+        tokens = self._sample(logits[index], [r.request for r in rows])
         by_request = {}
-        for r in rows:
-            if r.slot not in chosen:
-                by_request.setdefault(r.request.id, []).append(r)
-        for group in by_request.values():
-            q = group[0].request
-            index = torch.tensor([r.slot for r in group], device=logits.device)
-            picked = sample_next_token(logits[index], q.rng, q.temperature, q.top_k, q.top_p)
-            chosen.update(zip((r.slot for r in group), picked[:, 0].tolist()))
-        by_request = {}
-        for r in rows:
-            by_request.setdefault(r.request.id, []).append((r, chosen[r.slot]))
+        for r, token in zip(rows, tokens):
+            by_request.setdefault(r.request.id, []).append((r, token))
         for pairs in by_request.values():
             self._advance(pairs[0][0].request, pairs)
 

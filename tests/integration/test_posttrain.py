@@ -363,8 +363,13 @@ def test_sft_and_rl_two_ranks_match_one_process(chat_env, capsys, monkeypatch):
         assert "returned a view tensor" not in proc.stderr  # FSDP2's warning: the per-token loss is not a view
         for key in keys:
             assert_same_series(got[key], single[key], abs=1e-5 if key == "train/loss" else 1e-9)
+        # within float noise of how far the step moved each tensor: AdamW divides an embedding row's gradient by its
+        # own magnitude, so a rarely seen token's row turns the reduction order's ~1e-9 into ~1e-6 (measured under
+        # FSDP: wte 3.8e-6 of a 0.035 move, 1.1e-4 of it; every other tensor <= 1.5e-8); a lost or doubled gradient
+        # would be off by the whole move
         for k in single_model:
-            assert torch.allclose(model[k], single_model[k], atol=1e-6), (extra, k)
+            moved = (single_model[k] - sft_model[k]).abs().max().item()
+            assert torch.allclose(model[k], single_model[k], rtol=0, atol=1e-6 + 1e-3 * moved), (extra, k)
 
 
 @pytest.mark.slow  # each stage runs three times

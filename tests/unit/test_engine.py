@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chat_fixtures import ScriptedModel, greedy_by_recompute, tiny_model, tiny_tokenizer
-from nanochat.engine import Engine, KVCache, sample_next_token
+from nanochat.engine import Engine, KVCache, sample_next_token, sample_rows
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +192,55 @@ def test_sample_next_token_leaves_logits_untouched():
     out = sample_next_token(logits, rng, temperature=0.7, top_k=3, top_p=0.9)
     assert out.shape == (3, 1) and out.dtype == torch.long
     assert torch.equal(logits, before)
+
+
+def reference_probs(logits, temperature, top_k, top_p):
+    """The distribution sample_next_token draws from, over the whole vocabulary (written out plainly)."""
+    x = logits.double() / temperature
+    if top_k:
+        x = x.masked_fill(x < torch.topk(x, top_k).values[-1], float("-inf"))
+    probs = x.softmax(-1)
+    if top_p is not None and top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        drop = order[(sorted_p.cumsum(0) - sorted_p) >= top_p]
+        probs[drop] = 0
+        probs /= probs.sum()
+    return probs
+
+
+@pytest.mark.parametrize("settings", [(1.0, None, None), (0.7, 5, None), (1.5, None, 0.8), (1.2, 20, 0.6)])
+def test_sample_rows_draws_each_token_with_its_probability(settings):
+    """Inverse transform: over N evenly spaced uniforms, each token is drawn N x its probability times (+-1), with
+    the temperature, top_k and top_p of sample_next_token; nothing outside the kept set is ever drawn."""
+    temperature, top_k, top_p = settings
+    torch.manual_seed(0)
+    logits = torch.randn(64) * 2
+    N = 4000
+    u = (torch.arange(N, dtype=torch.float64) + 0.5) / N
+    got = sample_rows(logits.expand(N, -1), u, [temperature] * N, [top_k] * N, [top_p] * N)
+    counts = torch.bincount(got, minlength=64).double()
+    expected = reference_probs(logits, temperature, top_k, top_p) * N
+    assert (counts - expected).abs().max() <= 1.0 + 1e-6, (counts - expected).abs().max()
+    assert counts[expected == 0].sum() == 0
+
+
+def test_sample_rows_gives_a_row_its_token_whatever_the_other_rows():
+    """Each row alone == the same row in a batch of rows with other settings, with many equal logits (bf16 logits
+    have them; a sort may order them differently in another batch): the scheduler's seeded requests never depend
+    on their neighbours. A uniform that rounds up to 1 takes the most likely token, never a dropped one."""
+    torch.manual_seed(1)
+    settings = [(1.0, None, None), (0.5, 3, None), (1.3, None, 0.9), (0.9, 50, 0.5), (2.0, 99, None), (1.0, 1, None),
+                (0.8, None, 0.3)]
+    tied = (torch.randn(7, 100) * 3).round()
+    for trial in range(20):
+        u = torch.rand(7, dtype=torch.float64)
+        together = sample_rows(tied, u, *[list(x) for x in zip(*settings)])
+        for i, (t, k, p) in enumerate(settings):
+            assert sample_rows(tied[i:i + 1], u[i:i + 1], [t], [k], [p]).item() == together[i].item(), (trial, i)
+    logits = torch.randn(7, 100) * 3
+    last = sample_rows(logits, torch.full((7,), 1 - 1e-12, dtype=torch.float64), *[list(x) for x in zip(*settings)])
+    for i, (t, k, p) in enumerate(settings):
+        assert reference_probs(logits[i], t, k, p)[last[i]] > 0, i
 
 
 def test_a_vanishing_temperature_is_greedy_not_nan():

@@ -9,7 +9,8 @@ one-request-per-worker server (--batching=0, the server before issue 30), same m
 The model is random-init at --depth (nanochat's shapes; speed does not depend on the weights' values) saved as an
 SFT checkpoint in a temporary base dir, or an existing checkpoint (--source). Each server is a subprocess on a free
 local port; the clients are asyncio httpx streams in this process, each a closed loop: send, read the stream to the
-end, send the next (--requests_per_client each), prompts of mixed lengths (--prompt_tokens), greedy, --max_tokens.
+end, send the next (--requests_per_client each), prompts of mixed lengths (--prompt_tokens), greedy (or sampled:
+--temperature, --top_k, each request its own seed), --max_tokens.
 
 Measured per server and concurrency:
 - aggregate output tok/s: completion tokens (the usage the server reports) / wall time of the level. The level
@@ -66,6 +67,9 @@ FLAGS = Flags(
     Flag("prompt_tokens", "8-128", "user message lengths in tokens: lo-hi (uniform) or a comma list (seeded)"),
     Flag("max_tokens", "16-80", "tokens per reply, lo-hi or a comma list (seeded; greedy, a reply may stop earlier "
          "at <|assistant_end|>): varied lengths keep closed-loop clients from arriving in lockstep"),
+    Flag("temperature", 0.0, "sampling temperature of the load's requests (0: greedy; chat_web's default is 0.8, "
+         "top_k 50): sampled rows cost the server more per step than greedy ones"),
+    Flag("top_k", 50, "their top_k when sampling (0: off)"),
     Flag("baseline", True, "also measure the one-request-per-worker server (--batching=0)"),
     Flag("baseline_up_to", 0, "measure the baseline only up to this concurrency (0: every level)"),
     Flag("max_batch", 64, "the batching server's --max_batch"),
@@ -234,10 +238,11 @@ def message_pool(tokenizer, sizes, seed):
     return out
 
 
-async def chat(client, messages, max_tokens):
-    """One streamed /v1/chat/completions: (ttft_s, [chunk gap s], completion tokens, text, latency_s)."""
+async def chat(client, messages, max_tokens, sampling=None):
+    """One streamed /v1/chat/completions, greedy unless `sampling` (temperature, top_k, seed) says otherwise:
+    (ttft_s, [chunk gap s], completion tokens, text, latency_s)."""
     body = {"model": "nanochat", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(sampling or {})}
     t0 = time.perf_counter()
     arrivals, tokens, text = [], 0, []
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -266,9 +271,10 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-async def load_level(url, concurrency, messages, requests_per_client, max_tokens, first=0):
+async def load_level(url, concurrency, messages, requests_per_client, max_tokens, first=0, sampling=None):
     """`concurrency` closed-loop clients; request r of client c sends message and max_tokens number first + c*R + r
-    (each level its own messages: a prompt seen before would be a prefix-cache hit only the batching server gets)."""
+    (each level its own messages: a prompt seen before would be a prefix-cache hit only the batching server gets),
+    with `sampling` (chat's) and the request's number as its seed."""
     import httpx
 
     # a new connection per request: a kept-alive one may be closed by the server (uvicorn's keep-alive timeout) just
@@ -281,8 +287,9 @@ async def load_level(url, concurrency, messages, requests_per_client, max_tokens
             out = []
             for r in range(requests_per_client):
                 i = first + c * requests_per_client + r
+                seeded = dict(sampling, seed=i) if sampling else None
                 out.append((r, *await chat(client, [{"role": "user", "content": messages[i % len(messages)]}],
-                                           max_tokens[i % len(max_tokens)])))
+                                           max_tokens[i % len(max_tokens)], seeded)))
             if not busy:
                 busy["at"] = time.perf_counter()
                 busy["tokens"] = generated_tokens((await client.get("/stats")).json())
@@ -331,6 +338,8 @@ async def conversations(url, n, turns, messages, max_tokens, first=0):
 def main(argv=None):
     args = FLAGS.parse_args(argv)
     levels = [int(x) for x in str(args.concurrency).split(",")]
+    sampling = {"temperature": args.temperature, **({"top_k": args.top_k} if args.top_k else {})} \
+        if args.temperature > 0 else None
     convs = [int(x) for x in str(args.conversations).split(",")] if args.turns else []
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="serve_bench_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -392,7 +401,7 @@ def main(argv=None):
             names = ["batching"] + (["one per worker"] if args.baseline and (not args.baseline_up_to or c <= args.baseline_up_to) else [])
             per_client = max(args.requests_per_client, -(-args.min_requests // c))
             for name in (names if i % 2 == 0 else names[::-1]):  # alternate which server goes first
-                row = asyncio.run(load_level(servers[name].url, c, pool, per_client, max_tokens, first))
+                row = asyncio.run(load_level(servers[name].url, c, pool, per_client, max_tokens, first, sampling))
                 row["server"] = name
                 rows.append(row)
                 print(f"{name:>16} c={c:<4} {row['tok_s']:8.1f} tok/s ({row['busy_tok_s']:.1f} all busy)  "
@@ -417,6 +426,12 @@ def main(argv=None):
     report(args, model_desc, rows, turns, cache, load_before, load_after, work)
 
 
+def describe_sampling(args):
+    if args.temperature <= 0:
+        return "greedy"
+    return f"temperature {args.temperature}, top_k {args.top_k or 'off'}, a seed per request"
+
+
 def report(args, model_desc, rows, turns, cache, load_before, load_after, work):
     device = args.device_type or "auto"
     if torch.cuda.is_available() and device in ("cuda", "auto"):
@@ -427,7 +442,8 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work):
     threads = f"{args.threads} torch thread(s) per server" if args.threads else "torch's default threads"
     print(f"Serving, {model_desc} on {hw}, {threads}; {args.requests_per_client} requests per client (at least "
           f"{args.min_requests} per level), user "
-          f"messages of {args.prompt_tokens} tokens, replies of up to {args.max_tokens} tokens, greedy; batching "
+          f"messages of {args.prompt_tokens} tokens, replies of up to {args.max_tokens} tokens, "
+          f"{describe_sampling(args)}; batching "
           f"server --batch_invariant={args.batch_invariant}. "
           f"Load average {load_before[0]:.1f} before, {load_after[0]:.1f} after. Server logs: {work}")
     print()

@@ -248,38 +248,83 @@ def sample_next_token(logits, rng, temperature=1.0, top_k=None, top_p=None):
 def sample_rows(logits, uniforms, temperature, top_k, top_p):
     """
     One token per row of logits (R, V) -> (R,) long, each row with its own temperature (> 0), top_k (None: all) and
-    top_p (None or 1.0: all), drawn by inverse transform from uniforms (R,) in [0, 1): the first token, in vocabulary
-    order, at which the cumulative probability passes u. Every operation is row by row and the order is the
-    vocabulary's, never a sort's (whose order of equal logits may vary), so a row's token is a function of its
-    logits, settings and u alone: the rows of many requests, each drawing u from its own generator, are sampled in
-    one batch of kernels and one host sync, and a seeded request gets the same tokens whatever its neighbours (the
-    continuous-batching scheduler; sample_next_token draws one request's rows with torch.multinomial). The filters
-    are sample_next_token's, as thresholds: top_k keeps the tokens at least as likely as the k-th, top_p the most
-    likely ones until their mass reaches p (with equal logits at the edge, all of them: ties are kept together).
+    top_p (None or 1.0: all), drawn by inverse transform from uniforms (R,) in [0, 1): the candidates in a canonical
+    order, the first whose cumulative probability passes u. A row's token is a function of its logits, settings and
+    u alone (never of the other rows, nor of how a kernel orders equal logits), so the rows of many requests, each
+    drawing u from its own generator, are sampled in one batch and one host sync, and a seeded request gets the same
+    tokens whatever its neighbours (the continuous-batching scheduler; sample_next_token draws one request's rows
+    with torch.multinomial). The filters are sample_next_token's: top_k keeps the k most likely tokens (equal logits
+    at the k-th place: the lowest token ids), top_p the most likely ones until their mass reaches p. The rows fall in
+    up to three groups, each one batch: top_k (work on its candidates only), top_p alone (the vocabulary sorted), and
+    neither (the vocabulary in its own order).
     """
     R, V = logits.shape
     device = logits.device
-    x = logits.float() / torch.tensor(temperature, dtype=torch.float32).to(device).view(R, 1)
     ks = [k if k is not None and 0 < k < V else V for k in top_k]
-    if min(ks) < V:  # each row's k-th largest logit, from one topk of the largest k asked for
-        kmax = max(k for k in ks if k < V)
-        kth = torch.topk(x, kmax, dim=-1).values.gather(-1, (torch.tensor(ks).clamp(max=kmax) - 1).to(device).view(R, 1))
-        kth = kth.masked_fill(torch.tensor(ks).to(device).view(R, 1) >= V, float("-inf"))  # rows keeping every token
-        x = x.masked_fill(x < kth, float("-inf"))
+    ps = [1.0 if p is None else float(p) for p in top_p]
+    groups = {}
+    for i in range(R):
+        groups.setdefault("top_k" if ks[i] < V else "top_p" if ps[i] < 1.0 else "all", []).append(i)
+    out = torch.empty(R, dtype=torch.long, device=device)
+    uniforms = uniforms.to(device)
+    for kind, rows in groups.items():
+        index = torch.tensor(rows, device=device) if len(rows) < R else None
+        x = logits if index is None else logits[index]
+        u = uniforms if index is None else uniforms[index]
+        ts, pp = [temperature[i] for i in rows], [ps[i] for i in rows]
+        if kind == "top_k":
+            values, ids = _top_k_candidates(x, [ks[i] for i in rows])
+        elif kind == "top_p":  # a stable sort: equal logits stay in token id order
+            values, ids = x.sort(dim=-1, descending=True, stable=True)
+        else:
+            values, ids = x, None
+        token = _draw(values, ids, u, ts, pp)
+        if index is None:
+            return token
+        out[index] = token
+    return out
+
+
+def _top_k_candidates(x, ks):
+    """Each row's k most likely tokens (R, max k): values most likely first, equal values in token id order, the
+    places past a row's own k at -inf. From one topk of max k + 1, whose k+1-th value says whether the k-th place
+    is tied with tokens beyond it; those rows (rare in float32, frequent with bf16 logits) take the lowest ids among
+    the tied from a pass over their whole row."""
+    R, V = x.shape
+    kmax = max(ks)
+    n = min(kmax + 1, V)
+    values, ids = torch.topk(x, n, dim=-1)
+    k = torch.tensor(ks).to(x.device).view(R, 1)
+    kth = values.gather(-1, k - 1)
+    tied = (values.gather(-1, k) == kth).view(R)  # k < V here, so n > k
+    if bool(tied.any()):  # the k members: every logit above the k-th, then the lowest ids equal to it
+        above = x > kth
+        equal = x == kth
+        member = above | (equal & (equal.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)))
+        v2, i2 = torch.topk(x.masked_fill(~member, float("-inf")), n, dim=-1)
+        values, ids = torch.where(tied.view(R, 1), v2, values), torch.where(tied.view(R, 1), i2, ids)
+    place = torch.arange(n, device=x.device)
+    values = values.masked_fill(place >= k, float("-inf"))[:, :kmax]
+    ids = torch.where(place >= k, V + place, ids)[:, :kmax]  # past k: sorted last by id too
+    by_id = ids.argsort(dim=-1)  # token id order, then a stable sort by value: ties in id order
+    values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
+    values, order = values.sort(dim=-1, descending=True, stable=True)
+    return values, ids.gather(-1, order)
+
+
+def _draw(values, ids, u, temperature, top_p):
+    """Inverse transform over candidates (R, n) in their canonical order (ids None: the token ids are the places)."""
+    R = values.size(0)
+    x = values.float() / torch.tensor(temperature, dtype=torch.float32).to(values.device).view(R, 1)
     probs = x.softmax(dim=-1)
-    ps = [1.0 if p is None else p for p in top_p]
-    if min(ps) < 1.0:  # the smallest probability each row keeps: its nucleus, found on the sorted values
-        rows = torch.tensor([i for i, p in enumerate(ps) if p < 1.0], device=device)
-        k = max(ks[i] for i, p in enumerate(ps) if p < 1.0)  # beyond a row's k its probabilities are 0 already
-        desc = torch.topk(probs[rows], k, dim=-1).values if k < V else probs[rows].sort(dim=-1, descending=True).values
-        p = torch.tensor([p for p in ps if p < 1.0], dtype=torch.float32).to(device).view(-1, 1)
-        keep = ((desc.cumsum(dim=-1) - desc) < p).sum(dim=-1, keepdim=True)  # >= 1: the most likely always stays
-        floor = torch.zeros(R, 1, device=device).index_copy(0, rows, desc.gather(-1, keep - 1))
-        probs = probs.masked_fill(probs < floor, 0.0)
+    if min(top_p) < 1.0:  # most likely first here: drop a candidate once the ones before it reach p
+        p = torch.tensor(top_p, dtype=torch.float32).to(values.device).view(R, 1)
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= p, 0.0)
     cdf = probs.cumsum(dim=-1)
-    choice = (cdf <= uniforms.to(device, torch.float32).view(R, 1) * cdf[:, -1:]).sum(dim=-1)
-    # u * total rounding up to the total would step past the last token: take the most likely one instead
-    return torch.where(choice < V, choice, probs.argmax(dim=-1))
+    choice = (cdf <= u.to(values.device, torch.float32).view(R, 1) * cdf[:, -1:]).sum(dim=-1)
+    # u * total rounding up to the total would step past the last candidate: take the most likely one instead
+    choice = torch.where(choice < cdf.size(-1), choice, probs.argmax(dim=-1))
+    return choice if ids is None else ids.gather(-1, choice.view(R, 1)).view(R)
 
 
 # -----------------------------------------------------------------------------

@@ -195,26 +195,32 @@ def test_sample_next_token_leaves_logits_untouched():
 
 
 def reference_probs(logits, temperature, top_k, top_p):
-    """The distribution sample_next_token draws from, over the whole vocabulary (written out plainly)."""
-    x = logits.double() / temperature
+    """The distribution sample_rows draws from, over the whole vocabulary, written out plainly: tokens ranked most
+    likely first, equal logits by token id; top_k keeps the first k, top_p the first ones until their mass reaches p
+    (sample_next_token's filters, with its arbitrary order of equal logits made the ids')."""
+    rank = sorted(range(logits.numel()), key=lambda i: (-logits[i].item(), i))
     if top_k:
-        x = x.masked_fill(x < torch.topk(x, top_k).values[-1], float("-inf"))
-    probs = x.softmax(-1)
+        rank = rank[:top_k]
+    probs = torch.zeros(logits.numel(), dtype=torch.float64)
+    probs[rank] = (logits.double()[rank] / temperature).softmax(-1)
     if top_p is not None and top_p < 1:
-        sorted_p, order = probs.sort(descending=True)
-        drop = order[(sorted_p.cumsum(0) - sorted_p) >= top_p]
-        probs[drop] = 0
+        before = 0.0
+        for i in rank:
+            p, probs[i] = probs[i].item(), probs[i] if before < top_p else 0.0
+            before += p
         probs /= probs.sum()
     return probs
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["distinct", "tied"])
 @pytest.mark.parametrize("settings", [(1.0, None, None), (0.7, 5, None), (1.5, None, 0.8), (1.2, 20, 0.6)])
-def test_sample_rows_draws_each_token_with_its_probability(settings):
+def test_sample_rows_draws_each_token_with_its_probability(settings, tied):
     """Inverse transform: over N evenly spaced uniforms, each token is drawn N x its probability times (+-1), with
-    the temperature, top_k and top_p of sample_next_token; nothing outside the kept set is ever drawn."""
+    the temperature, top_k and top_p of sample_next_token; nothing outside the kept set is ever drawn. Tied: many
+    equal logits (as bf16 gives), so the k-th place and the nucleus's edge fall among equal ones."""
     temperature, top_k, top_p = settings
     torch.manual_seed(0)
-    logits = torch.randn(64) * 2
+    logits = (torch.randn(64) * 2).round() if tied else torch.randn(64) * 2
     N = 4000
     u = (torch.arange(N, dtype=torch.float64) + 0.5) / N
     got = sample_rows(logits.expand(N, -1), u, [temperature] * N, [top_k] * N, [top_p] * N)

@@ -8,6 +8,9 @@
 #   bash bench/gpu_suite.sh serve    # issue 30 in <= 9 minutes: chat_web's continuous batching, d20, 1/16/64/256
 #                                    # concurrent streams beside the one-request-per-worker server (1/16), and the
 #                                    # multi-turn prefix-cache TTFT; --cpu: the same at d4 on this CPU
+#   bash bench/gpu_suite.sh decode   # issue 30: where a decode step's time goes, d20 in process, no HTTP: the Engine's
+#                                    # graphed step and the serving Scheduler's at batch 1/64/256 (the batching server
+#                                    # streamed a lone request at ~3 ms a token where the Engine's step took 1.4 ms)
 #   bash bench/gpu_suite.sh pipeline # short real base_train (data, eval, checkpoint), Engine decode, chat_web + the
 #                                    # openai client, then the largest device batch for d26/d32/d40
 #   bash bench/gpu_suite.sh speed    # issue 20 in <= 9 minutes: d20 training per attention backend that loads,
@@ -29,7 +32,7 @@
 # flash_attn_interface.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART="${1:?usage: bash bench/gpu_suite.sh train|options|fp8|fp8impl|fp8ac|serve|pipeline|speed|record|recordfp8 [--dry-run] [--cpu]}"
+PART="${1:?usage: bash bench/gpu_suite.sh train|options|fp8|fp8impl|fp8ac|serve|decode|pipeline|speed|record|recordfp8 [--dry-run] [--cpu]}"
 DRY_RUN=0; CPU=0
 for arg in "${@:2}"; do
     case "$arg" in
@@ -111,6 +114,19 @@ serve)
     fi
     step serve_batching 480 "$PY" -m bench.serve_bench $SERVE --json_out="$OUT/serve.json"
     ;;
+decode)
+    # infer_bench --paths=engine,scheduler: the same model, prompt and batch on both paths (the Scheduler's rows are
+    # one-row requests in slots of their own, sampled, as chat_web serves them). ~5 compiles of ~30-40 s: the Engine's
+    # one per batch size, the Scheduler's warm-up two per instance (its buckets share a symbolic batch size).
+    if ((CPU)); then
+        DEC="--depths=2 --device_type=cpu --threads=1 --prompt_len=64 --gen_tokens=32 --batch_sizes=1,8 --decode_compile=0,1"
+    else
+        DEC="--depths=20 --device_type=cuda --model_vocab=65536 --prompt_len=512 --gen_tokens=128 --batch_sizes=1,64,256
+            --decode_compile=1"
+    fi
+    step decode_paths 420 "$PY" -m bench.infer_bench $DEC --repeats=2 --paths=engine,scheduler --skip_server \
+        --tokenizer=repo_docs --json_out="$OUT/decode_paths.json"
+    ;;
 pipeline)
     : "${NANOCHAT_BASE_DIR:?pipeline needs NANOCHAT_BASE_DIR with tokenizer/ and base_data/}"
     step base_train_d20 200 "$PY" -m scripts.base_train --device_type=cuda --depth=20 --device_batch_size=32 \
@@ -175,7 +191,7 @@ record|recordfp8)
         done
     fi
     ;;
-*) echo "unknown part $PART (train|options|fp8|fp8impl|fp8ac|serve|pipeline|speed|record|recordfp8)" >&2; exit 2 ;;
+*) echo "unknown part $PART (train|options|fp8|fp8impl|fp8ac|serve|decode|pipeline|speed|record|recordfp8)" >&2; exit 2 ;;
 esac
 if ((DRY_RUN)); then echo "dry run: nothing ran"; exit 0; fi
 if ((${#FAILED[@]})); then echo "FAILED: ${FAILED[*]}"; exit 1; fi

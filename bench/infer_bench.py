@@ -71,6 +71,9 @@ FLAGS = Flags(
     Flag("threads", 0, "torch CPU threads (0: torch's default)"),
     Flag("decode_compile", "auto", "the Engine's --decode_compile (auto|1|0), or a comma list such as 0,1 to compare "
          "the eager and the compiled (on CUDA: graphed) decode step"),
+    Flag("paths", "engine", "engine: Engine.generate, `batch` samples of one prompt; scheduler: the serving Scheduler in "
+         "this process, `batch` one-row requests in slots of their own, stepped as chat_web's thread steps it (its "
+         "overhead without HTTP); a comma list for both"),
     Flag("attn", "auto", "attention kernel of the models (nanochat.attention)"),
     Flag("weights_dtype", "auto", "dtype the weights are held in: auto = as the chat scripts load them "
          "(checkpoint_manager.weights_dtype_for: bf16 on CUDA, fp32 elsewhere)", choices=list(WEIGHTS_DTYPES)),
@@ -205,20 +208,54 @@ def bench_engine(engine, tokens, batch, gen_tokens, device, autocast_ctx):
     return t_first - t0, prefill_s, decode_tps, steps
 
 
-def measure_engine(args, engine, label, tokens, batch, device, autocast_ctx, weights_dtype, bw, act_dtype):
-    """One row: a warm-up run (it compiles), then --repeats timed runs of `batch` rows."""
+def bench_scheduler(scheduler, tokens, batch, gen_tokens, device):
+    """One run of the serving Scheduler: `batch` requests of one row each (sampled, seeded, no stop tokens), submitted
+    at once and stepped to the end; (ttft_s, nan, decode_tok_per_s, decode_steps). Decode counts the steps after
+    every request has its first token: all rows decoding, each step one forward plus the sampling of every row."""
+    t0 = time.perf_counter()
+    requests = [scheduler.submit(tokens, max_tokens=gen_tokens, temperature=1.0, top_k=50, seed=i, stop_tokens=())
+                for i in range(batch)]
+    while any(r.first_token_at is None for r in requests):
+        scheduler.step()
+    sync(device)
+    t_first, steps0, rows0 = time.perf_counter(), scheduler.decode_steps, scheduler.decoded_rows
+    while scheduler.step():
+        pass
+    sync(device)
+    rows, dt = scheduler.decoded_rows - rows0, time.perf_counter() - t_first
+    return (min(r.first_token_at for r in requests) - t0, float("nan"), rows / dt if dt > 0 else float("nan"),
+            scheduler.decode_steps - steps0)
+
+
+def measure_engine(args, engine, label, tokens, batch, device, autocast_ctx, weights_dtype, bw, act_dtype,
+                   path="engine"):
+    """One row: a warm-up run (it compiles), then --repeats timed runs of `batch` rows, on the Engine or (path
+    "scheduler") a Scheduler over it, whose warm-up compiles every decode bucket as chat_web's does at start-up."""
     model = engine.model
     skips = cudagraph_skips()
     t0 = time.perf_counter()
-    bench_engine(engine, tokens, batch, min(8, args.gen_tokens), device, autocast_ctx)  # warm-up (compiles)
+    if path == "scheduler":
+        from nanochat.serving.scheduler import Scheduler
+
+        scheduler = Scheduler(engine, max_batch=batch, max_context=len(tokens) + args.gen_tokens + 1, prefix_cache=False,
+                              autocast=autocast_ctx, name="bench")
+        scheduler.warm_up()
+        bench_scheduler(scheduler, tokens, batch, min(8, args.gen_tokens), device)  # first prefills, allocations
+        run = lambda n: bench_scheduler(scheduler, tokens, batch, n, device)  # noqa: E731
+        label = f"scheduler, {label}"
+    else:
+        bench_engine(engine, tokens, batch, min(8, args.gen_tokens), device, autocast_ctx)  # warm-up (compiles)
+        run = lambda n: bench_engine(engine, tokens, batch, n, device, autocast_ctx)  # noqa: E731
     warm_s = time.perf_counter() - t0
-    runs = [bench_engine(engine, tokens, batch, args.gen_tokens, device, autocast_ctx) for _ in range(args.repeats)]
+    runs = [run(args.gen_tokens) for _ in range(args.repeats)]
     ttft = statistics.median(r[0] for r in runs)
     prefill = statistics.median(r[1] for r in runs)
     decode = statistics.median(r[2] for r in runs)
     steps = min(r[3] for r in runs)
     step_bytes = decode_bytes(model, batch)  # the memory bound: each step reads these bytes at least
-    kernel = decode_kernel(model, batch, len(tokens) + args.gen_tokens // 2, engine.decode_compiled, act_dtype, device)
+    # the scheduler's step attends over its slots with their columns masked, as the Engine's fixed-shape step does
+    kernel = decode_kernel(model, batch, len(tokens) + args.gen_tokens // 2, engine.decode_compiled or path == "scheduler",
+                           act_dtype, device)
     row = dict(depth=model.config.n_layer, params_m=model.num_params() / 1e6, batch=batch, prompt=len(tokens),
                steps=steps, decode=label, warmup_s=warm_s, ttft_ms=ttft * 1e3, prefill_tps=len(tokens) / prefill,
                decode_tps=decode, weights_dtype=str(weights_dtype).removeprefix("torch."), bound_bytes=step_bytes,
@@ -241,6 +278,9 @@ def run_engine_benchmarks(args, tokenizer, device, autocast_ctx, rows, on_row=la
     """Append one row per (depth, decode mode, batch) to `rows`, calling on_row(rows) after each."""
     tokens = prompt_tokens(tokenizer, args.prompt_len)
     modes = [m.strip() for m in str(args.decode_compile).split(",") if m.strip()]
+    paths = [p.strip() for p in str(args.paths).split(",") if p.strip()]
+    if not paths or set(paths) - {"engine", "scheduler"}:
+        raise SystemExit(f"--paths takes engine and/or scheduler, got {args.paths!r}")
     weights_dtype = weights_dtype_for(device.type, "eval", args.weights_dtype)
     bw = args.peak_bandwidth * 1e9 or (peak_bandwidth_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
     act_dtype = torch.bfloat16 if device.type == "cuda" else weights_dtype  # what attention sees (autocast on CUDA)
@@ -249,12 +289,14 @@ def run_engine_benchmarks(args, tokenizer, device, autocast_ctx, rows, on_row=la
         for mode in modes:
             engine = Engine(model, tokenizer, decode_compile=mode)
             label = "compiled" + (" (CUDA graph)" if device.type == "cuda" else "") if engine.decode_compiled else "eager"
-            for batch in [int(b) for b in args.batch_sizes.split(",")]:
+            for path, batch in [(p, int(b)) for p in paths for b in args.batch_sizes.split(",")]:
                 try:
-                    row = measure_engine(args, engine, label, tokens, batch, device, autocast_ctx, weights_dtype, bw, act_dtype)
+                    row = measure_engine(args, engine, label, tokens, batch, device, autocast_ctx, weights_dtype, bw,
+                                         act_dtype, path)
                 except Exception as e:  # a failing mode or batch is its row: the next ones still run
                     traceback.print_exc()
-                    row = dict(depth=depth, batch=batch, decode=label, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                    row = dict(depth=depth, batch=batch, decode=label if path == "engine" else f"{path}, {label}",
+                               error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 rows.append(row)
                 on_row(rows)  # kept (--json_out) before it is printed: a row on the screen is a row in the file
                 print(row_line(row), flush=True)

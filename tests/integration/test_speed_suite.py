@@ -66,6 +66,24 @@ def test_serve_part_fits_nine_minutes_and_serve_bench_takes_its_flags(tmp_path):
         assert args.concurrency == ("1,16,64,256" if not extra else "1,4,16")
         assert "dry run: nothing ran" in r.stdout and list(tmp_path.iterdir()) == []
 
+def test_decode_part_fits_nine_minutes_and_infer_bench_takes_its_flags(tmp_path):
+    """`bash bench/gpu_suite.sh decode`: the Engine's and the serving Scheduler's decode step in one infer_bench run
+    at d20 (--cpu: d2), every flag one infer_bench accepts, within the slot."""
+    from bench.infer_bench import FLAGS
+
+    for extra, depths in (([], "20"), (["--cpu"], "2")):
+        r = subprocess.run(["bash", "bench/gpu_suite.sh", "decode", "--dry-run", *extra], cwd=REPO, capture_output=True,
+                           text=True, env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "PY": "python3"}, timeout=30)
+        assert r.returncode == 0, r.stderr
+        (step,) = re.findall(r"^=== (\w+) \(limit (\d+) s\): (.*)$", r.stdout, flags=re.M)
+        name, limit, command = step[0], int(step[1]), step[2].split()
+        assert name == "decode_paths" and command[:3] == ["python3", "-m", "bench.infer_bench"]
+        assert limit <= (540 if not extra else 1080)
+        args = FLAGS.parse_args(command[3:])
+        assert args.depths == depths and args.paths == "engine,scheduler" and args.skip_server
+        assert "dry run: nothing ran" in r.stdout and list(tmp_path.iterdir()) == []
+
+
 # What each step must fit on one H100, from what the 2026-11-25 session recorded (docs/benchmarks.md) and, where
 # nothing was recorded, an estimate said as such.
 COLD_COMPILE_D20_BF16 = 58.8  # recorded: base_train's cold compile of the d20 forward+backward
@@ -330,6 +348,25 @@ def test_decode_bench_runs_the_weights_users_run(tmp_path):
         assert r["bound_bytes"] < 2 * model.num_params()  # not all of wte
         assert r["bound_tps"] == pytest.approx(r["batch"] * 100e9 / r["bound_bytes"])
         assert r["sdpa_kernel"] == "flash" and r["cudagraph_skips"] == 0
+
+
+def test_decode_bench_measures_the_scheduler_beside_the_engine(tmp_path):
+    """--paths=engine,scheduler: the Scheduler's rows decode every row of every request to the end (no stop tokens),
+    as many decode steps as the Engine's, and are labelled as such."""
+    from bench.infer_bench import main
+
+    out = tmp_path / "d.json"
+    main(["--depths=1", "--device_type=cpu", "--threads=1", "--prompt_len=16", "--gen_tokens=6", "--repeats=1",
+          "--batch_sizes=1,3", "--decode_compile=0", "--paths=engine,scheduler", "--skip_server",
+          "--tokenizer=repo_docs", f"--json_out={out}"])
+    rows = json.loads(out.read_text())["engine"]
+    assert [(r["decode"], r["batch"]) for r in rows] == [("eager", 1), ("eager", 3), ("scheduler, eager", 1),
+                                                         ("scheduler, eager", 3)]
+    engine_steps = {r["batch"]: r["steps"] for r in rows if r["decode"] == "eager"}
+    for r in rows:
+        assert r["decode_tps"] > 0 and "error" not in r
+        if r["decode"].startswith("scheduler"):  # the prefill's step gives the first token and decodes the second:
+            assert r["steps"] == 4 and engine_steps[r["batch"]] == 6  # the 4 steps after it are timed
 
 
 def test_a_decode_row_that_fails_is_its_row(tmp_path, monkeypatch, capsys):

@@ -96,6 +96,8 @@ def build_arg_parser():
              "sizes where the matmuls give a row the same bits (on the CPU measured, at least 16 rows) and with the "
              "invariant attention; auto = on CPU (eager decode); 0 = decode at exactly the rows running (faster with "
              "few users; tokens may then differ in rare near-ties)", choices=["auto", "1", "0"]),
+        Flag("decode_overlap", "auto", "launch each decode step before reading the previous one's tokens, so the GPU "
+             "does not wait for the host between steps (the same tokens); auto = on CUDA", choices=["auto", "1", "0"]),
         description=__doc__,
     )
 
@@ -231,6 +233,7 @@ def main(argv=None):
         kv_cache_gb=args.kv_cache_gb,
         prefix_cache=args.prefix_cache,
         batch_invariant={"auto": None, "1": True, "0": False}[str(args.batch_invariant)],
+        decode_overlap={"auto": None, "1": True, "0": False}[str(args.decode_overlap)],
     )
     import uvicorn
 

@@ -83,6 +83,7 @@ def create_app(
     kv_cache_gb=None,
     prefix_cache=True,
     batch_invariant=None,
+    decode_overlap=None,
 ):
     """
     The FastAPI app. `workers_or_factory` is a list of Workers, or a callable returning one (called at startup, in a
@@ -91,7 +92,7 @@ def create_app(
     /openapi.json needs the key too. body_timeout_s: how long a request body may take to arrive (then a 408).
     batching: one continuous-batching Scheduler per worker (max_batch sequences together, slots of max_context
     positions, kv_cache_gb of KV memory or a share of the free memory, the prefix cache, batch_invariant: None = on
-    CPU, see Scheduler); False: one request per worker at a time (the server before continuous batching, kept as the
+    CPU, decode_overlap: None = on CUDA, see Scheduler); False: one request per worker at a time (the server before continuous batching, kept as the
     benchmark's baseline).
     """
     defaults = {"temperature": temperature, "top_k": top_k, "max_tokens": max_tokens}
@@ -107,7 +108,7 @@ def create_app(
             budget = None if kv_cache_gb is None else int(kv_cache_gb * 2**30)
             pool = await asyncio.to_thread(BatchingPool, workers, max_queue=max_queue, max_batch=max_batch,
                                            max_context=max_context, kv_budget_bytes=budget, prefix_cache=prefix_cache,
-                                           batch_invariant=batch_invariant)
+                                           batch_invariant=batch_invariant, overlap=decode_overlap)
             for w in workers:
                 logger.info(f"worker {w.gpu_id}: continuous batching, {w.scheduler.describe()}")
             await asyncio.to_thread(pool.wait_warm)  # not ready (nor listening) before the decode step is compiled

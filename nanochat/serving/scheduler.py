@@ -21,9 +21,12 @@ Every step, in order:
    bounded amount, while new requests get their first token soon. A prompt's last chunk gives its
    first token(s); a request sampling n completions copies its prompt's keys/values into its other n - 1 slots.
 4. One decode step for every sequence that is generating, whatever request it belongs to. Each request keeps its own
-   temperature, top_k, top_p, seed (its own random.Random: a uniform per sampled row, so its samples never depend on
-   its neighbours, while every row of the step is sampled in one batch, engine.sample_rows), max_tokens,
-   stop tokens and calculator state (the Engine's RowState). A sequence that stops leaves at once; its keys/values go
+   temperature, top_k, top_p, seed (a sampled token's uniform is a hash of the seed, the row and the position,
+   row_uniform: its samples never depend on its neighbours, while every row of the step is sampled in one batch,
+   engine.sample_rows), max_tokens, stop tokens and calculator state (the Engine's RowState). On CUDA the steps
+   overlap (`overlap`): step N+1 is launched, fed step N's tokens on the device, before the host reads step N's,
+   so the GPU does not wait while the host streams tokens and checks stops; a row that ended at N, or whose token
+   the calculator replaced, has its N+1 discarded. The tokens are the same either way. A sequence that stops leaves at once; its keys/values go
    to the prefix cache and its slot is free for the next step.
 
 Same answers alone or in a crowd: a request's tokens do not depend on which requests share its steps. Its prefill
@@ -48,7 +51,6 @@ its smear each row's previous token id (`prev_ids`), so a row carries no model s
 
 import itertools
 import logging
-import random
 import threading
 import time
 from collections import deque
@@ -106,7 +108,6 @@ class Request:
         self.prefix_hit = 0  # of which came from the prefix cache
         self.state = "waiting"  # -> prefill -> decode -> done
         self.error = None
-        self.rng = None
         self.submitted = time.perf_counter()
         self.first_token_at = None
         self.finished = threading.Event()
@@ -133,8 +134,31 @@ class Row:
         self.length = 0
         self.next_token = None
         self.generated = 0
+        self.drawn = 0  # tokens sampled for it so far, including a step in flight (overlap): the next one's number
         self.limit = 0  # most tokens this row may generate (max_tokens, and the room left in its slot)
         self.state = RowState()
+
+
+class Launch:
+    """A decode step on its way: its rows (in order), their tokens (R,) and the tokens fed (R,) on the device, what
+    the host fed each row (None: the previous step's token, from the device), and which rows still count."""
+
+    def __init__(self, rows, tokens, inputs, fed):
+        self.rows, self.tokens, self.inputs, self.fed = rows, tokens, inputs, fed
+        self.valid = [True] * len(rows)
+
+
+MASK64 = (1 << 64) - 1
+
+
+def row_uniform(seed, row, k):
+    """The uniform in [0, 1) that samples token k of row `row` of a request seeded `seed`: splitmix64's mix of the
+    three. A row's samples depend on its seed, index and positions only: not on its neighbours, nor on its sibling
+    rows' lengths, nor on whether a step of it was launched ahead and discarded (overlap)."""
+    x = (seed * 0x9E3779B97F4A7C15 + (row + 1) * 0xBF58476D1CE4E5B9 + (k + 1) * 0x94D049BB133111EB) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return ((x ^ (x >> 31)) >> 11) * 2.0 ** -53
 
 
 @dataclass
@@ -156,14 +180,15 @@ class Scheduler:
     max_batch: most sequences decoded together. max_context: positions per slot, i.e. the longest prompt + reply
     (default the model's sequence_len, at most what its rotary table addresses). kv_budget_bytes: memory for slots
     and the prefix cache (default a share of the device's free memory, DEFAULT_BUDGET_FRACTION). batch_invariant: a
-    request's logits the same bits whatever its neighbours (default on CPU; see the module docstring). autocast: a
+    request's logits the same bits whatever its neighbours (default on CPU; see the module docstring). overlap: launch
+    each decode step before reading the previous one's tokens (default on CUDA; the same tokens). autocast: a
     callable returning the context every forward runs in (the server's bf16 autocast on CUDA). log_requests: a log
     line per finished request (the server's).
     """
 
     def __init__(self, engine, max_batch=64, max_context=None, kv_budget_bytes=None, prefix_cache=True,
                  prefill_chunk=DEFAULT_PREFILL_CHUNK, prefill_budget=DEFAULT_PREFILL_BUDGET, autocast=None, dtype=None,
-                 batch_invariant=None, name="0",
+                 batch_invariant=None, overlap=None, name="0",
                  log_requests=False):
         model = engine.model
         self.engine, self.model, self.name, self.log_requests = engine, model, name, log_requests
@@ -205,6 +230,10 @@ class Scheduler:
         self._thread = None
         self._wake = threading.Condition()
         self._stop = False
+        # a decode step launched and not yet read (overlap: on CUDA by default, where the host's work between steps
+        # would otherwise leave the GPU idle; on CPU a step runs as it is called, so there is nothing to overlap)
+        self.overlap = self.device.type == "cuda" if overlap is None else bool(overlap)
+        self._pending = None
         self.warmed = threading.Event()  # set by the serving thread once warm_up is over (start)
         self.warm_s = 0.0
 
@@ -276,7 +305,6 @@ class Scheduler:
             request.rows = [Row(request, i, self.free_slots.pop()) for i in range(n)]
             for row in request.rows:
                 self.slots[row.slot] = row
-            request.rng = random.Random(request.seed)  # each sampled row's uniform for sample_rows, on the host
             request.state = "prefill"
             self.requests[request.id] = request
             if self.prefix is not None:  # keep >= 1 prompt token to prefill: its logits give the first token
@@ -322,73 +350,130 @@ class Scheduler:
             row.limit = room if request.max_tokens is None else min(request.max_tokens, room)
         if self.prefix is not None:
             self.prefix.save(request.prompt, first.slot)
-        tokens = self._sample(logits.expand(request.num_samples, -1), [request] * request.num_samples)
+        tokens = self._sample(logits.expand(request.num_samples, -1), [(request, r.index, 0) for r in request.rows])
+        for row in request.rows:
+            row.drawn = 1
+        tokens = tokens.tolist()
         request.state = "decode"
         request.first_token_at = time.perf_counter()
         self._advance(request, list(zip(request.rows, tokens)))
 
     @staticmethod
-    def _sample(logits, owners):
-        """One token per row of logits (R, V), row i for request owners[i] with its settings: the greedy rows in one
-        argmax, the others in one sample_rows with a uniform each from its request's generator (drawn in row order,
-        so a request's samples depend on its own rows alone); one host sync for all."""
-        greedy = [i for i, q in enumerate(owners) if q.temperature < GREEDY_BELOW]
-        drawn = [i for i, q in enumerate(owners) if q.temperature >= GREEDY_BELOW]
-        parts = []
-        if greedy:
-            index = torch.tensor(greedy, device=logits.device) if len(greedy) < len(owners) else None
-            parts.append((logits if index is None else logits[index]).argmax(dim=-1))
-        if drawn:
-            index = torch.tensor(drawn, device=logits.device) if len(drawn) < len(owners) else None
-            qs = [owners[i] for i in drawn]
-            u = torch.tensor([q.rng.random() for q in qs], dtype=torch.float64)
-            parts.append(sample_rows(logits if index is None else logits[index], u, [q.temperature for q in qs],
-                                     [q.top_k for q in qs], [q.top_p for q in qs]))
-        chosen = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
-        out = [0] * len(owners)
-        for i, token in zip(greedy + drawn, chosen):
-            out[i] = token
+    def _sample(logits, draws):
+        """One token per row of logits (R, V) -> (R,) on the device, no host sync: draws[i] = (request, row index,
+        token number) says whose settings and which uniform (row_uniform) row i takes. The greedy rows in one argmax,
+        the others in one sample_rows."""
+        greedy = [i for i, (q, _, _) in enumerate(draws) if q.temperature < GREEDY_BELOW]
+        drawn = [i for i, (q, _, _) in enumerate(draws) if q.temperature >= GREEDY_BELOW]
+        out = torch.empty(len(draws), dtype=torch.long, device=logits.device)
+        for rows, greedy_part in ((greedy, True), (drawn, False)):
+            if not rows:
+                continue
+            index = torch.tensor(rows, device=logits.device) if len(rows) < len(draws) else None
+            x = logits if index is None else logits[index]
+            if greedy_part:
+                token = x.argmax(dim=-1)
+            else:
+                qs = [draws[i][0] for i in rows]
+                u = torch.tensor([row_uniform(q.seed, i, k) for q, i, k in (draws[j] for j in rows)], dtype=torch.float64)
+                token = sample_rows(x, u, [q.temperature for q in qs], [q.top_k for q in qs], [q.top_p for q in qs])
+            if index is None:
+                return token
+            out[index] = token
         return out
 
     def _decode(self):
-        rows = [r for r in self.slots if r is not None and r.request.state == "decode"]
-        if not rows:
-            return
+        """One decode step for every generating row. Without overlap: launch it, then read its tokens. With overlap
+        (CUDA): launch step N+1 first, its inputs the tokens of step N still on the device, then read step N's; the
+        GPU runs N+1 while the host reads N and streams it, instead of waiting for the host between steps. A row
+        that ended at N, or whose token N the calculator replaced, has its N+1 discarded (and is fed again)."""
+        pending, self._pending = self._pending, None
+        rows = [r for r in self.slots if r is not None and r.request.state == "decode" and r.drawn < r.limit]
+        launched = self._launch(rows, pending) if rows else None
+        if pending is not None:
+            self._complete(pending, launched)
+        if launched is not None:
+            if self.overlap:
+                self._pending = launched
+            else:
+                self._complete(launched, None)
+
+    def _launch(self, rows, pending):
+        """Feed every row its next token (from the host, or from `pending`'s tokens on the device) and sample the
+        step's tokens on the device. Returns the Launch, or None if the forward failed (its requests fail)."""
         top = max(r.slot for r in rows) + 1
         if top > 2 * len(rows) and top > self.buckets[0]:
             self._compact()
-            rows = [r for r in self.slots if r is not None and r.request.state == "decode"]
             top = max(r.slot for r in rows) + 1
         B = next(b for b in self._decode_sizes() if b >= top)
         view = self.views.get(B)
         if view is None:
             view = self.views[B] = DecodeView(self.pool, B, self.batch_invariant, trim=True, windows=self.windows)
+        # rows of the step in flight: their previous token is on the device, and their next one too unless the
+        # calculator has a token queued to replace it (then that one, from the host)
+        inflight = {id(r): j for j, r in enumerate(pending.rows) if pending.valid[j]} if pending is not None else {}
         ids, positions, prev = [0] * B, [None] * B, [-1] * B  # filler rows: see DecodeView
+        from_device, prev_on_device = [], []
         for r in rows:
-            ids[r.slot], positions[r.slot] = r.next_token, r.length
-            P, before = len(r.request.prompt), r.length - 1  # the token before next_token (RecordGPT's smear)
-            prev[r.slot] = r.request.prompt[before] if before < P else r.request.tokens[r.index][before - P]
+            positions[r.slot] = r.length
+            j = inflight.get(id(r))
+            if j is None:
+                ids[r.slot] = r.next_token
+                P, before = len(r.request.prompt), r.length - 1  # the token before next_token (RecordGPT's smear)
+                prev[r.slot] = r.request.prompt[before] if before < P else r.request.tokens[r.index][before - P]
+                continue
+            prev_on_device.append((r.slot, j))
+            if r.state.forced_tokens:
+                ids[r.slot] = r.state.forced_tokens[0]  # what step N's token will be replaced with
+            else:
+                from_device.append((r.slot, j))
         try:
             view.set_step(ids, positions, prev)
+            for pairs, dst, src in ((from_device, view.ids, pending and pending.tokens),
+                                    (prev_on_device, view.prev_ids, pending and pending.inputs)):
+                if pairs:
+                    slots = torch.tensor([a for a, _ in pairs], device=self.device)
+                    dst[slots, 0] = src[torch.tensor([b for _, b in pairs], device=self.device)]
             logits = self._forward(view)
+            index = torch.tensor([r.slot for r in rows], device=self.device)
+            tokens = self._sample(logits[index], [(r.request, r.index, r.drawn) for r in rows])
+            inputs = view.ids[index, 0]
         except Exception as e:
             logger.exception(f"decode step failed on scheduler {self.name}")
             for request in {r.request.id: r.request for r in rows}.values():
                 self._finish(request, f"generation failed: {type(e).__name__}: {e}")
-            return
+            return None
         for r in rows:
             r.length += 1
+            r.drawn += 1
         self.decode_steps += 1
         self.decoded_rows += len(rows)
-        # sampling: every row of every request at once (_sample), each row from its slot's logits
-        rows.sort(key=lambda r: (r.request.id, r.index))  # a request's rows draw their uniforms in row order
-        index = torch.tensor([r.slot for r in rows], device=logits.device)
-        tokens = self._sample(logits[index], [r.request for r in rows])
-        by_request = {}
-        for r, token in zip(rows, tokens):
-            by_request.setdefault(r.request.id, []).append((r, token))
+        device_fed = {slot for slot, _ in from_device}
+        return Launch(rows, tokens, inputs, [None if r.slot in device_fed else ids[r.slot] for r in rows])
+
+    def _complete(self, launch, following):
+        """Read a launched step's tokens (the host sync) and advance its rows that are still running; then discard
+        `following`'s step (launched after it) for each row that ended here, or was fed a token other than the one
+        it got here (the calculator replaced it): that row is fed again at the same position."""
+        tokens = launch.tokens.tolist()
+        by_request, got = {}, {}
+        for j, (r, token) in enumerate(zip(launch.rows, tokens)):
+            if launch.valid[j] and r.request.state == "decode" and r.request.finish_reasons[r.index] is None:
+                by_request.setdefault(r.request.id, []).append((r, token))
+                got[id(r)] = token
         for pairs in by_request.values():
-            self._advance(pairs[0][0].request, pairs)
+            self._advance(pairs[0][0].request, sorted(pairs, key=lambda p: p[0].index))
+        if following is None:
+            return
+        for j, r in enumerate(following.rows):
+            if r.request.state != "decode" or r.request.finish_reasons[r.index] is not None:
+                following.valid[j] = False  # it ended: its slot is free, nothing reads this row of the step
+            elif id(r) in got:
+                fed = following.fed[j] if following.fed[j] is not None else got[id(r)]
+                if fed != r.request.tokens[r.index][-1]:
+                    following.valid[j] = False
+                    r.length -= 1
+                    r.drawn -= 1
 
     def _decode_sizes(self):
         """The batch sizes this step may run at: the buckets when compiled, else decode_sizes (measured once per
@@ -463,8 +548,10 @@ class Scheduler:
             return
         request = row.request
         if self.prefix is not None and request.state == "decode" and request.error is None and row.length:
+            # the tokens whose keys/values a completed step wrote: not the last one (never fed, or fed by a step
+            # launched ahead and not read, overlap), so both ways cache the same
             fed = request.prompt + request.tokens[row.index][: row.length - len(request.prompt)]
-            self.prefix.save(fed, row.slot)
+            self.prefix.save(fed[: len(request.prompt) + len(request.tokens[row.index]) - 1], row.slot)
         self.slots[row.slot] = None
         self.free_slots.append(row.slot)
         self.free_slots.sort(reverse=True)
@@ -607,6 +694,7 @@ class Scheduler:
             "decode_s": round(self.decode_s, 3),
             "decode": "compiled" if self.compiled else "eager",
             "batch_invariant": self.batch_invariant,
+            "decode_overlap": self.overlap,
             "decode_sizes": describe_sizes(self._decode_sizes()),  # the batch sizes a decode step runs at
             "prefix_cache": self.prefix.stats() if self.prefix else None,
         }

@@ -92,6 +92,27 @@ def post_chat(base_url, body, path="/chat/completions", headers=AUTH, timeout=60
 # Basics
 
 
+def test_overlapped_decode_serves_the_models_own_replies(tok, model):
+    """decode_overlap=True (chat_web --decode_overlap=1; the default on CUDA): concurrent greedy streams get the
+    model's own replies, and /stats says the steps overlap."""
+    bodies = [{"model": "nanochat", "max_tokens": 12, "temperature": 0, "stream": True,
+               "messages": [{"role": "user", "content": f"Say something about river {i}"}]} for i in range(4)]
+    app = create_app([Worker(Engine(model, tok))], api_key=API_KEY, max_batch=8, max_context=512, decode_overlap=True)
+    with ServerThread(app, **server_options()) as s:
+        async def main():
+            async with httpx.AsyncClient(base_url=s.base_url, timeout=120, headers=AUTH) as client:
+                return await asyncio.gather(*[client.post("/v1/chat/completions", json=b) for b in bodies])
+
+        replies = asyncio.run(main())
+        stats = httpx.get(s.base_url + "/stats").json()["workers"][0]["batching"]
+    for body, r in zip(bodies, replies):
+        events = [json.loads(e) for e in sse_events(r.text)[:-1]]
+        got = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e.get("choices"))
+        text, _ = expected_reply(model, tok, tok.render_for_completion({"messages": body["messages"]}, strict=False), 12)
+        assert got == text
+    assert stats["decode_overlap"] is True and stats["decode_steps"] > 0
+
+
 def test_batch_invariance_off_decodes_at_the_rows_running(tok, model):
     """--batch_invariant=0: the scheduler decodes at exactly the rows it runs (no filler rows up to the sizes where
     the BLAS keeps a row's bits), /stats says so, and concurrent greedy replies are still the model's own."""

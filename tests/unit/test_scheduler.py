@@ -342,6 +342,76 @@ def test_each_row_keeps_its_own_calculator_state(tok, threads):
 
 
 # -----------------------------------------------------------------------------
+# Overlapped steps (the default on CUDA): the same answers as one step at a time
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_overlapped_steps_give_every_request_the_same_tokens(tok, d4, threads, prefix_cache):
+    """overlap=True launches step N+1 (fed step N's tokens on the device) before the host reads step N: greedy and
+    seeded sampled requests, n samples, different max_tokens and stop tokens, arrivals at different steps and a
+    cancellation get exactly the tokens, masks and finish reasons of overlap=False."""
+    engine = Engine(d4, tok)
+    prompts = mixed_prompts(tok, 10, seed=11, shared_prefix=prefix_cache)
+    stop = tok.encode(" the")[0]
+    jobs = [Job(p, num_samples=1 + (i % 3 == 0) * 2, max_tokens=5 + 3 * i, temperature=0.0 if i % 2 else 0.9,
+                top_k=None if i % 4 else 30, top_p=0.8 if i % 5 == 0 else None, seed=i) for i, p in enumerate(prompts)]
+    jobs[3].stop_tokens = [stop]
+    jobs[5].stop_tokens, jobs[5].max_tokens = [], 60  # runs until it is cancelled at step 10
+
+    def go(overlap):
+        scheduler = Scheduler(engine, max_batch=8, kv_budget_bytes=BUDGET, overlap=overlap, prefix_cache=prefix_cache)
+        requests, step = [], 0
+        while len(requests) < len(jobs) or scheduler.pending():
+            if step in (0, 1, 2, 4, 4, 7, 9, 9, 12, 15)[len(requests):len(requests) + 1] and len(requests) < len(jobs):
+                job = jobs[len(requests)]
+                requests.append(scheduler.submit(job.prompt, **{k: v for k, v in vars(job).items() if k != "prompt"}))
+                continue
+            if step == 10:
+                requests[5].cancel()
+            scheduler.step()
+            step += 1
+        return [(r.tokens, r.masks, r.finish_reasons) for r in requests]
+
+    one_at_a_time, overlapped = go(False), go(True)
+    # the cancelled request: overlapped, the host reads a step later, so it may have fewer tokens when it leaves
+    (a,), (b,) = one_at_a_time[5][0], overlapped[5][0]
+    assert one_at_a_time[5][2] == overlapped[5][2] == ["cancelled"] and len(b) >= 2 and a[:len(b)] == b
+    assert overlapped[:5] + overlapped[6:] == one_at_a_time[:5] + one_at_a_time[6:]
+    if not prefix_cache:  # the stop token ended a row mid-batch (with these prompts; the shared-prefix ones do not)
+        assert any(reasons == ["stop"] for _, _, reasons in one_at_a_time)
+
+
+def test_overlapped_steps_keep_the_calculator_answers(tok):
+    """A row whose token the calculator replaces gets the replacement fed next, also when the step after was
+    already launched: the same sequences and masks as Engine.generate_batch."""
+    special = tok.encode_special
+    py_start, py_end, end = special("<|python_start|>"), special("<|python_end|>"), special("<|assistant_end|>")
+    words = [tok.encode(w)[0] for w in (" alpha", " beta", " gamma", " delta", " eps")]
+    table = {words[0]: py_start, py_start: tok.encode("2")[0], tok.encode("2")[0]: tok.encode("+")[0],
+             tok.encode("+")[0]: tok.encode("3")[0], tok.encode("3")[0]: py_end, py_end: words[3],
+             special("<|output_end|>"): words[4], words[4]: end, words[1]: words[2], words[2]: words[1]}
+    engine = Engine(ChainModel(tok.get_vocab_size(), table, end), tok)
+    bos = tok.get_bos_token_id()
+    prompts = [[bos, words[0]], [bos, words[3], words[1]], [bos, words[2], words[2], words[0]], [bos, words[1]]]
+    expected = [engine.generate_batch(p, max_tokens=16, temperature=0.0) for p in prompts]
+    assert any(0 in m[len(p):] for p, (_, (m,)) in zip(prompts, expected))  # precondition: a row used the tool
+    jobs = [Job(p, max_tokens=16, temperature=0.0) for p in prompts]
+    assert generate_many(engine, jobs, kv_budget_bytes=BUDGET, overlap=True) == expected
+
+
+def test_row_uniforms_are_uniform_and_each_rows_own():
+    from nanochat.serving.scheduler import row_uniform
+
+    u = [row_uniform(seed, row, k) for seed in (0, 1, -5, 2**40) for row in range(4) for k in range(1000)]
+    assert all(0.0 <= x < 1.0 for x in u) and len(set(u)) == len(u)
+    counts = [0] * 10
+    for x in u:
+        counts[int(x * 10)] += 1
+    assert max(abs(c - len(u) / 10) for c in counts) < 5 * (len(u) / 10) ** 0.5  # within 5 sigma of uniform
+    assert row_uniform(7, 2, 3) == row_uniform(7, 2, 3) != row_uniform(7, 3, 2)
+
+
+# -----------------------------------------------------------------------------
 # n samples, the prefix cache, the budget
 
 

@@ -115,16 +115,17 @@ serve)
     step serve_batching 480 "$PY" -m bench.serve_bench $SERVE --json_out="$OUT/serve.json"
     ;;
 decode)
-    # infer_bench --paths=engine,scheduler: the same model, prompt and batch on both paths (the Scheduler's rows are
-    # one-row requests in slots of their own, sampled, as chat_web serves them). ~5 compiles of ~30-40 s: the Engine's
-    # one per batch size, the Scheduler's warm-up two per instance (its buckets share a symbolic batch size).
+    # infer_bench --paths=engine,scheduler,scheduler_serial: the same model, prompt and batch on each path (the
+    # Scheduler's rows are one-row requests in slots of their own, sampled, as chat_web serves them; overlapped steps
+    # and one at a time). ~5 compiles of ~30-40 s: the Engine's one per batch size, the Scheduler's two (its buckets
+    # share a symbolic batch size, and a second Scheduler reuses the graphs: CUDA graph recordings only).
     if ((CPU)); then
         DEC="--depths=2 --device_type=cpu --threads=1 --prompt_len=64 --gen_tokens=32 --batch_sizes=1,8 --decode_compile=0,1"
     else
         DEC="--depths=20 --device_type=cuda --model_vocab=65536 --prompt_len=512 --gen_tokens=128 --batch_sizes=1,64,256
             --decode_compile=1"
     fi
-    step decode_paths 420 "$PY" -m bench.infer_bench $DEC --repeats=2 --paths=engine,scheduler --skip_server \
+    step decode_paths 420 "$PY" -m bench.infer_bench $DEC --repeats=2 --paths=engine,scheduler,scheduler_serial --skip_server \
         --tokenizer=repo_docs --json_out="$OUT/decode_paths.json"
     ;;
 pipeline)

@@ -73,7 +73,8 @@ FLAGS = Flags(
          "the eager and the compiled (on CUDA: graphed) decode step"),
     Flag("paths", "engine", "engine: Engine.generate, `batch` samples of one prompt; scheduler: the serving Scheduler in "
          "this process, `batch` one-row requests in slots of their own, stepped as chat_web's thread steps it (its "
-         "overhead without HTTP); a comma list for both"),
+         "overhead without HTTP; steps overlapped on CUDA); scheduler_serial: the same, one step at a time; a comma "
+         "list"),
     Flag("attn", "auto", "attention kernel of the models (nanochat.attention)"),
     Flag("weights_dtype", "auto", "dtype the weights are held in: auto = as the chat scripts load them "
          "(checkpoint_manager.weights_dtype_for: bf16 on CUDA, fp32 elsewhere)", choices=list(WEIGHTS_DTYPES)),
@@ -234,15 +235,15 @@ def measure_engine(args, engine, label, tokens, batch, device, autocast_ctx, wei
     model = engine.model
     skips = cudagraph_skips()
     t0 = time.perf_counter()
-    if path == "scheduler":
+    if path.startswith("scheduler"):
         from nanochat.serving.scheduler import Scheduler
 
         scheduler = Scheduler(engine, max_batch=batch, max_context=len(tokens) + args.gen_tokens + 1, prefix_cache=False,
-                              autocast=autocast_ctx, name="bench")
+                              autocast=autocast_ctx, name="bench", overlap=False if path == "scheduler_serial" else None)
         scheduler.warm_up()
         bench_scheduler(scheduler, tokens, batch, min(8, args.gen_tokens), device)  # first prefills, allocations
         run = lambda n: bench_scheduler(scheduler, tokens, batch, n, device)  # noqa: E731
-        label = f"scheduler, {label}"
+        label = f"{path.replace('_', ' ')}{' (overlapped)' if scheduler.overlap else ''}, {label}"
     else:
         bench_engine(engine, tokens, batch, min(8, args.gen_tokens), device, autocast_ctx)  # warm-up (compiles)
         run = lambda n: bench_engine(engine, tokens, batch, n, device, autocast_ctx)  # noqa: E731
@@ -254,7 +255,7 @@ def measure_engine(args, engine, label, tokens, batch, device, autocast_ctx, wei
     steps = min(r[3] for r in runs)
     step_bytes = decode_bytes(model, batch)  # the memory bound: each step reads these bytes at least
     # the scheduler's step attends over its slots with their columns masked, as the Engine's fixed-shape step does
-    kernel = decode_kernel(model, batch, len(tokens) + args.gen_tokens // 2, engine.decode_compiled or path == "scheduler",
+    kernel = decode_kernel(model, batch, len(tokens) + args.gen_tokens // 2, engine.decode_compiled or path != "engine",
                            act_dtype, device)
     row = dict(depth=model.config.n_layer, params_m=model.num_params() / 1e6, batch=batch, prompt=len(tokens),
                steps=steps, decode=label, warmup_s=warm_s, ttft_ms=ttft * 1e3, prefill_tps=len(tokens) / prefill,
@@ -279,8 +280,8 @@ def run_engine_benchmarks(args, tokenizer, device, autocast_ctx, rows, on_row=la
     tokens = prompt_tokens(tokenizer, args.prompt_len)
     modes = [m.strip() for m in str(args.decode_compile).split(",") if m.strip()]
     paths = [p.strip() for p in str(args.paths).split(",") if p.strip()]
-    if not paths or set(paths) - {"engine", "scheduler"}:
-        raise SystemExit(f"--paths takes engine and/or scheduler, got {args.paths!r}")
+    if not paths or set(paths) - {"engine", "scheduler", "scheduler_serial"}:
+        raise SystemExit(f"--paths takes engine, scheduler and scheduler_serial, got {args.paths!r}")
     weights_dtype = weights_dtype_for(device.type, "eval", args.weights_dtype)
     bw = args.peak_bandwidth * 1e9 or (peak_bandwidth_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
     act_dtype = torch.bfloat16 if device.type == "cuda" else weights_dtype  # what attention sees (autocast on CUDA)

@@ -79,6 +79,7 @@ FLAGS = Flags(
     Flag("decode_compile", "auto", "both servers' --decode_compile"),
     Flag("batch_invariant", "auto", "the batching servers' --batch_invariant (0: decode at exactly the rows running)",
          choices=["auto", "1", "0"]),
+    Flag("decode_overlap", "auto", "the batching servers' --decode_overlap", choices=["auto", "1", "0"]),
     Flag("threads", 0, "torch threads of both servers (OMP_NUM_THREADS; 0: torch's default)"),
     "multi-turn",
     Flag("turns", 5, "turns per conversation (0: skip)"),
@@ -371,7 +372,7 @@ def main(argv=None):
 
     kv = (["--max_context", str(args.max_context)] if args.max_context else []) + \
         (["--kv_cache_gb", str(args.kv_cache_gb)] if args.kv_cache_gb else []) + \
-        ["--batch_invariant", str(args.batch_invariant)]
+        ["--batch_invariant", str(args.batch_invariant), "--decode_overlap", str(args.decode_overlap)]
     servers = {"batching": Server("batching", args, env, ["--max_batch", str(args.max_batch), *kv])}
     if args.baseline:
         servers["one per worker"] = Server("one_per_worker", args, env, ["--batching", "0"])
@@ -444,7 +445,7 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work):
           f"{args.min_requests} per level), user "
           f"messages of {args.prompt_tokens} tokens, replies of up to {args.max_tokens} tokens, "
           f"{describe_sampling(args)}; batching "
-          f"server --batch_invariant={args.batch_invariant}. "
+          f"server --batch_invariant={args.batch_invariant} --decode_overlap={args.decode_overlap}. "
           f"Load average {load_before[0]:.1f} before, {load_after[0]:.1f} after. Server logs: {work}")
     print()
     print("| concurrency | server | aggregate tok/s | speed-up | tok/s, every client busy | speed-up | TTFT p50 / "

@@ -31,11 +31,12 @@ from test_attention import ref_bwd, ref_fwd
 REPO = Path(__file__).resolve().parents[2]
 
 
-def dry_run(tmp_path):
-    r = subprocess.run(["bash", "bench/gpu_suite.sh", "speed", "--dry-run"], cwd=REPO, capture_output=True, text=True,
-                       env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "PY": "python3"}, timeout=30)
+def dry_run(tmp_path, part="speed", *extra):
+    """`bash bench/gpu_suite.sh PART --dry-run [extra]`: (the result, [(step name, limit, command)])."""
+    r = subprocess.run(["bash", "bench/gpu_suite.sh", part, "--dry-run", *extra], cwd=REPO, capture_output=True,
+                       text=True, env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "PY": "python3"}, timeout=30)
     assert r.returncode == 0, r.stderr
-    return r, re.findall(r"^=== (speed_\w+) \(limit (\d+) s\): (.*)$", r.stdout, flags=re.M)
+    return r, re.findall(r"^=== (\w+) \(limit (\d+) s\): (.*)$", r.stdout, flags=re.M)
 
 
 def test_dry_run_prints_the_commands_within_nine_minutes(tmp_path):
@@ -55,10 +56,7 @@ def test_serve_part_fits_nine_minutes_and_serve_bench_takes_its_flags(tmp_path):
     from bench.serve_bench import FLAGS
 
     for extra, depth in (([], "--depth=20"), (["--cpu"], "--depth=4")):
-        r = subprocess.run(["bash", "bench/gpu_suite.sh", "serve", "--dry-run", *extra], cwd=REPO, capture_output=True,
-                           text=True, env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "PY": "python3"}, timeout=30)
-        assert r.returncode == 0, r.stderr
-        (step,) = re.findall(r"^=== (\w+) \(limit (\d+) s\): (.*)$", r.stdout, flags=re.M)
+        r, (step,) = dry_run(tmp_path, "serve", *extra)
         name, limit, command = step[0], int(step[1]), step[2].split()
         assert name == "serve_batching" and command[:3] == ["python3", "-m", "bench.serve_bench"] and depth in command
         assert limit <= 480 if not extra else limit <= 960  # --cpu doubles the limits
@@ -72,15 +70,12 @@ def test_decode_part_fits_nine_minutes_and_infer_bench_takes_its_flags(tmp_path)
     from bench.infer_bench import FLAGS
 
     for extra, depths in (([], "20"), (["--cpu"], "2")):
-        r = subprocess.run(["bash", "bench/gpu_suite.sh", "decode", "--dry-run", *extra], cwd=REPO, capture_output=True,
-                           text=True, env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "PY": "python3"}, timeout=30)
-        assert r.returncode == 0, r.stderr
-        (step,) = re.findall(r"^=== (\w+) \(limit (\d+) s\): (.*)$", r.stdout, flags=re.M)
+        r, (step,) = dry_run(tmp_path, "decode", *extra)
         name, limit, command = step[0], int(step[1]), step[2].split()
         assert name == "decode_paths" and command[:3] == ["python3", "-m", "bench.infer_bench"]
         assert limit <= (540 if not extra else 1080)
         args = FLAGS.parse_args(command[3:])
-        assert args.depths == depths and args.paths == "engine,scheduler" and args.skip_server
+        assert args.depths == depths and args.paths == "engine,scheduler,scheduler_serial" and args.skip_server
         assert "dry run: nothing ran" in r.stdout and list(tmp_path.iterdir()) == []
 
 
@@ -351,17 +346,19 @@ def test_decode_bench_runs_the_weights_users_run(tmp_path):
 
 
 def test_decode_bench_measures_the_scheduler_beside_the_engine(tmp_path):
-    """--paths=engine,scheduler: the Scheduler's rows decode every row of every request to the end (no stop tokens),
-    as many decode steps as the Engine's, and are labelled as such."""
+    """--paths=engine,scheduler,scheduler_serial: the Scheduler's rows decode every row of every request to the end
+    (no stop tokens), as many decode steps as the Engine's, and are labelled as such (on CPU the default does not
+    overlap: both Scheduler paths step one at a time)."""
     from bench.infer_bench import main
 
     out = tmp_path / "d.json"
     main(["--depths=1", "--device_type=cpu", "--threads=1", "--prompt_len=16", "--gen_tokens=6", "--repeats=1",
-          "--batch_sizes=1,3", "--decode_compile=0", "--paths=engine,scheduler", "--skip_server",
+          "--batch_sizes=1,3", "--decode_compile=0", "--paths=engine,scheduler,scheduler_serial", "--skip_server",
           "--tokenizer=repo_docs", f"--json_out={out}"])
     rows = json.loads(out.read_text())["engine"]
     assert [(r["decode"], r["batch"]) for r in rows] == [("eager", 1), ("eager", 3), ("scheduler, eager", 1),
-                                                         ("scheduler, eager", 3)]
+                                                         ("scheduler, eager", 3), ("scheduler serial, eager", 1),
+                                                         ("scheduler serial, eager", 3)]
     engine_steps = {r["batch"]: r["steps"] for r in rows if r["decode"] == "eager"}
     for r in rows:
         assert r["decode_tps"] > 0 and "error" not in r

@@ -245,6 +245,14 @@ def sample_next_token(logits, rng, temperature=1.0, top_k=None, top_p=None):
     return choice if idx is None else idx.gather(-1, choice)
 
 
+def host_tensor(values, device, dtype=None):
+    """A tensor of host values on `device` without waiting for the GPU: torch.tensor(..., device=cuda) and .to(cuda)
+    copy and then synchronize the stream, i.e. wait for every kernel queued before them, so a step that builds its
+    small index tensors that way stalls behind the previous step (and an overlapped step behind itself). A copy from
+    pageable memory with non_blocking returns once the driver has staged the bytes."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def sample_rows(logits, uniforms, temperature, top_k, top_p):
     """
     One token per row of logits (R, V) -> (R,) long, each row with its own temperature (> 0), top_k (None: all) and
@@ -266,9 +274,9 @@ def sample_rows(logits, uniforms, temperature, top_k, top_p):
     for i in range(R):
         groups.setdefault("top_k" if ks[i] < V else "top_p" if ps[i] < 1.0 else "all", []).append(i)
     out = torch.empty(R, dtype=torch.long, device=device)
-    uniforms = uniforms.to(device)
+    uniforms = uniforms.to(device, non_blocking=True)
     for kind, rows in groups.items():
-        index = torch.tensor(rows, device=device) if len(rows) < R else None
+        index = host_tensor(rows, device) if len(rows) < R else None
         x = logits if index is None else logits[index]
         u = uniforms if index is None else uniforms[index]
         ts, pp = [temperature[i] for i in rows], [ps[i] for i in rows]
@@ -294,10 +302,12 @@ def _top_k_candidates(x, ks):
     kmax = max(ks)
     n = min(kmax + 1, V)
     values, ids = torch.topk(x, n, dim=-1)
-    k = torch.tensor(ks).to(x.device).view(R, 1)
+    k = host_tensor(ks, x.device).view(R, 1)
     kth = values.gather(-1, k - 1)
     tied = (values.gather(-1, k) == kth).view(R)  # k < V here, so n > k
-    if bool(tied.any()):  # the k members: every logit above the k-th, then the lowest ids equal to it
+    # the k members: every logit above the k-th, then the lowest ids equal to it; on the CPU only when a row needs
+    # it, on a GPU always (reading `tied` on the host would wait for the step to finish)
+    if x.device.type != "cpu" or bool(tied.any()):
         above = x > kth
         equal = x == kth
         member = above | (equal & (equal.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)))
@@ -315,10 +325,10 @@ def _top_k_candidates(x, ks):
 def _draw(values, ids, u, temperature, top_p):
     """Inverse transform over candidates (R, n) in their canonical order (ids None: the token ids are the places)."""
     R = values.size(0)
-    x = values.float() / torch.tensor(temperature, dtype=torch.float32).to(values.device).view(R, 1)
+    x = values.float() / host_tensor(temperature, values.device, torch.float32).view(R, 1)
     probs = x.softmax(dim=-1)
     if min(top_p) < 1.0:  # most likely first here: drop a candidate once the ones before it reach p
-        p = torch.tensor(top_p, dtype=torch.float32).to(values.device).view(R, 1)
+        p = host_tensor(top_p, values.device, torch.float32).view(R, 1)
         probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= p, 0.0)
     cdf = probs.cumsum(dim=-1)
     choice = (cdf <= u.to(values.device, torch.float32).view(R, 1) * cdf[:, -1:]).sum(dim=-1)

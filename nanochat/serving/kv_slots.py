@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanochat.engine import host_tensor
+
 BLOCK = 16  # tokens per prefix-cache block: the granularity at which prompts share cached keys/values
 ATTN_BLOCK = 64  # decode attention reads keys in blocks of this many positions (slot columns are a multiple of it)
 
@@ -185,7 +187,7 @@ class PrefillView:
     def __init__(self, pool, row, start, prev_id=None):
         self.pool, self.row, self.start = pool, row, start
         # a model that mixes in the previous token (RecordGPT's smear) reads it here: the token before the chunk
-        self.prev_ids = None if prev_id is None else torch.tensor([[prev_id]], dtype=torch.long, device=pool.device)
+        self.prev_ids = None if prev_id is None else host_tensor([[prev_id]], pool.device, torch.long)
 
     def get_pos(self):
         return self.start
@@ -420,7 +422,7 @@ class PrefixCache:
         n = min(len(blocks) * BLOCK, limit)
         if n == 0:
             return 0
-        index = torch.tensor(blocks, device=self.pool.device)
+        index = host_tensor(blocks, self.pool.device)
         for store, pair in zip(self.layers, self.pool.layers):
             got = store[:, index].transpose(1, 2).reshape(2, self.pool.kv_heads, len(blocks) * BLOCK, self.pool.head_dim)
             for i, t in enumerate(pair):  # keys, values
@@ -448,8 +450,8 @@ class PrefixCache:
             new.append((b, block))
         if not new:
             return
-        src = torch.tensor([b for b, _ in new], device=self.pool.device)
-        dst = torch.tensor([block for _, block in new], device=self.pool.device)
+        src = host_tensor([b for b, _ in new], self.pool.device)
+        dst = host_tensor([block for _, block in new], self.pool.device)
         H, D = self.pool.kv_heads, self.pool.head_dim
         for store, pair in zip(self.layers, self.pool.layers):
             for i, t in enumerate(pair):  # keys, values

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.engine import (GREEDY_BELOW, RowState, check_generation_args, prepare_thread_for_cuda_graphs,
+from nanochat.engine import (GREEDY_BELOW, RowState, check_generation_args, host_tensor, prepare_thread_for_cuda_graphs,
                              sample_rows)
 from nanochat.serving.kv_slots import (ATTN_BLOCK, BLOCK, DecodeView, PrefixCache, SlotPool, decode_buckets, decode_sizes,
                                        kv_bytes_per_token, plan_kv)
@@ -322,7 +322,7 @@ class Scheduler:
             if done_any and end - start > budget:
                 return
             row = request.rows[0]
-            ids = torch.tensor([request.prompt[start:end]], dtype=torch.long, device=self.device)
+            ids = host_tensor([request.prompt[start:end]], self.device, torch.long)
             try:
                 view = self.pool.prefill_view(row.slot, start, request.prompt[start - 1] if start else None)
                 logits = self.model(ids, kv_cache=view)[:, -1, :]
@@ -369,7 +369,7 @@ class Scheduler:
         for rows, greedy_part in ((greedy, True), (drawn, False)):
             if not rows:
                 continue
-            index = torch.tensor(rows, device=logits.device) if len(rows) < len(draws) else None
+            index = host_tensor(rows, logits.device) if len(rows) < len(draws) else None
             x = logits if index is None else logits[index]
             if greedy_part:
                 token = x.argmax(dim=-1)
@@ -432,10 +432,10 @@ class Scheduler:
             for pairs, dst, src in ((from_device, view.ids, pending and pending.tokens),
                                     (prev_on_device, view.prev_ids, pending and pending.inputs)):
                 if pairs:
-                    slots = torch.tensor([a for a, _ in pairs], device=self.device)
-                    dst[slots, 0] = src[torch.tensor([b for _, b in pairs], device=self.device)]
+                    slots = host_tensor([a for a, _ in pairs], self.device)
+                    dst[slots, 0] = src[host_tensor([b for _, b in pairs], self.device)]
             logits = self._forward(view)
-            index = torch.tensor([r.slot for r in rows], device=self.device)
+            index = host_tensor([r.slot for r in rows], self.device)
             tokens = self._sample(logits[index], [(r.request, r.index, r.drawn) for r in rows])
             inputs = view.ids[index, 0]
         except Exception as e:

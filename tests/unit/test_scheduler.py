@@ -399,6 +399,40 @@ def test_overlapped_steps_keep_the_calculator_answers(tok):
     assert generate_many(engine, jobs, kv_budget_bytes=BUDGET, overlap=True) == expected
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compiled", ["0", "1"])
+def test_an_overlapped_step_is_launched_without_waiting_for_the_gpu(tok, compiled):
+    """On CUDA the steady state of overlapped steps syncs with the GPU only where it reads a step's tokens
+    (_complete): a blocking copy or a read while launching (torch.tensor(..., device=cuda), .item(), bool(t)) would
+    wait for the step in flight, and the GPU would idle while the host works. torch's sync debug mode raises on one."""
+    model = tiny_model(tok.get_vocab_size(), depth=2, sequence_len=512, seed=5).cuda()
+    scheduler = Scheduler(Engine(model, tok, decode_compile=compiled), max_batch=8, kv_budget_bytes=BUDGET)
+    assert scheduler.overlap
+    scheduler.warm_up()
+    jobs = [dict(temperature=0.0), dict(temperature=0.8, top_k=20, seed=1), dict(temperature=1.0, top_p=0.9, seed=2),
+            dict(temperature=0.7, seed=3)]
+    requests = [scheduler.submit(p, max_tokens=40, stop_tokens=(), **kw) for p, kw in zip(mixed_prompts(tok, 4), jobs)]
+    while any(r.first_token_at is None for r in requests) or scheduler._pending is None:
+        scheduler.step()
+    complete = scheduler._complete
+
+    def reading(launch, following):  # the one place a step may wait for the GPU
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            complete(launch, following)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    scheduler._complete = reading
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(10):
+            scheduler.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(len(r.tokens[0]) >= 10 for r in requests)
+
+
 def test_row_uniforms_are_uniform_and_each_rows_own():
     from nanochat.serving.scheduler import row_uniform
 

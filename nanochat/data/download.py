@@ -16,6 +16,7 @@ import http.client
 import os
 import re
 import shutil
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -198,6 +199,20 @@ def shard_indices(source, num_files):
     return list(range(train)) + [src.val_shard]  # the validation shard is the last index
 
 
+def _default_stop_signals():
+    """A download worker's signals as a fresh process has them: a worker forked from a process that handles SIGTERM
+    itself (a training stage's StopSignal, a test's handler) would inherit the handler, survive Pool.terminate's
+    SIGTERM, and the pool's exit could wait for it forever."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def worker_pool(num_workers):
+    """The download processes, each started with the default stop signals (_default_stop_signals)."""
+    return Pool(processes=num_workers, initializer=_default_stop_signals)
+
+
 def download_shards(indices, data_dir=None, base_url=None, num_workers=4, max_attempts=5, backoff=2.0, timeout=60,
                     source=DEFAULT_SOURCE):
     """Download the given shard indices of `source` with a pool of `num_workers` processes. Returns the indices that
@@ -212,7 +227,7 @@ def download_shards(indices, data_dir=None, base_url=None, num_workers=4, max_at
     if num_workers <= 1:
         results = [fetch(i) for i in indices]
     else:
-        with Pool(processes=num_workers) as pool:
+        with worker_pool(num_workers) as pool:
             results = pool.map(fetch, indices, chunksize=1)
     return [i for i, ok in zip(indices, results) if not ok]
 

@@ -385,6 +385,29 @@ def test_download_with_worker_pool(server, tmp_path):
     assert len(server.requests) == 6
 
 
+def test_download_workers_die_of_sigterm_whatever_this_process_does_with_it(server, tmp_path):
+    """A training stage records SIGTERM (StopSignal) rather than die of it; download workers forked from such a
+    process inherited that handler, outlived Pool.terminate's SIGTERM and hung the pool's exit (seen in CI: a worker
+    waiting for the task queue's lock forever, after a test left its handler installed). Each worker now starts
+    with the default stop signals; and a download from such a process ends. In a child, with a time limit."""
+    add_shards(server, 4)
+    code = (
+        "import signal\n"
+        "signal.signal(signal.SIGTERM, lambda *a: None)\n"
+        "signal.signal(signal.SIGUSR1, lambda *a: None)\n"
+        "from nanochat.data.download import download_shards, worker_pool\n"
+        "with worker_pool(2) as pool:\n"
+        "    print([pool.apply(signal.getsignal, (s,)) == signal.SIG_DFL for s in (signal.SIGTERM, signal.SIGUSR1)])\n"
+        f"print(download_shards(range(4), {str(tmp_path)!r}, {server.url!r}, num_workers=3))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[0] == "[True, True]" and lines[-1] == "[]", r.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"shard_{i:05d}.parquet" for i in range(4)]
+
+
 def test_download_refuses_to_mix_with_an_imported_corpus(server, tmp_path):
     (tmp_path / dataset.IMPORT_INFO).write_text("{}")
     with pytest.raises(FileExistsError, match="imported corpus"):

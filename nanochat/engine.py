@@ -259,7 +259,7 @@ def sample_rows(logits, uniforms, temperature, top_k, top_p):
     top_p (None or 1.0: all), drawn by inverse transform from uniforms (R,) in [0, 1): the candidates in a canonical
     order, the first whose cumulative probability passes u. A row's token is a function of its logits, settings and
     u alone (never of the other rows, nor of how a kernel orders equal logits), so the rows of many requests, each
-    drawing u from its own generator, are sampled in one batch and one host sync, and a seeded request gets the same
+    with its own u (the scheduler's row_uniform), are sampled in one batch and one host sync, and a seeded request gets the same
     tokens whatever its neighbours (the continuous-batching scheduler; sample_next_token draws one request's rows
     with torch.multinomial). The filters are sample_next_token's: top_k keeps the k most likely tokens (equal logits
     at the k-th place: the lowest token ids), top_p the most likely ones until their mass reaches p. The rows fall in

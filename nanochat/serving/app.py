@@ -92,8 +92,8 @@ def create_app(
     /openapi.json needs the key too. body_timeout_s: how long a request body may take to arrive (then a 408).
     batching: one continuous-batching Scheduler per worker (max_batch sequences together, slots of max_context
     positions, kv_cache_gb of KV memory or a share of the free memory, the prefix cache, batch_invariant: None = on
-    CPU, decode_overlap: None = on CUDA, see Scheduler); False: one request per worker at a time (the server before continuous batching, kept as the
-    benchmark's baseline).
+    CPU, decode_overlap: None = on CUDA, see Scheduler); False: one request per worker at a time (the server before
+    continuous batching, kept as the benchmark's baseline).
     """
     defaults = {"temperature": temperature, "top_k": top_k, "max_tokens": max_tokens}
     state = {"pool": None, "started": int(time.time())}

@@ -26,8 +26,8 @@ Every step, in order:
    engine.sample_rows), max_tokens, stop tokens and calculator state (the Engine's RowState). On CUDA the steps
    overlap (`overlap`): step N+1 is launched, fed step N's tokens on the device, before the host reads step N's,
    so the GPU does not wait while the host streams tokens and checks stops; a row that ended at N, or whose token
-   the calculator replaced, has its N+1 discarded. The tokens are the same either way. A sequence that stops leaves at once; its keys/values go
-   to the prefix cache and its slot is free for the next step.
+   the calculator replaced, has its N+1 discarded. The tokens are the same either way. A sequence that stops
+   leaves at once; its keys/values go to the prefix cache and its slot is free for the next step.
 
 Same answers alone or in a crowd: a request's tokens do not depend on which requests share its steps. Its prefill
 runs alone (batch 1, chunks fixed by its own prompt and prefix hit), and the decode step is made batch-invariant (on

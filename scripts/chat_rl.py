@@ -104,10 +104,12 @@ def rollout(engine, tokenizer, task, conversation, num_samples, device_batch_siz
 
 def rollouts(engine, tokenizer, task, conversations, num_samples, device_batch_size, seeds, rollout_batch, **sampling):
     """
-    rollout() for each conversation (seeds[i] for the i-th): with rollout_batch > 0 every question's samples decode
-    together through the continuous-batching scheduler, at most rollout_batch sequences at a time. The same passes
-    of device_batch_size samples with the same seeds as rollout(), so at temperature 0 the same sequences (up to float
-    rounding of the batched decode step); a question's passes share its prompt through the prefix cache.
+    rollout() for each conversation (seeds[i] for the i-th): with rollout_batch > 0 the questions decode together
+    through the continuous-batching scheduler, at most rollout_batch sequences at a time, each question one request
+    of num_samples rows: its prompt is prefilled once (rollout() prefills it once per pass of device_batch_size) and,
+    on CPU, its rows attend the prompt once per step (kv_slots.shared_prompt_attention). At temperature 0 the same
+    sequences as rollout() (up to float rounding of the batched decode step); sampled, a question's samples depend on
+    its seed alone, not on the other questions nor on rollout_batch (the scheduler's per-row uniforms).
     """
     if rollout_batch == 0:
         return [rollout(engine, tokenizer, task, c, num_samples, device_batch_size, seed, **sampling)
@@ -115,17 +117,9 @@ def rollouts(engine, tokenizer, task, conversations, num_samples, device_batch_s
     from nanochat.serving.scheduler import Job, generate_many
 
     prompts = [tokenizer.render_for_completion(c) for c in conversations]
-    jobs, owner = [], []
-    for q, (prompt, seed) in enumerate(zip(prompts, seeds)):
-        for p in range(math.ceil(num_samples / device_batch_size)):
-            n = min(device_batch_size, num_samples - p * device_batch_size)
-            jobs.append(Job(prompt, num_samples=n, seed=seed + p, max_tokens=sampling["max_tokens"],
-                            temperature=sampling["temperature"], top_k=sampling["top_k"]))
-            owner.append(q)
-    out = [([], []) for _ in conversations]
-    for q, (seqs, masks) in zip(owner, generate_many(engine, jobs, max_batch=rollout_batch)):
-        out[q][0].extend(seqs)
-        out[q][1].extend(masks)
+    jobs = [Job(prompt, num_samples=num_samples, seed=seed, max_tokens=sampling["max_tokens"],
+                temperature=sampling["temperature"], top_k=sampling["top_k"]) for prompt, seed in zip(prompts, seeds)]
+    out = generate_many(engine, jobs, max_batch=rollout_batch)
     return [(seqs, masks, [float(task.reward(c, tokenizer.decode(s[len(p):]))) for s in seqs])
             for c, p, (seqs, masks) in zip(conversations, prompts, out)]
 

@@ -228,6 +228,12 @@ def blockwise_attention(q, k, v, mask, span):
     return (out / weight).reshape(B, Hq, 1, D).to(q.dtype)
 
 
+def _take(t, rows):
+    """Rows of t along dim 0: a slice of consecutive rows is a view, anything else an index_select copy (the same
+    values, and the same bits out of the attention kernel, measured in tests/unit/test_scheduler.py)."""
+    return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
+
+
 def invariant_attention(q, k, v, mask, span, one_thread):
     """Decode attention whose result for a row does not depend on the batch: torch's flash kernel with one CPU
     thread (it then computes each row and head alone, measured bit for bit in tests/unit/test_scheduler.py, and it is the
@@ -237,6 +243,32 @@ def invariant_attention(q, k, v, mask, span, one_thread):
         return F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask[..., :span],
                                               enable_gqa=q.size(1) != k.size(1))
     return blockwise_attention(q, k, v, mask, span)
+
+
+def shared_prompt_attention(q, keys, values, first, prompt_len, rows):
+    """
+    Decode attention for the rows of one request that sample n completions of one prompt (CPU): q (n, Hq, 1, D),
+    rows their n slots in the pool's keys/values (R, Hkv, C, D) (a slice, or an index: _take), all at the same position, their first prompt_len
+    columns the same prompt (copied from slot `first` when it was prefilled). Every row reading its own copy of the
+    prompt makes a step read the prompt n times over; here the prompt is read once, as one sequence of the n rows'
+    queries against slot `first`'s prompt, then each row's own columns after it, and the two softmaxes are merged by
+    their log-sum-exps ("cascade" attention). Equal to attending the whole row up to float rounding; a row's result
+    depends only on its request's rows (their count, values and position), never on the rest of the batch.
+    """
+    n, Hq, _, D = q.shape
+    Hkv = keys.size(1)
+    G = Hq // Hkv
+    P = prompt_len
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns the log-sum-exp too
+    grouped = q.view(n, Hkv, G, D)  # grouped-query attention: a key head's G query heads are G queries
+    o1, l1 = flash(grouped.transpose(0, 1).reshape(1, Hkv, n * G, D), keys[first:first + 1, :, :P],
+                   values[first:first + 1, :, :P])[:2]
+    o1, l1 = o1.reshape(Hkv, n, G, D).transpose(0, 1), l1.reshape(Hkv, n, G).transpose(0, 1)
+    L = keys.size(2)  # the caller hands each row's columns up to its position: after the prompt, its own
+    o2, l2 = flash(grouped, _take(keys[:, :, P:L], rows), _take(values[:, :, P:L], rows))[:2]
+    m = torch.maximum(l1, l2)
+    w1, w2 = (l1 - m).exp().unsqueeze(-1), (l2 - m).exp().unsqueeze(-1)
+    return ((o1 * w1 + o2 * w2) / (w1 + w2)).reshape(n, Hq, 1, D).to(q.dtype)
 
 
 class DecodeView:
@@ -250,7 +282,8 @@ class DecodeView:
     compiled step can take it as a symbolic size. Filler rows (set_step's None) sit at position 0, attend column 0
     and write the scratch column; with trim, the fillers after the last live row skip attention (their output is
     zero: nothing reads a filler's logits, and a row's attention is computed on its own, so skipping others changes
-    no bit of it).
+    no bit of it). On CPU, eager, the rows of a request sampling n completions can attend their common prompt once
+    (set_step's `shared`, shared_prompt_attention) and the other rows run as runs of consecutive rows.
     """
 
     last_only = False
@@ -270,6 +303,7 @@ class DecodeView:
         self.span = pool.columns
         self.live = batch  # rows up to the last live one (set_step): attention runs on these
         self.one_thread = torch.get_num_threads() == 1
+        self.shared, self.runs = [], []  # set_step's shared-prompt groups, and the runs of the other rows
 
     def tensors(self):
         """The step's input tensors (a compiled step marks their addresses static)."""
@@ -283,9 +317,10 @@ class DecodeView:
     def get_pos(self):  # the model reads `positions` instead; an int makes no sense for rows at different lengths
         raise TypeError("a decode view has one position per row: read .positions")
 
-    def set_step(self, ids, positions, prev_ids=None):
+    def set_step(self, ids, positions, prev_ids=None, shared=()):
         """Host lists of B ids and positions (None: a filler row), and the tokens before them (-1: none) -> the
-        device tensors (one copy each), the masks."""
+        device tensors (one copy each), the masks. shared: (rows, prompt length) per request whose rows (>= 2, at
+        one position, same prompt in their slots) attend their prompt once (shared_prompt_attention; eager on CPU)."""
         pos = [0 if p is None else p for p in positions]
         column = [self.pool.scratch if p is None else p for p in positions]
         self.ids.copy_(torch.tensor(ids, dtype=torch.long).view(-1, 1), non_blocking=True)
@@ -300,6 +335,22 @@ class DecodeView:
         if self.trim:
             self.span = -(-(max(pos) + 1) // ATTN_BLOCK) * ATTN_BLOCK
             self.live = max((i + 1 for i, p in enumerate(positions) if p is not None), default=1)
+        self.shared, self.runs = [], []
+        if shared and self.trim and self.pool.device.type == "cpu":
+            grouped = set()
+            for rows, prompt_len in shared:
+                consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+                take = slice(rows[0], rows[-1] + 1) if consecutive else host_tensor(rows, self.pool.device)
+                self.shared.append((take, rows[0], prompt_len, positions[rows[0]] + 1))
+                grouped.update(rows)
+            start = None  # the other rows up to the last live one, in runs of consecutive slots
+            for i in range(self.live + 1):
+                if i < self.live and i not in grouped:
+                    start = i if start is None else start
+                elif start is not None:
+                    span = -(-(max(pos[start:i]) + 1) // ATTN_BLOCK) * ATTN_BLOCK
+                    self.runs.append((start, i, span))
+                    start = None
         self.one_thread = torch.get_num_threads() == 1  # here, not in the compiled step (a graph break there)
 
     def insert_kv(self, layer_idx, k, v):
@@ -312,14 +363,25 @@ class DecodeView:
     def attend(self, layer_idx, q, k, v, window=None):
         mask = self.mask if window is None else self.window_masks[window]  # window: the layer's sliding window
         n = self.live
+        if self.shared and window is None:  # (a windowed layer attends as usual: its band may not hold the prompt)
+            out = q.new_zeros(q.shape)
+            for a, b, span in self.runs:
+                out[a:b] = self._attend(q[a:b], k[a:b], v[a:b], mask[a:b], span)
+            for rows, first, prompt_len, end in self.shared:
+                part = shared_prompt_attention(_take(q, rows), k[:, :, :end], v[:, :, :end], first, prompt_len, rows)
+                if isinstance(rows, slice):
+                    out[rows] = part
+                else:
+                    out.index_copy_(0, rows, part)
+            return out
         if self.trim and n < q.size(0):  # trailing filler rows: zeros, not attention (eager only: fixed shapes)
             out = q.new_zeros(q.shape)
             out[:n] = self._attend(q[:n], k[:n], v[:n], mask[:n])
             return out
         return self._attend(q, k, v, mask)
 
-    def _attend(self, q, k, v, mask):
-        span = self.span
+    def _attend(self, q, k, v, mask, span=None):
+        span = span or self.span
         if self.invariant:
             return invariant_attention(q, k, v, mask, span, self.one_thread)
         return F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask[..., :span],

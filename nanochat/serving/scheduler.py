@@ -37,7 +37,9 @@ docs/benchmarks.md rows come out one way below 16 rows and another from 16 on, s
 rows), attention runs under a per-row mask, on CPU through kv_slots.invariant_attention (torch's CPU flash kernel
 splits the keys differently by batch size when it has several threads), and only for the rows up to the last live
 one. tests/unit/test_scheduler.py checks it token for token and logit for logit, for 32+ prompts arriving at
-different steps. Without batch invariance (the default on CUDA) an eager step runs at exactly its rows. A
+different steps. The rows of a request sampling n completions attend their common prompt once a step (eager on CPU:
+kv_slots.shared_prompt_attention), which reads the prompt's keys once instead of n times; their arithmetic then
+depends on their own request's rows, still never on the neighbours nor on the slots they got. Without batch invariance (the default on CUDA) an eager step runs at exactly its rows. A
 prefix-cache hit is the one thing that changes a request's arithmetic: its cached keys/values were computed in
 another chunking (or by decode steps), equal to recomputing them up to float rounding; --prefix_cache=0 turns it off
 where bit-for-bit reproducibility matters more than the time to first token.
@@ -428,7 +430,7 @@ class Scheduler:
             else:
                 from_device.append((r.slot, j))
         try:
-            view.set_step(ids, positions, prev)
+            view.set_step(ids, positions, prev, self._shared_prompts(rows))
             for pairs, dst, src in ((from_device, view.ids, pending and pending.tokens),
                                     (prev_on_device, view.prev_ids, pending and pending.inputs)):
                 if pairs:
@@ -450,6 +452,19 @@ class Scheduler:
         self.decoded_rows += len(rows)
         device_fed = {slot for slot, _ in from_device}
         return Launch(rows, tokens, inputs, [None if r.slot in device_fed else ids[r.slot] for r in rows])
+
+    def _shared_prompts(self, rows):
+        """The rows that attend their prompt once this step (DecodeView.set_step's `shared`; eager on CPU): per
+        request sampling n completions, its rows at the same position, >= 2 of them, in row order. Which rows group
+        together depends on the request alone (not on the slots it got), so a row's arithmetic does too."""
+        if self.compiled or self.device.type != "cpu":
+            return ()
+        groups = {}
+        for r in rows:
+            if r.request.num_samples > 1:
+                groups.setdefault((r.request.id, r.length), []).append(r)
+        return [([r.slot for r in sorted(g, key=lambda r: r.index)], len(g[0].request.prompt))
+                for g in groups.values() if len(g) > 1]
 
     def _complete(self, launch, following):
         """Read a launched step's tokens (the host sync) and advance its rows that are still running; then discard

@@ -208,6 +208,59 @@ def test_decode_attention_gives_a_row_the_same_bits_in_any_batch(threads):
         torch.testing.assert_close(torch.cat(alone), reference, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_shared_prompt_attention_reads_the_prompt_once_and_is_attention(threads):
+    """The n rows of one request attend their common prompt once (cascade: the prompt for all rows, then each row's
+    own columns, merged by log-sum-exp): close to attending each row's whole slot, and the same bits whether the
+    rows sit in consecutive slots (views) or anywhere in the pool (copies), so a row's result does not depend on
+    where its neighbours left free slots."""
+    from nanochat.serving.kv_slots import shared_prompt_attention
+
+    torch.manual_seed(0)
+    R, C, P, end = 12, 320, 150, 190  # slots, columns, prompt, position + 1
+    keys, values = torch.randn(R, 2, C, 32), torch.randn(R, 2, C, 32)
+    for t in (keys, values):
+        t[:, :, :P] = t[0, :, :P]  # every slot starts with the same prompt (copy_prefix)
+    q = torch.randn(4, 4, 1, 32)  # 4 rows, GQA 4 query heads on 2 key heads
+    mask = torch.zeros(4, 1, 1, end, dtype=torch.bool)
+    mask[..., :end] = True
+    for rows in (slice(3, 7), torch.tensor([9, 1, 5, 2])):
+        got = shared_prompt_attention(q, keys[:, :, :end], values[:, :, :end], 0, P, rows)
+        idx = list(range(12))[rows] if isinstance(rows, slice) else rows.tolist()
+        reference = torch.nn.functional.scaled_dot_product_attention(q, keys[idx, :, :end], values[idx, :, :end],
+                                                                     enable_gqa=True)
+        torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
+    placed = {}
+    for rows in (slice(3, 7), torch.tensor([9, 1, 5, 2])):
+        k, v = keys.clone(), values.clone()
+        idx = list(range(12))[rows] if isinstance(rows, slice) else rows.tolist()
+        k[idx, :, P:end], v[idx, :, P:end] = keys[:4, :, P:end], values[:4, :, P:end]  # the same 4 rows' own columns
+        placed[str(rows)] = shared_prompt_attention(q, k[:, :, :end], v[:, :, :end], 0, P, rows)
+    a, b = placed.values()
+    assert torch.equal(a, b)
+
+
+def test_a_request_sampling_n_rows_gets_its_tokens_alone_or_in_a_crowd_at_any_slots(tok, d4):
+    """A request with n = 4 rows (attending its prompt once) gets the same tokens and logits bit for bit alone and
+    among other requests that leave its rows in scattered slots; at temperature 0 its 4 rows agree with each other
+    and with the Engine."""
+    engine = Engine(d4, tok)
+    prompts = mixed_prompts(tok, 6, seed=11)
+    target = Job(prompts[0], num_samples=4, max_tokens=10, temperature=0.0)
+    solo, solo_logits = alone(engine, target)
+    # neighbours of 1 row each take slots 0-4, two of them leave after 2 tokens: the target's rows get 1, 3, 5, 6
+    others = [Job(p, max_tokens=[2, 12][i % 2], temperature=0.0) for i, p in enumerate(prompts[1:])]
+    crowd_scheduler = Recording(engine, max_batch=8, kv_budget_bytes=BUDGET, prefix_cache=False)
+    crowd = run(crowd_scheduler, [*others, target], arrivals=[0, 0, 0, 0, 0, 3])
+    assert sorted(r.slot for r in crowd[5].rows) != list(range(min(r.slot for r in crowd[5].rows),
+                                                              min(r.slot for r in crowd[5].rows) + 4))
+    assert crowd[5].tokens == solo.tokens and len({tuple(t) for t in solo.tokens}) == 1
+    for (_, row, step), value in solo_logits.items():
+        assert torch.equal(value, crowd_scheduler.logits[(5, row, step)]), (row, step)
+    seqs, _ = engine.generate_batch(target.prompt, num_samples=1, max_tokens=10, temperature=0.0)
+    assert solo.sequences()[0][0] == seqs[0]
+
+
 def test_batched_tokens_match_the_engine_one_prompt_at_a_time(tok, d4, threads):
     """Not bit for bit (the Engine decodes at batch 1 with the flash kernel), but at temperature 0 the tokens agree
     with Engine.generate_batch for these prompts: the batched path answers what the unbatched one did."""

@@ -425,12 +425,34 @@ class SlotPool:
             t[dst, :, :n] = t[src, :, :n]
 
 
+class _Key:
+    """
+    A prefix-cache key: one block's tokens after its parent block's key. Keys in the index are canonical (a walk
+    continues from the key it found, and a child holds its parent), so a parent compares by identity and a key
+    hashes and compares in O(BLOCK) however deep it is. (Keys as nested tuples hashed and compared the whole prefix
+    at every block: O(blocks^2) a lookup, ~2 ms for a 2,000-token conversation; a hash of the prefix alone could be
+    made to collide, and serve one user's cached keys/values to another.)
+    """
+
+    __slots__ = ("parent", "tokens", "hash")
+
+    def __init__(self, parent, tokens):
+        self.parent, self.tokens = parent, tokens
+        self.hash = hash((id(parent), tokens))
+
+    def __hash__(self):
+        return self.hash
+
+    def __eq__(self, other):
+        return self.parent is other.parent and self.tokens == other.tokens
+
+
 class PrefixCache:
     """
     Keys/values of token prefixes, in blocks of BLOCK tokens keyed by the whole prefix up to the block's end (a
-    chain: each key holds its parent's key), so a block is shared by every sequence that starts with the same tokens
-    and a lookup walks from the first block. Least recently used blocks are evicted first; a lookup touches the
-    deepest block first and the first block last, so a chain loses its tail before its head.
+    chain: each key holds its parent's key, _Key), so a block is shared by every sequence that starts with the same
+    tokens and a lookup walks from the first block. Least recently used blocks are evicted first; a lookup touches
+    the deepest block first and the first block last, so a chain loses its tail before its head.
     Storage per layer: (2, num_blocks, heads, BLOCK, dim), allocated empty (a block is read only once written).
     """
 
@@ -438,7 +460,7 @@ class PrefixCache:
         self.pool, self.num_blocks = pool, num_blocks
         shape = (2, num_blocks, pool.kv_heads, BLOCK, pool.head_dim)
         self.layers = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.num_layers)]
-        self.index = OrderedDict()  # key -> block id, least recently used first
+        self.index = OrderedDict()  # key -> (block id, the key itself: a walk goes on from it), least recently used first
         self.free = list(range(num_blocks - 1, -1, -1))
         # counters for /stats: prompt tokens looked up, and how many of them came from the cache
         self.lookups = self.hits = self.lookup_tokens = self.hit_tokens = self.evictions = 0
@@ -446,35 +468,28 @@ class PrefixCache:
     def nbytes(self):
         return sum(t.numel() * t.element_size() for t in self.layers)
 
-    @staticmethod
-    def _keys(tokens, n_blocks):
-        keys, parent = [], None
-        for b in range(n_blocks):
-            parent = (parent, tuple(tokens[b * BLOCK:(b + 1) * BLOCK]))
-            keys.append(parent)
-        return keys
+    def _walk(self, tokens):
+        """(key, block id) of each cached leading whole block of `tokens`, touching nothing: one dict read per block,
+        so safe to call from another thread while the scheduler's thread works."""
+        found, parent = [], None
+        for b in range(len(tokens) // BLOCK):
+            hit = self.index.get(_Key(parent, tuple(tokens[b * BLOCK:(b + 1) * BLOCK])))
+            if hit is None:
+                break
+            block, parent = hit
+            found.append((parent, block))
+        return found
 
     def match(self, tokens):
         """Block ids of the longest cached prefix of `tokens` (whole blocks), touched as used."""
-        ids = []
-        for key in self._keys(tokens, len(tokens) // BLOCK):
-            block = self.index.get(key)
-            if block is None:
-                break
-            ids.append((key, block))
-        for key, _ in reversed(ids):  # deepest first: the first block ends up most recently used
+        found = self._walk(tokens)
+        for key, _ in reversed(found):  # deepest first: the first block ends up most recently used
             self.index.move_to_end(key)
-        return [block for _, block in ids]
+        return [block for _, block in found]
 
     def cached_tokens(self, tokens):
-        """How many leading tokens of `tokens` are cached (whole blocks), without touching anything: safe to call
-        from another thread while the scheduler's thread works (one dict read per block)."""
-        n = 0
-        for key in self._keys(tokens, len(tokens) // BLOCK):
-            if self.index.get(key) is None:
-                break
-            n += BLOCK
-        return n
+        """How many leading tokens of `tokens` are cached (whole blocks), without touching anything."""
+        return len(self._walk(tokens)) * BLOCK
 
     def load(self, tokens, row, limit):
         """Copy the longest cached prefix of `tokens`, at most `limit` tokens, into slot `row`. Returns its length."""
@@ -485,10 +500,12 @@ class PrefixCache:
         if n == 0:
             return 0
         index = host_tensor(blocks, self.pool.device)
+        H, D, end = self.pool.kv_heads, self.pool.head_dim, len(blocks) * BLOCK
         for store, pair in zip(self.layers, self.pool.layers):
-            got = store[:, index].transpose(1, 2).reshape(2, self.pool.kv_heads, len(blocks) * BLOCK, self.pool.head_dim)
-            for i, t in enumerate(pair):  # keys, values
-                t[row, :, :n] = got[i, :, :n]
+            for i, t in enumerate(pair):  # keys, values: whole blocks (one gather, one copy into the slot's view);
+                # the columns from n to the last block's end (n = limit) are the prompt's next ones, which the
+                # prefill that follows writes anyway
+                t[row, :, :end].view(H, len(blocks), BLOCK, D).copy_(store[i].index_select(0, index).transpose(0, 1))
         self.hits += 1
         self.hit_tokens += n
         return n
@@ -497,18 +514,23 @@ class PrefixCache:
         """Register the whole blocks of `tokens`, whose keys/values are in slot `row`, evicting old blocks as needed."""
         n_blocks = len(tokens) // BLOCK
         new = []  # (block position in the sequence, block id)
-        for b, key in enumerate(self._keys(tokens, n_blocks)):
-            if key in self.index:
-                self.index.move_to_end(key)
+        parent = None
+        for b in range(n_blocks):
+            key = _Key(parent, tuple(tokens[b * BLOCK:(b + 1) * BLOCK]))
+            hit = self.index.get(key)
+            if hit is not None:
+                parent = hit[1]
+                self.index.move_to_end(parent)
                 continue
             if not self.free:
                 if not self.index:
                     break
-                _, victim = self.index.popitem(last=False)
+                _, (victim, _) = self.index.popitem(last=False)
                 self.free.append(victim)
                 self.evictions += 1
             block = self.free.pop()
-            self.index[key] = block
+            self.index[key] = (block, key)
+            parent = key
             new.append((b, block))
         if not new:
             return
@@ -517,8 +539,8 @@ class PrefixCache:
         H, D = self.pool.kv_heads, self.pool.head_dim
         for store, pair in zip(self.layers, self.pool.layers):
             for i, t in enumerate(pair):  # keys, values
-                blocks = t[row, :, : n_blocks * BLOCK].reshape(H, n_blocks, BLOCK, D).transpose(0, 1)
-                store[i, dst] = blocks[src]
+                blocks = t[row, :, : n_blocks * BLOCK].view(H, n_blocks, BLOCK, D).transpose(0, 1)
+                store[i].index_copy_(0, dst, blocks.index_select(0, src))
 
     def stats(self):
         return {

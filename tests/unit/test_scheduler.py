@@ -523,6 +523,36 @@ def test_n_samples_share_one_prefill(tok, d4, threads):
     assert len(req.tokens) == 4 and len({tuple(t) for t in req.tokens}) > 1
 
 
+def test_prefix_cache_keys_chain_whole_prefixes_and_load_the_cached_bits():
+    """A block is found only after its own prefix (the same tokens after another first block are another key), a
+    key's parent compares by identity (so a lookup costs O(blocks), not O(blocks^2)), load copies the cached
+    keys/values bit for bit (at most `limit` tokens counted), eviction takes a chain's tail first, and a chain
+    without its head is found no more."""
+    from nanochat.serving.kv_slots import PrefixCache, SlotPool, _Key
+
+    torch.manual_seed(0)
+    pool = SlotPool(2, 2, 8, rows=4, slot_len=128, dtype=torch.float32, device="cpu")
+    for t in pool.tensors():
+        t.normal_()
+    cache = PrefixCache(pool, num_blocks=64)
+    a, b, c = ([i] * BLOCK for i in (1, 2, 3))
+    cache.save(a + b + [7], row=0)
+    assert cache.cached_tokens(a + b + [9]) == 2 * BLOCK
+    assert cache.cached_tokens(c + b) == 0 and cache.cached_tokens(a + c) == BLOCK
+    first = _Key(None, tuple(a))
+    assert _Key(first, tuple(b)) == _Key(first, tuple(b)) and _Key(first, tuple(b)) != _Key(_Key(None, tuple(a)), tuple(b))
+    assert cache.load(a + b + [9], row=2, limit=2 * BLOCK + 1) == 2 * BLOCK
+    for t in pool.tensors():
+        assert torch.equal(t[2, :, :2 * BLOCK], t[0, :, :2 * BLOCK])
+    assert cache.load(a + b, row=3, limit=2 * BLOCK - 1) == 2 * BLOCK - 1  # the prompt's last token is prefilled
+    cache.index.popitem(last=False)  # the least recently used block: the chain's tail (lookups touch it first)
+    assert cache.cached_tokens(a + b) == BLOCK
+    cache.save(a + b, row=0)
+    head = next(key for key in cache.index if key.parent is None)
+    del cache.index[head]  # the tail stays, unreachable: its parent is the evicted head
+    assert cache.cached_tokens(a + b) == 0 and len(cache.index) == 1
+
+
 def test_prefix_cache_reuses_a_conversations_earlier_turn(tok, d4, threads):
     """Turn 2 = turn 1's prompt + its reply + a new message: the cached blocks cover nearly all of it, only the rest
     is prefilled, and the reply is the same as without the cache (at temperature 0: the cached keys/values equal the

@@ -248,12 +248,13 @@ def invariant_attention(q, k, v, mask, span, one_thread):
 def shared_prompt_attention(q, keys, values, first, prompt_len, rows):
     """
     Decode attention for the rows of one request that sample n completions of one prompt (CPU): q (n, Hq, 1, D),
-    rows their n slots in the pool's keys/values (R, Hkv, C, D) (a slice, or an index: _take), all at the same position, their first prompt_len
-    columns the same prompt (copied from slot `first` when it was prefilled). Every row reading its own copy of the
-    prompt makes a step read the prompt n times over; here the prompt is read once, as one sequence of the n rows'
-    queries against slot `first`'s prompt, then each row's own columns after it, and the two softmaxes are merged by
-    their log-sum-exps ("cascade" attention). Equal to attending the whole row up to float rounding; a row's result
-    depends only on its request's rows (their count, values and position), never on the rest of the batch.
+    `rows` their n slots in the pool's keys/values (R, Hkv, C, D) (a slice or an index, _take), all at the same
+    position, their first prompt_len columns the same prompt (copied from slot `first` when it was prefilled). Every
+    row reading its own copy of the prompt makes a step read the prompt n times over; here the prompt is read once,
+    as one sequence of the n rows' queries against slot `first`'s prompt, then each row's own columns after it, and
+    the two softmaxes are merged by their log-sum-exps ("cascade" attention). Equal to attending the whole row up to
+    float rounding; a row's result depends only on its request's rows (their count, values and position), never on
+    the rest of the batch.
     """
     n, Hq, _, D = q.shape
     Hkv = keys.size(1)
@@ -460,7 +461,8 @@ class PrefixCache:
         self.pool, self.num_blocks = pool, num_blocks
         shape = (2, num_blocks, pool.kv_heads, BLOCK, pool.head_dim)
         self.layers = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.num_layers)]
-        self.index = OrderedDict()  # key -> (block id, the key itself: a walk goes on from it), least recently used first
+        # key -> (block id, the key itself: a walk goes on from it), least recently used first
+        self.index = OrderedDict()
         self.free = list(range(num_blocks - 1, -1, -1))
         # counters for /stats: prompt tokens looked up, and how many of them came from the cache
         self.lookups = self.hits = self.lookup_tokens = self.hit_tokens = self.evictions = 0

@@ -39,10 +39,11 @@ splits the keys differently by batch size when it has several threads), and only
 one. tests/unit/test_scheduler.py checks it token for token and logit for logit, for 32+ prompts arriving at
 different steps. The rows of a request sampling n completions attend their common prompt once a step (eager on CPU:
 kv_slots.shared_prompt_attention), which reads the prompt's keys once instead of n times; their arithmetic then
-depends on their own request's rows, still never on the neighbours nor on the slots they got. Without batch invariance (the default on CUDA) an eager step runs at exactly its rows. A
-prefix-cache hit is the one thing that changes a request's arithmetic: its cached keys/values were computed in
-another chunking (or by decode steps), equal to recomputing them up to float rounding; --prefix_cache=0 turns it off
-where bit-for-bit reproducibility matters more than the time to first token.
+depends on their own request's rows, still never on the neighbours nor on the slots they got. Without batch
+invariance (the default on CUDA) an eager step runs at exactly its rows. A prefix-cache hit is the one thing that
+changes a request's arithmetic: its cached keys/values were computed in another chunking (or by decode steps), equal
+to recomputing them up to float rounding; --prefix_cache=0 turns it off where bit-for-bit reproducibility matters
+more than the time to first token.
 
 Decode is compiled where the Engine would compile (`decode_compile`, auto = on CUDA, captured as a CUDA graph), one
 step per bucket of kv_slots.decode_buckets (fixed shapes), and eager elsewhere. The model is called through the same

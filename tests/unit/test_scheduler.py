@@ -540,7 +540,8 @@ def test_prefix_cache_keys_chain_whole_prefixes_and_load_the_cached_bits():
     assert cache.cached_tokens(a + b + [9]) == 2 * BLOCK
     assert cache.cached_tokens(c + b) == 0 and cache.cached_tokens(a + c) == BLOCK
     first = _Key(None, tuple(a))
-    assert _Key(first, tuple(b)) == _Key(first, tuple(b)) and _Key(first, tuple(b)) != _Key(_Key(None, tuple(a)), tuple(b))
+    same_tokens_other_parent = _Key(_Key(None, tuple(a)), tuple(b))  # an equal prefix, but not the canonical key
+    assert _Key(first, tuple(b)) == _Key(first, tuple(b)) and _Key(first, tuple(b)) != same_tokens_other_parent
     assert cache.load(a + b + [9], row=2, limit=2 * BLOCK + 1) == 2 * BLOCK
     for t in pool.tensors():
         assert torch.equal(t[2, :, :2 * BLOCK], t[0, :, :2 * BLOCK])

@@ -21,7 +21,8 @@ Measured per server and concurrency:
 - TTFT: request sent -> first content chunk; ITL: gaps between content chunks (the server sends text every ~20 ms
   at most, WAKE_EVERY_S, so one chunk may hold several tokens: ITL p50 is then the chunking, p99 the stalls);
 - multi-turn (--turns): conversations that resend their history each turn, the reply of turn N in the prompt of
-  N+1; TTFT per turn on the batching server with and without its prefix cache (a third server, --prefix_cache=0).
+  N+1; TTFT per turn on the batching server with and without its prefix cache (a third server, --prefix_cache=0,
+  with the same --max_batch except on a GPU, where its slots are for the conversations only).
 Prints markdown tables for docs/benchmarks.md and the load average; --json_out keeps the raw numbers.
 """
 
@@ -376,9 +377,16 @@ def main(argv=None):
     servers = {"batching": Server("batching", args, env, ["--max_batch", str(args.max_batch), *kv])}
     if args.baseline:
         servers["one per worker"] = Server("one_per_worker", args, env, ["--batching", "0"])
-    if convs:  # only the conversations at once decode there: its slots are for those
+    if convs:
+        # only the conversations decode there. On a GPU its slots are for those (slots for --max_batch sequences twice
+        # over may not fit on one card); elsewhere it gets the batching server's --max_batch: with batch invariance (on
+        # CPU) a step computes at the sizes measured for the pool's rows (16-64 rows on docs/benchmarks.md's CPU for 64
+        # slots, 8 for 8), so a smaller pool would decode cheaper steps and understate what the prefix cache saves
+        from nanochat.common import autodetect_device_type
+
+        rows = max(convs) if (args.device_type or autodetect_device_type()) == "cuda" else args.max_batch
         servers["batching, no prefix cache"] = Server("no_prefix_cache", args, env,
-                                                      ["--max_batch", str(max(convs)), "--prefix_cache", "0", *kv])
+                                                      ["--max_batch", str(rows), "--prefix_cache", "0", *kv])
     load_before = os.getloadavg()
     rows, turns = [], []
     try:

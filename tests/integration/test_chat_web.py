@@ -222,7 +222,8 @@ def test_generation_thread_wakes_the_event_loop_in_batches(tok, monkeypatch):
     """A wake-up of the event loop per token made the generation thread and the loop take turns at the GIL on every
     step (the server decoded a d1 model at a third of the bare Engine's speed on CPU, a d4 at 22.7 tok/s on an H100).
     The thread now wakes the loop at most every WAKE_EVERY_S (and at once for the end): with a long interval, 200
-    instant tokens arrive in a few deliveries, each checked once for a disconnect, and the text is still all there."""
+    instant tokens arrive in a few deliveries, each checked once for a disconnect and sent as one event (not one per
+    token: each is a JSON dump and a socket write), and the text is still all there."""
     from starlette.requests import Request
 
     import nanochat.serving.generation as generation
@@ -247,6 +248,7 @@ def test_generation_thread_wakes_the_event_loop_in_batches(tok, monkeypatch):
     assert "".join(p["token"] for p in pieces[:-1]) == tok.decode([a] * 200)
     assert elapsed < 20  # "done" wakes the loop at once: nothing waited for the 30 s interval
     assert len(checks) <= 10, len(checks)  # a check per token would be >= 200
+    assert len(pieces) <= 11, len(pieces)  # one event per delivery, and "done"
 
 
 # -----------------------------------------------------------------------------

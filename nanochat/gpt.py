@@ -434,8 +434,8 @@ class GPT(nn.Module):
         x = norm(x.to(compute_dtype(x)))  # the residual stream runs in the compute dtype (see the top)
         for block in self.transformer.h:
             x = block(x, cos_sin, kv_cache, backend)
-        if targets is None and getattr(kv_cache, "last_only", False):  # a serving prefill reads the next token's logits only
-            x = x[:, -1:]
+        if targets is None and hasattr(kv_cache, "last"):  # a serving prefill reads the next token's logits only
+            x = kv_cache.last(x)
         return self.head(x, self.lm_head.weight, self.config.vocab_size, targets, loss_reduction)
 
     @torch.inference_mode()
@@ -728,11 +728,17 @@ class RecordGPT(GPT):
         With a KV cache the previous token of the first position is the last one of the cache's previous forward; a
         cache that knows each row's previous token id (`prev_ids`, -1 for none: the serving scheduler's) gets its
         embedding recomputed instead, so it keeps no embeddings of its own (a prefix-cache hit, a moved row)."""
+        lam = self.smear_lambda.to(x.dtype)
+        starts = getattr(kv_cache, "starts", None)
+        if starts is not None:  # several prompts' chunks packed in one sequence (a serving prefill): a chunk's first
+            # token takes its own previous token (prev_ids, one per chunk), not the last of the chunk before it
+            prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+            prev[:, starts] = self.embed_prev(kv_cache.prev_ids, x.dtype)
+            return x + lam * torch.sigmoid(self.smear_gate(x[..., :SMEAR_CHANNELS])) * prev
         if kv_cache is not None and hasattr(kv_cache, "prev_ids"):
             prev = None if kv_cache.prev_ids is None else self.embed_prev(kv_cache.prev_ids, x.dtype)
         else:
             prev = None if kv_cache is None else kv_cache.exchange_prev_embedding(x[:, -1:])
-        lam = self.smear_lambda.to(x.dtype)
         if x.size(1) > 1:
             gate = lam * torch.sigmoid(self.smear_gate(x[:, 1:, :SMEAR_CHANNELS]))
             first = x[:, :1]
@@ -765,8 +771,8 @@ class RecordGPT(GPT):
             if i == backout_layer:
                 x_backout = x
         x = x - self.backout_lambda.to(x.dtype) * x_backout  # low-level features of the middle layer taken out
-        if targets is None and getattr(kv_cache, "last_only", False):  # a serving prefill reads the next token's logits only
-            x = x[:, -1:]
+        if targets is None and hasattr(kv_cache, "last"):  # a serving prefill reads the next token's logits only
+            x = kv_cache.last(x)
         return self.head(x, self.lm_head.weight, self.config.vocab_size, targets, loss_reduction)
 
 

@@ -89,7 +89,7 @@ class ScriptedModel(torch.nn.Module):
         B, T = idx.shape
         positions = getattr(kv_cache, "positions", None)  # the serving scheduler's decode step: one per row
         starts = positions[:, 0].tolist() if positions is not None else [kv_cache.get_pos()] * B
-        if positions is None and (starts[0] == 0 or getattr(kv_cache, "last_only", False)):
+        if positions is None and (starts[0] == 0 or hasattr(kv_cache, "last")):
             self.prompt_len = starts[0] + T  # a prefill (after a cached prefix, for the scheduler): generation follows
         self.fed.append(idx.tolist())
         if self.delay:

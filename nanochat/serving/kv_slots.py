@@ -5,6 +5,7 @@ later requests, and the memory budget both come from.
 
     pool = SlotPool(layers=4, kv_heads=2, head_dim=128, rows=64, slot_len=1024, dtype=torch.float32, device=cpu)
     model(chunk_ids, kv_cache=pool.prefill_view(row, start))       # one sequence's prompt chunk into its slot
+    model(ids, kv_cache=pool.packed_prefill_view(chunks, model.attn_choice))   # several's chunks at once
     model(ids, kv_cache=pool.decode_view(bucket))                   # one token for each of rows [0, bucket)
 
 The model sees the same cache API as the Engine's KVCache (nanochat/engine.py): `insert_kv(layer, k, v)` returns the
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanochat.attention import attention
 from nanochat.engine import host_tensor
 
 BLOCK = 16  # tokens per prefix-cache block: the granularity at which prompts share cached keys/values
@@ -182,7 +184,6 @@ class PrefillView:
 
     positions = None
     attn_mask = None
-    last_only = True  # a prefill needs the last position's logits only
 
     def __init__(self, pool, row, start, prev_id=None):
         self.pool, self.row, self.start = pool, row, start
@@ -191,6 +192,12 @@ class PrefillView:
 
     def get_pos(self):
         return self.start
+
+    @staticmethod
+    def last(x):
+        """The hidden states the logits are computed for (the model asks, `last`): a prefill needs its last
+        position's only."""
+        return x[:, -1:]
 
     def insert_kv(self, layer_idx, k, v):
         T = k.size(2)
@@ -202,6 +209,59 @@ class PrefillView:
         values[self.row, :, self.start:end] = v[0]
         r = self.row
         return keys[r:r + 1, :, :end], values[r:r + 1, :, :end]
+
+
+class PackedPrefillView:
+    """
+    Chunks of several sequences' prompts packed into one batch-1 forward: `chunks` are (slot, start, length, previous
+    token id or None), and the input is their tokens one after the other. Every matmul then runs once over all the
+    chunks' tokens (on a GPU a prefill of one short prompt is kernel launches more than arithmetic), while each
+    chunk's attention is computed on its own, as the model computes a PrefillView's (nanochat.attention.attention on
+    the same keys: positions `start + i` over its slot's columns up to them). `last` gives the logits of each chunk's
+    last token, in chunk order. Not batch-invariant: a token's matmul rows depend on how many tokens share the
+    forward, so the scheduler packs only where it does not promise that (not on CPU by default).
+    """
+
+    attn_mask = None
+
+    def __init__(self, pool, chunks, backend):
+        self.pool, self.chunks, self.backend = pool, chunks, backend  # backend: the model's attn_choice
+        bounds, positions, a = [], [], 0
+        for _, start, n, _ in chunks:
+            bounds.append((a, a + n))
+            positions.extend(range(start, start + n))
+            a += n
+        self.bounds = bounds
+        device = pool.device
+        self.positions = host_tensor([positions], device, torch.long)  # (1, T): each token's rotary position
+        self.ends = host_tensor([b - 1 for _, b in bounds], device, torch.long)
+        # RecordGPT's smear: where each chunk starts in the packed sequence, and the token before it (-1: none)
+        self.starts = host_tensor([a for a, _ in bounds], device, torch.long)
+        self.prev_ids = host_tensor([[-1 if p is None else p for *_, p in chunks]], device, torch.long)
+
+    def get_pos(self):  # the model reads `positions`
+        raise TypeError("a packed prefill has one position per token: read .positions")
+
+    def last(self, x):
+        return x[:, self.ends]
+
+    def insert_kv(self, layer_idx, k, v):
+        keys, values = self.pool.layers[layer_idx]
+        for (slot, start, n, _), (a, b) in zip(self.chunks, self.bounds):
+            if start + n > self.pool.slot_len:
+                raise ValueError(f"a prefill to {start + n} tokens overflows the slot of {self.pool.slot_len}")
+            keys[slot, :, start:start + n] = k[0, :, a:b]
+            values[slot, :, start:start + n] = v[0, :, a:b]
+        return k, v
+
+    def attend(self, layer_idx, q, k, v, window=None):
+        keys, values = self.pool.layers[layer_idx]
+        out = []
+        for (slot, start, n, _), (a, b) in zip(self.chunks, self.bounds):
+            end = start + n
+            out.append(attention(q[:, :, a:b], keys[slot:slot + 1, :, :end], values[slot:slot + 1, :, :end],
+                                      self.backend, None, window))
+        return torch.cat(out, dim=2)
 
 
 def blockwise_attention(q, k, v, mask, span):
@@ -286,8 +346,6 @@ class DecodeView:
     no bit of it). On CPU, eager, the rows of a request sampling n completions can attend their common prompt once
     (set_step's `shared`, shared_prompt_attention) and the other rows run as runs of consecutive rows.
     """
-
-    last_only = False
 
     def __init__(self, pool, batch, invariant, trim=True, windows=()):
         device = pool.device
@@ -419,6 +477,9 @@ class SlotPool:
 
     def prefill_view(self, row, start, prev_id=None):
         return PrefillView(self, row, start, prev_id)
+
+    def packed_prefill_view(self, chunks, backend):
+        return PackedPrefillView(self, chunks, backend)
 
     def copy_prefix(self, src, dst, n):
         """The first n positions of slot src into slot dst (a request's extra samples start from its prompt)."""

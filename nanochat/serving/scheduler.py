@@ -16,9 +16,11 @@ Every step, in order:
    the budget comes from the device's free memory, or --kv_cache_gb). The rest wait; the server refuses requests
    beyond its queue with 429 before they get here. An admitted prompt first looks in the prefix cache: the longest
    cached prefix (a shared system prompt, the same conversation's earlier turn) is copied into its slot.
-3. Prompts are prefilled, one forward per chunk of at most `prefill_chunk` tokens, up to `prefill_budget` tokens a
-   step (at least one chunk), so a long prompt or a crowd of new ones delays the sequences already streaming by a
-   bounded amount, while new requests get their first token soon. A prompt's last chunk gives its
+3. Prompts are prefilled in chunks of at most `prefill_chunk` tokens, up to `prefill_budget` tokens a step (at
+   least one chunk), so a long prompt or a crowd of new ones delays the sequences already streaming by a bounded
+   amount, while new requests get their first token soon. Without batch invariance (the default on CUDA) the chunks
+   of several requests are packed into one forward (one chunk each: every matmul runs once over all their tokens,
+   each chunk attends its own slot), else each chunk is a forward of its own. A prompt's last chunk gives its
    first token(s); a request sampling n completions copies its prompt's keys/values into its other n - 1 slots.
 4. One decode step for every sequence that is generating, whatever request it belongs to. Each request keeps its own
    temperature, top_k, top_p, seed (a sampled token's uniform is a hash of the seed, the row and the position,
@@ -30,7 +32,7 @@ Every step, in order:
    leaves at once; its keys/values go to the prefix cache and its slot is free for the next step.
 
 Same answers alone or in a crowd: a request's tokens do not depend on which requests share its steps. Its prefill
-runs alone (batch 1, chunks fixed by its own prompt and prefix hit), and the decode step is made batch-invariant (on
+runs alone (batch 1, chunks fixed by its own prompt and prefix hit: not packed), and the decode step is made batch-invariant (on
 CPU, the default): it runs only at batch sizes at which every matmul computes a row the same bits
 (kv_slots.decode_sizes, measured at the first step: a BLAS picks its kernel by the sizes, and on the CPU of
 docs/benchmarks.md rows come out one way below 16 rows and another from 16 on, so a step there computes at least 16
@@ -40,7 +42,7 @@ one. tests/unit/test_scheduler.py checks it token for token and logit for logit,
 different steps. The rows of a request sampling n completions attend their common prompt once a step (eager on CPU:
 kv_slots.shared_prompt_attention), which reads the prompt's keys once instead of n times; their arithmetic then
 depends on their own request's rows, still never on the neighbours nor on the slots they got. Without batch
-invariance (the default on CUDA) an eager step runs at exactly its rows. A prefix-cache hit is the one thing that
+invariance (the default on CUDA) an eager step runs at exactly its rows, and prompts are packed. A prefix-cache hit is the one thing that
 changes a request's arithmetic: its cached keys/values were computed in another chunking (or by decode steps), equal
 to recomputing them up to float rounding; --prefix_cache=0 turns it off where bit-for-bit reproducibility matters
 more than the time to first token.
@@ -316,31 +318,49 @@ class Scheduler:
             self.prefilling.append(request)
 
     def _prefill(self):
+        """Prompt chunks, in arrival order, up to prefill_budget tokens this step (the first chunk always): one
+        forward per chunk where a request's logits must not depend on its neighbours (batch_invariant), else the
+        chunks of several requests packed into one forward (kv_slots.PackedPrefillView), a request at most one
+        chunk per forward."""
         budget = self.prefill_budget
-        done_any = False
         while self.prefilling:
-            request = self.prefilling[0]
-            start = request.prefilled
-            end = min(start + self.prefill_chunk, len(request.prompt))
-            if done_any and end - start > budget:
+            pack, tokens = [], 0
+            for request in self.prefilling:
+                start = request.prefilled
+                end = min(start + self.prefill_chunk, len(request.prompt))
+                if (pack or budget < self.prefill_budget) and tokens + end - start > budget:
+                    break
+                pack.append((request, start, end))
+                tokens += end - start
+                if self.batch_invariant:
+                    break
+            if not pack:
                 return
-            row = request.rows[0]
-            ids = host_tensor([request.prompt[start:end]], self.device, torch.long)
+            budget -= tokens
             try:
-                view = self.pool.prefill_view(row.slot, start, request.prompt[start - 1] if start else None)
-                logits = self.model(ids, kv_cache=view)[:, -1, :]
-            except Exception as e:  # this request fails; the others go on
+                logits = self._prefill_forward(pack)
+            except Exception as e:  # these requests fail; the others go on
                 logger.exception(f"prefill failed on scheduler {self.name}")
-                self.prefilling.pop(0)
-                self._finish(request, f"generation failed: {type(e).__name__}: {e}")
+                for request, _, _ in pack:
+                    self.prefilling.remove(request)
+                    self._finish(request, f"generation failed: {type(e).__name__}: {e}")
                 continue
-            budget -= end - start
-            done_any = True
-            request.prefilled = end
-            if end < len(request.prompt):
-                continue  # the next chunk comes next (this step if the budget allows)
-            self.prefilling.pop(0)
-            self._start_decoding(request, logits)
+            for i, (request, start, end) in enumerate(pack):
+                request.prefilled = end
+                if end == len(request.prompt):  # its last chunk: its first token(s) now
+                    self.prefilling.remove(request)
+                    self._start_decoding(request, logits[i:i + 1])
+                # else its next chunk comes next (this step if the budget allows)
+
+    def _prefill_forward(self, pack):
+        """One forward over the chunks of `pack` [(request, start, end)] -> the next-token logits after each chunk,
+        (len(pack), vocab). A lone chunk runs as a batch-1 prefill of its slot (as it always did)."""
+        chunks = [(r.rows[0].slot, start, end - start, r.prompt[start - 1] if start else None) for r, start, end in pack]
+        ids = host_tensor([[t for r, start, end in pack for t in r.prompt[start:end]]], self.device, torch.long)
+        if len(pack) == 1:
+            slot, start, _, prev = chunks[0]
+            return self.model(ids, kv_cache=self.pool.prefill_view(slot, start, prev))[:, -1, :]
+        return self.model(ids, kv_cache=self.pool.packed_prefill_view(chunks, self.model.attn_choice))[0]
 
     def _start_decoding(self, request, logits):
         P = len(request.prompt)

@@ -154,6 +154,76 @@ def test_a_crowd_of_20_gives_the_logits_of_alone_bit_for_bit(tok, d4, threads):
             assert torch.equal(value, crowd_scheduler.logits[(i, row, step)]), (i, step)
 
 
+class Prefills(Scheduler):
+    """A scheduler that keeps, per request tag, what its prefill made: the first token's logits and the prompt's
+    keys/values in its slot (every layer), and the token count of every prefill forward."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.made, self.forwards = {}, []
+
+    def _prefill_forward(self, pack):
+        self.forwards.append([end - start for _, start, end in pack])
+        return super()._prefill_forward(pack)
+
+    def _start_decoding(self, request, logits):
+        slot, P = request.rows[0].slot, len(request.prompt)
+        kv = [t[slot, :, :P].clone() for t in self.pool.tensors()]
+        self.made[request.tag] = (logits[0].clone(), kv)
+        super()._start_decoding(request, logits)
+
+
+def record_model():
+    from test_record_model import decode_model
+
+    return decode_model(sequence_len=64)
+
+
+@pytest.mark.parametrize("model", ["d4", "record"])
+def test_packed_prefills_compute_each_prompt_as_alone(tok, d4, threads, model):
+    """Without batch invariance (the CUDA default) the prompts prefilling in one step share one forward: each its
+    next chunk (at most prefill_chunk), the chunks in arrival order up to prefill_budget tokens. Every prompt's
+    first-token logits and keys/values equal its lone prefill's up to float rounding, across chunk boundaries,
+    prefix-cache hits (a shared system prompt) and, for the record model, its sliding windows and smear (a chunk's
+    first token smears its own prompt's previous token, not the chunk packed before it); greedy tokens equal."""
+    if model == "d4":
+        engine, prompts = Engine(d4, tok), mixed_prompts(tok, 12, seed=4, shared_prefix=True)
+    else:
+        from test_record_model import NoToolTokenizer
+
+        engine = Engine(record_model(), NoToolTokenizer(), decode_compile="0")
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 150, 70, 200, 20, 130, 180, 40)]
+        prompts = [p if i % 2 else prompts[1][:100] + p for i, p in enumerate(prompts)]  # a shared 100-token prefix
+    jobs = [Job(p, max_tokens=[4, 9][i % 2], temperature=0.0) for i, p in enumerate(prompts)]
+    options = dict(max_batch=8, max_context=512, kv_budget_bytes=BUDGET, batch_invariant=False, prefill_chunk=64,
+                   prefill_budget=200)
+    crowd = Prefills(engine, prefix_cache=True, **options)
+    crowd_requests = run(crowd, jobs, arrivals=[0] * (len(jobs) - 3) + [2, 4, 8])
+    assert max(len(f) for f in crowd.forwards) >= 3  # several prompts' chunks shared forwards
+    assert all(len(f) == 1 or sum(f) <= 200 for f in crowd.forwards)  # within the step's budget
+    assert all(c <= 64 for f in crowd.forwards for c in f)
+    assert any(r.prefix_hit > 0 for r in crowd_requests)
+    for i, job in enumerate(jobs):
+        solo = Prefills(engine, prefix_cache=False, **options)
+        (solo_request,) = run(solo, [job])
+        assert all(len(f) == 1 for f in solo.forwards)
+        logits, kv = solo.made[i] if i in solo.made else solo.made[0]
+        crowd_logits, crowd_kv = crowd.made[i]
+        torch.testing.assert_close(crowd_logits, logits, rtol=1e-4, atol=1e-4)
+        for a, b in zip(crowd_kv, kv):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert crowd_requests[i].tokens == solo_request.tokens, f"prompt {i} ({len(job.prompt)} tokens)"
+
+
+def test_with_batch_invariance_prompts_prefill_alone(tok, d4, threads):
+    """The CPU default: a prompt's prefill never shares a forward, so its logits cannot depend on the others'."""
+    scheduler = Prefills(Engine(d4, tok), max_batch=8, kv_budget_bytes=BUDGET, prefill_chunk=64)
+    assert scheduler.batch_invariant
+    run(scheduler, [Job(p, max_tokens=3, temperature=0.0) for p in mixed_prompts(tok, 6, seed=2)])
+    assert all(len(f) == 1 for f in scheduler.forwards) and len(scheduler.forwards) >= 6
+
+
 def test_decode_sizes_are_those_where_the_blas_gives_a_row_the_same_bits(monkeypatch):
     """invariant_sizes keeps a batch size only if every weight's matmul gives each row the bits it gets at the
     largest size: on this machine's BLAS as it is, and with a BLAS whose rows change at 5-7 rows (as one machine's
@@ -649,9 +719,9 @@ def test_the_record_model_batches_with_its_windows_and_smear(threads):
     prefill chunks, prefix-cache hits and decode steps (the scheduler hands each row its previous token). Alone ==
     in a crowd of changing size, tokens and logits bit for bit; and the tokens are the Engine's, one prompt at a time
     (the reference for what the model computes); a conversation's turn 2 through the prefix cache answers as without."""
-    from test_record_model import NoToolTokenizer, decode_model
+    from test_record_model import NoToolTokenizer
 
-    model = decode_model(sequence_len=64)
+    model = record_model()
     assert model.windows == [128, 128, 128, 64]
     engine = Engine(model, NoToolTokenizer(), decode_compile="0")
     g = torch.Generator().manual_seed(11)

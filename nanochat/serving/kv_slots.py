@@ -260,7 +260,7 @@ class PackedPrefillView:
         for (slot, start, n, _), (a, b) in zip(self.chunks, self.bounds):
             end = start + n
             out.append(attention(q[:, :, a:b], keys[slot:slot + 1, :, :end], values[slot:slot + 1, :, :end],
-                                      self.backend, None, window))
+                                 self.backend, None, window))
         return torch.cat(out, dim=2)
 
 

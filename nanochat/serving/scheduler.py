@@ -32,9 +32,9 @@ Every step, in order:
    leaves at once; its keys/values go to the prefix cache and its slot is free for the next step.
 
 Same answers alone or in a crowd: a request's tokens do not depend on which requests share its steps. Its prefill
-runs alone (batch 1, chunks fixed by its own prompt and prefix hit: not packed), and the decode step is made batch-invariant (on
-CPU, the default): it runs only at batch sizes at which every matmul computes a row the same bits
-(kv_slots.decode_sizes, measured at the first step: a BLAS picks its kernel by the sizes, and on the CPU of
+runs alone (batch 1, chunks fixed by its own prompt and prefix hit: not packed), and the decode step is made
+batch-invariant (on CPU, the default): it runs only at batch sizes at which every matmul computes a row the same
+bits (kv_slots.decode_sizes, measured at the first step: a BLAS picks its kernel by the sizes, and on the CPU of
 docs/benchmarks.md rows come out one way below 16 rows and another from 16 on, so a step there computes at least 16
 rows), attention runs under a per-row mask, on CPU through kv_slots.invariant_attention (torch's CPU flash kernel
 splits the keys differently by batch size when it has several threads), and only for the rows up to the last live
@@ -42,10 +42,10 @@ one. tests/unit/test_scheduler.py checks it token for token and logit for logit,
 different steps. The rows of a request sampling n completions attend their common prompt once a step (eager on CPU:
 kv_slots.shared_prompt_attention), which reads the prompt's keys once instead of n times; their arithmetic then
 depends on their own request's rows, still never on the neighbours nor on the slots they got. Without batch
-invariance (the default on CUDA) an eager step runs at exactly its rows, and prompts are packed. A prefix-cache hit is the one thing that
-changes a request's arithmetic: its cached keys/values were computed in another chunking (or by decode steps), equal
-to recomputing them up to float rounding; --prefix_cache=0 turns it off where bit-for-bit reproducibility matters
-more than the time to first token.
+invariance (the default on CUDA) an eager step runs at exactly its rows, and prompts are packed. A prefix-cache hit
+is the one thing that changes a request's arithmetic: its cached keys/values were computed in another chunking (or
+by decode steps), equal to recomputing them up to float rounding; --prefix_cache=0 turns it off where bit-for-bit
+reproducibility matters more than the time to first token.
 
 Decode is compiled where the Engine would compile (`decode_compile`, auto = on CUDA, captured as a CUDA graph), one
 step per bucket of kv_slots.decode_buckets (fixed shapes), and eager elsewhere. The model is called through the same
@@ -339,10 +339,9 @@ class Scheduler:
             budget -= tokens
             try:
                 logits = self._prefill_forward(pack)
-            except Exception as e:  # these requests fail; the others go on
+            except Exception as e:  # the requests of this forward fail; the others go on
                 logger.exception(f"prefill failed on scheduler {self.name}")
                 for request, _, _ in pack:
-                    self.prefilling.remove(request)
                     self._finish(request, f"generation failed: {type(e).__name__}: {e}")
                 continue
             for i, (request, start, end) in enumerate(pack):

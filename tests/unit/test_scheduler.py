@@ -169,7 +169,7 @@ class Prefills(Scheduler):
     def _start_decoding(self, request, logits):
         slot, P = request.rows[0].slot, len(request.prompt)
         kv = [t[slot, :, :P].clone() for t in self.pool.tensors()]
-        self.made[request.tag] = (logits[0].clone(), kv)
+        self.made[getattr(request, "tag", request.id)] = (logits[0].clone(), kv)
         super()._start_decoding(request, logits)
 
 
@@ -214,6 +214,34 @@ def test_packed_prefills_compute_each_prompt_as_alone(tok, d4, threads, model):
         for a, b in zip(crowd_kv, kv):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         assert crowd_requests[i].tokens == solo_request.tokens, f"prompt {i} ({len(job.prompt)} tokens)"
+
+
+def test_a_failed_packed_prefill_fails_its_requests_and_the_scheduler_goes_on(tok, d4, threads):
+    """A forward that raises fails the requests whose chunks it held, each with the error; the scheduler and the
+    requests after them carry on."""
+    engine = Engine(d4, tok)
+    prompts = mixed_prompts(tok, 5, seed=8)
+    poison = prompts[1][-1]
+    forward = d4.forward
+
+    def failing(idx, kv_cache=None, **kw):
+        if idx.size(1) > 1 and poison in idx[0].tolist() and len(idx[0]) > len(prompts[1]) - 1:
+            raise RuntimeError("injected failure")
+        return forward(idx, kv_cache=kv_cache, **kw)
+
+    scheduler = Prefills(engine, max_batch=8, kv_budget_bytes=BUDGET, batch_invariant=False, prefix_cache=False)
+    d4.forward = failing
+    try:
+        requests = [scheduler.submit(p, max_tokens=3, temperature=0.0) for p in prompts[:3]]
+        scheduler.step()
+        later = scheduler.submit(prompts[3], max_tokens=3, temperature=0.0)
+        while scheduler.step():
+            pass
+    finally:
+        del d4.forward
+    assert scheduler.forwards[0] == [len(p) for p in prompts[:3]]  # one forward held the three
+    assert [r.error for r in requests] == ["generation failed: RuntimeError: injected failure"] * 3
+    assert later.error is None and len(later.tokens[0]) == 3 and scheduler.errors == 3 and not scheduler.pending()
 
 
 def test_with_batch_invariance_prompts_prefill_alone(tok, d4, threads):

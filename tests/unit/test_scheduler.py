@@ -208,12 +208,31 @@ def test_packed_prefills_compute_each_prompt_as_alone(tok, d4, threads, model):
         solo = Prefills(engine, prefix_cache=False, **options)
         (solo_request,) = run(solo, [job])
         assert all(len(f) == 1 for f in solo.forwards)
-        logits, kv = solo.made[i] if i in solo.made else solo.made[0]
+        logits, kv = solo.made[0]
         crowd_logits, crowd_kv = crowd.made[i]
         torch.testing.assert_close(crowd_logits, logits, rtol=1e-4, atol=1e-4)
         for a, b in zip(crowd_kv, kv):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         assert crowd_requests[i].tokens == solo_request.tokens, f"prompt {i} ({len(job.prompt)} tokens)"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_packed_prefills_on_cuda_give_each_prompt_its_lone_logits(tok):
+    """On a GPU (bf16 autocast, the server's setting, not batch-invariant) prompts arriving together share prefill
+    forwards, and each gets the first-token logits of its lone prefill up to bf16 rounding."""
+    model = tiny_model(tok.get_vocab_size(), depth=2, sequence_len=512, seed=5).cuda()
+    engine = Engine(model, tok, decode_compile="0")
+    options = dict(max_batch=8, kv_budget_bytes=BUDGET, prefix_cache=False, prefill_chunk=64, dtype=torch.bfloat16,
+                   autocast=lambda: torch.amp.autocast(device_type="cuda", dtype=torch.bfloat16))
+    jobs = [Job(p, max_tokens=2, temperature=0.0) for p in mixed_prompts(tok, 8, seed=9)]
+    crowd = Prefills(engine, **options)
+    assert not crowd.batch_invariant
+    run(crowd, jobs)
+    assert max(len(f) for f in crowd.forwards) >= 4
+    for i, job in enumerate(jobs):
+        solo = Prefills(engine, **options)
+        run(solo, [job])
+        torch.testing.assert_close(crowd.made[i][0].float(), solo.made[0][0].float(), rtol=0.05, atol=0.05)
 
 
 def test_a_failed_packed_prefill_fails_its_requests_and_the_scheduler_goes_on(tok, d4, threads):

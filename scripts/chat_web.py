@@ -45,7 +45,7 @@ from nanochat.common import setup_default_logging
 from nanochat.engine import Engine, decode_compile_flag
 from nanochat.serving.app import create_app, server_options
 from nanochat.serving.schema import MAX_MAX_TOKENS, MAX_TEMPERATURE, MAX_TOP_K, MIN_MAX_TOKENS, MIN_TEMPERATURE, MIN_TOP_K
-from nanochat.serving.workers import Worker, check_kv_plans
+from nanochat.serving.workers import Worker, check_kv_plans, hand_cpu_threads_to_workers
 from nanochat.usage import run_main
 
 setup_default_logging()
@@ -168,8 +168,9 @@ def exposure_warning(host, api_key):
     return f"--host {host} listens beyond this machine, and no API key is set: anyone who can reach it can generate. Set NANOCHAT_API_KEY or --api_key_file, or use --host 127.0.0.1"
 
 
-def load_workers(args, device_type):
-    """One replica per GPU (loaded one after another), or a single one on CPU/MPS."""
+def load_workers(args, device_type, threads=None):
+    """One replica per GPU (loaded one after another), or a single one on CPU/MPS (generating on `threads` torch
+    threads)."""
     from nanochat.checkpoint_manager import load_model
 
     if device_type == "cuda":
@@ -185,7 +186,7 @@ def load_workers(args, device_type):
         logger.info(f"attention: {model.set_attn(args.attn).describe()}")
         engine = Engine(model, tokenizer, args.decode_compile)
         logger.info(f"decode step: {'compiled' if engine.decode_compiled else 'eager'}")
-        workers.append(Worker(engine, gpu_id=gpu_id, device=device, dtype=dtype))
+        workers.append(Worker(engine, gpu_id=gpu_id, device=device, dtype=dtype, threads=threads))
     return workers
 
 
@@ -215,7 +216,8 @@ def main(argv=None):
         parser.error("; ".join(errors))
     origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
 
-    workers = load_workers(args, device_type)  # before serving: a missing checkpoint stops here with its message
+    threads = hand_cpu_threads_to_workers(device_type)  # this thread serves HTTP; the workers' threads compute
+    workers = load_workers(args, device_type, threads)  # before serving: a missing checkpoint stops here with its message
     if args.batching:  # and a KV cache that cannot fit, with the setting to change
         check_kv_plans(workers, args.max_batch, args.max_context, args.kv_cache_gb, args.prefix_cache)
     app = create_app(

@@ -188,15 +188,15 @@ class Scheduler:
     request's logits the same bits whatever its neighbours (default on CPU; see the module docstring). overlap: launch
     each decode step before reading the previous one's tokens (default on CUDA; the same tokens). autocast: a
     callable returning the context every forward runs in (the server's bf16 autocast on CUDA). log_requests: a log
-    line per finished request (the server's).
+    line per finished request (the server's). threads: torch CPU threads of the thread that steps (start), set on it
+    when it starts (None: as they are; chat_web keeps its main thread at one, nanochat/serving/workers.py).
     """
 
     def __init__(self, engine, max_batch=64, max_context=None, kv_budget_bytes=None, prefix_cache=True,
                  prefill_chunk=DEFAULT_PREFILL_CHUNK, prefill_budget=DEFAULT_PREFILL_BUDGET, autocast=None, dtype=None,
-                 batch_invariant=None, overlap=None, name="0",
-                 log_requests=False):
+                 batch_invariant=None, overlap=None, name="0", log_requests=False, threads=None):
         model = engine.model
-        self.engine, self.model, self.name, self.log_requests = engine, model, name, log_requests
+        self.engine, self.model, self.name, self.log_requests, self.threads = engine, model, name, log_requests, threads
         self.device = model.get_device()
         self.autocast = autocast or nullcontext
         if prefill_chunk < 1 or prefill_budget < 1:
@@ -686,6 +686,8 @@ class Scheduler:
             self._thread = None
 
     def _loop(self):
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
         try:
             self.warm_s = self.warm_up()
         except Exception:  # the step compiles on first use instead, and reports its own errors then

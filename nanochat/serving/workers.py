@@ -26,10 +26,13 @@ RETRY_AFTER_S = 2  # the Retry-After of a 429 when the queue is full: about one 
 
 
 class Worker:
-    """One model replica: its Engine, the device it lives on and counters for /stats. Used by one request at a time."""
+    """One model replica: its Engine, the device it lives on and counters for /stats. Used by one request at a time.
+    threads: the torch CPU threads of the thread that generates (its Scheduler's, or run_in_thread's), set on that
+    thread when it starts (None: as the process has them; see chat_web, which keeps its main thread at one)."""
 
-    def __init__(self, engine, gpu_id=0, device=None, dtype=None):
+    def __init__(self, engine, gpu_id=0, device=None, dtype=None, threads=None):
         self.engine = engine
+        self.threads = threads
         self.tokenizer = engine.tokenizer
         self.gpu_id = gpu_id
         self.device = torch.device(device) if device is not None else engine.model.get_device()
@@ -54,6 +57,8 @@ class Worker:
         self._jobs.put(fn)
 
     def _serve_jobs(self):
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
         while True:
             fn = self._jobs.get()
             try:
@@ -92,6 +97,24 @@ class Worker:
             out.update(requests_served=s.requests_served, tokens_generated=s.tokens_generated, errors=s.errors,
                        batching=s.stats())
         return out
+
+
+def hand_cpu_threads_to_workers(device_type):
+    """
+    On CPU, the server's main thread (the one that loads the model, then serves HTTP) computes on one torch thread
+    from here on, and returns the thread count the generating threads are to set on themselves (Worker.threads);
+    None elsewhere. Why: OpenMP (torch's CPU parallel backend, GNU libgomp in the Linux wheels) keeps a pool of
+    worker threads for every thread that ever ran a parallel region, and once those outnumber the cores it stops
+    spinning between regions, so each region of a decode step waits for its workers to wake. The main thread's pool
+    (from loading the model) beside the scheduler's made the scheduler's steps ~15% slower on a 2-core CPU (measured
+    in process: a scheduler thread stepping 16 closed-loop clients, docs/benchmarks.md). Only with the OpenMP
+    backend: torch's native one fixes its thread count for the whole process at the first parallel work.
+    """
+    if torch.device(device_type).type != "cpu" or "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return threads
 
 
 def check_kv_plans(workers, max_batch, max_context=None, kv_cache_gb=None, prefix_cache=True):
@@ -203,7 +226,7 @@ class BatchingPool(Admission):
         self.max_queue = max_queue
         for w in self.workers:
             w.scheduler = Scheduler(w.engine, autocast=w.autocast, dtype=w.kv_dtype(), name=str(w.gpu_id),
-                                    log_requests=True, **scheduler_options)
+                                    log_requests=True, threads=w.threads, **scheduler_options)
             w.scheduler.start()
         self.running_limit = sum(w.scheduler.max_batch for w in self.workers)
 

@@ -218,6 +218,48 @@ def test_text_is_sent_only_at_utf8_boundaries(tok):
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_the_generating_threads_get_the_cpu_threads_and_the_main_thread_one(tok, model):
+    """chat_web on CPU: the thread that loads the model and serves HTTP computes on one torch thread from then on (no
+    OpenMP pool of its own beside the scheduler's: with more pool threads than cores, libgomp stops spinning and every
+    region of a step waits for a wake-up), and the generating threads (a replica's scheduler, the one-request
+    worker's thread) set the process's former thread count on themselves. Off the CPU nothing changes."""
+    from nanochat.serving.workers import BatchingPool, hand_cpu_threads_to_workers
+
+    before = torch.get_num_threads()
+    seen = {}
+
+    def in_a_fresh_thread():  # like chat_web's main thread (run here so this test process keeps its own)
+        seen["cuda"] = hand_cpu_threads_to_workers("cuda")
+        seen["handed"] = hand_cpu_threads_to_workers("cpu")
+        seen["left"] = torch.get_num_threads()
+
+    try:
+        torch.set_num_threads(2)
+        t = threading.Thread(target=in_a_fresh_thread)
+        t.start()
+        t.join()
+        assert seen == {"cuda": None, "handed": 2, "left": 1}
+        torch.set_num_threads(1)  # a new thread starts at the process's count: 1, as in chat_web after the hand-off
+        worker = Worker(Engine(model, tok), threads=seen["handed"])
+        worker.run_in_thread(lambda: seen.update(generating=torch.get_num_threads()))
+        deadline = time.monotonic() + 10
+        while "generating" not in seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        torch.set_num_threads(1)
+        pool = BatchingPool([Worker(Engine(model, tok), threads=seen["handed"])], max_batch=4, kv_budget_bytes=2**26)
+        try:
+            scheduler = pool.workers[0].scheduler
+            step = scheduler.step
+            scheduler.step = lambda: seen.update(stepping=torch.get_num_threads()) or step()
+            request = scheduler.submit(tok.encode("hello"), max_tokens=2, temperature=0.0)
+            assert request.finished.wait(60) and request.error is None
+        finally:
+            pool.close()
+        assert seen["generating"] == 2 and seen["stepping"] == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_generation_thread_wakes_the_event_loop_in_batches(tok, monkeypatch):
     """A wake-up of the event loop per token made the generation thread and the loop take turns at the GIL on every
     step (the server decoded a d1 model at a third of the bare Engine's speed on CPU, a d4 at 22.7 tok/s on an H100).

@@ -20,6 +20,8 @@ Measured per server and concurrency:
   the first client has received its last reply, over that time: the load of `concurrency` clients, without the drain;
 - TTFT: request sent -> first content chunk; ITL: gaps between content chunks (the server sends text every ~20 ms
   at most, WAKE_EVERY_S, so one chunk may hold several tokens: ITL p50 is then the chunking, p99 the stalls);
+- the batching server's scheduler per level (/stats): decode steps, their mean rows and time, prompt chunks per
+  prefill forward, the share of its busy time outside decode (prefills, admission), its busy share of the level;
 - multi-turn (--turns): conversations that resend their history each turn, the reply of turn N in the prompt of
   N+1; TTFT per turn on the batching server with and without its prefix cache (a third server, --prefix_cache=0,
   with the same --max_batch except on a GPU, where its slots are for the conversations only).
@@ -311,6 +313,20 @@ async def load_level(url, concurrency, messages, requests_per_client, max_tokens
             "latency_p50_s": pct([r[5] for r in results], 50)}
 
 
+SCHEDULER_COUNTERS = ("steps", "decode_steps", "decoded_rows", "busy_s", "decode_s", "prefill_forwards",
+                      "prefill_chunks", "prefill_tokens")
+
+
+def scheduler_counters(stats):
+    """The batching server's scheduler counters (every replica's summed) from its /stats; {} for the other server."""
+    out = {}
+    for w in stats["workers"]:
+        for k in SCHEDULER_COUNTERS:
+            if k in (w.get("batching") or {}):
+                out[k] = out.get(k, 0) + w["batching"][k]
+    return out
+
+
 def generated_tokens(stats):
     """Tokens generated so far by every replica of a chat_web server, from its /stats."""
     return sum(w["tokens_generated"] for w in stats["workers"])
@@ -410,8 +426,12 @@ def main(argv=None):
             names = ["batching"] + (["one per worker"] if args.baseline and (not args.baseline_up_to or c <= args.baseline_up_to) else [])
             per_client = max(args.requests_per_client, -(-args.min_requests // c))
             for name in (names if i % 2 == 0 else names[::-1]):  # alternate which server goes first
+                before = scheduler_counters(servers[name].stats())
                 row = asyncio.run(load_level(servers[name].url, c, pool, per_client, max_tokens, first, sampling))
+                after = scheduler_counters(servers[name].stats())
                 row["server"] = name
+                if after:  # where the batching server's time went in this level
+                    row["scheduler"] = {k: after[k] - before.get(k, 0) for k in after}
                 rows.append(row)
                 print(f"{name:>16} c={c:<4} {row['tok_s']:8.1f} tok/s ({row['busy_tok_s']:.1f} all busy)  "
                       f"TTFT p50 {row['ttft_p50_s'] * 1e3:7.1f} ms "
@@ -467,6 +487,20 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work):
               f"{r['ttft_p50_s'] * 1e3:.0f} / "
               f"{r['ttft_p99_s'] * 1e3:.0f} | {r['ttft_p99_after_first_s'] * 1e3:.0f} | {r['itl_p50_s'] * 1e3:.1f} / "
               f"{r['itl_p99_s'] * 1e3:.1f} |")
+    sched = [r for r in sorted(rows, key=lambda r: r["concurrency"]) if r.get("scheduler")]
+    if sched:
+        print("\nThe batching server's scheduler per level (its /stats): decode steps and the mean rows they ran, "
+              "their mean time, prompt chunks per prefill forward (packed where not batch-invariant), the share of "
+              "its busy time outside decode steps (prefills, admission), and its busy share of the level's wall time.\n")
+        print("| concurrency | decode steps | mean rows | ms / decode step | prefill forwards | chunks / forward | "
+              "not decode | busy share |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in sched:
+            d = r["scheduler"]
+            steps, forwards, busy = max(d["decode_steps"], 1), max(d["prefill_forwards"], 1), max(d["busy_s"], 1e-9)
+            print(f"| {r['concurrency']} | {d['decode_steps']} | {d['decoded_rows'] / steps:.1f} | "
+                  f"{d['decode_s'] / steps * 1e3:.2f} | {d['prefill_forwards']} | {d['prefill_chunks'] / forwards:.1f} | "
+                  f"{(d['busy_s'] - d['decode_s']) / busy:.0%} | {d['busy_s'] / r['wall_s']:.0%} |")
     lone = next((r for r in rows if r["server"] == "batching" and r["concurrency"] == 1), None)
     if lone:
         for r in rows:

@@ -232,6 +232,7 @@ class Scheduler:
         self.steps = self.tokens_generated = self.requests_done = self.requests_served = self.errors = 0
         self.busy_s = self.decode_s = 0.0  # time in steps, and in their decode part
         self.decode_steps = self.decoded_rows = 0  # their ratio is the mean decode batch: how much batching happened
+        self.prefill_forwards = self.prefill_chunks = self.prefill_tokens = 0  # chunks per forward: how much packing
         self._thread = None
         self._wake = threading.Condition()
         self._stop = False
@@ -344,6 +345,9 @@ class Scheduler:
                 for request, _, _ in pack:
                     self._finish(request, f"generation failed: {type(e).__name__}: {e}")
                 continue
+            self.prefill_forwards += 1
+            self.prefill_chunks += len(pack)
+            self.prefill_tokens += tokens
             for i, (request, start, end) in enumerate(pack):
                 request.prefilled = end
                 if end == len(request.prompt):  # its last chunk: its first token(s) now
@@ -727,6 +731,9 @@ class Scheduler:
             "steps": self.steps,
             "decode_steps": self.decode_steps,
             "decoded_rows": self.decoded_rows,
+            "prefill_forwards": self.prefill_forwards,
+            "prefill_chunks": self.prefill_chunks,
+            "prefill_tokens": self.prefill_tokens,
             "busy_s": round(self.busy_s, 3),
             "decode_s": round(self.decode_s, 3),
             "decode": "compiled" if self.compiled else "eager",

@@ -204,6 +204,9 @@ def test_packed_prefills_compute_each_prompt_as_alone(tok, d4, threads, model):
     assert all(len(f) == 1 or sum(f) <= 200 for f in crowd.forwards)  # within the step's budget
     assert all(c <= 64 for f in crowd.forwards for c in f)
     assert any(r.prefix_hit > 0 for r in crowd_requests)
+    stats = crowd.stats()  # /stats counts the packing
+    assert (stats["prefill_forwards"], stats["prefill_chunks"], stats["prefill_tokens"]) == \
+        (len(crowd.forwards), sum(len(f) for f in crowd.forwards), sum(sum(f) for f in crowd.forwards))
     for i, job in enumerate(jobs):
         solo = Prefills(engine, prefix_cache=False, **options)
         (solo_request,) = run(solo, [job])

@@ -169,8 +169,7 @@ def exposure_warning(host, api_key):
 
 
 def load_workers(args, device_type, threads=None):
-    """One replica per GPU (loaded one after another), or a single one on CPU/MPS (generating on `threads` torch
-    threads)."""
+    """One replica per GPU (loaded one after another), or a single one on CPU/MPS (threads: Worker.threads)."""
     from nanochat.checkpoint_manager import load_model
 
     if device_type == "cuda":

@@ -491,7 +491,8 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work):
     if sched:
         print("\nThe batching server's scheduler per level (its /stats): decode steps and the mean rows they ran, "
               "their mean time, prompt chunks per prefill forward (packed where not batch-invariant), the share of "
-              "its busy time outside decode steps (prefills, admission), and its busy share of the level's wall time.\n")
+              "its busy time outside decode steps (prefills, admission), and its busy share of the level's wall "
+              "time.\n")
         print("| concurrency | decode steps | mean rows | ms / decode step | prefill forwards | chunks / forward | "
               "not decode | busy share |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -499,7 +500,8 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work):
             d = r["scheduler"]
             steps, forwards, busy = max(d["decode_steps"], 1), max(d["prefill_forwards"], 1), max(d["busy_s"], 1e-9)
             print(f"| {r['concurrency']} | {d['decode_steps']} | {d['decoded_rows'] / steps:.1f} | "
-                  f"{d['decode_s'] / steps * 1e3:.2f} | {d['prefill_forwards']} | {d['prefill_chunks'] / forwards:.1f} | "
+                  f"{d['decode_s'] / steps * 1e3:.2f} | {d['prefill_forwards']} | "
+                  f"{d['prefill_chunks'] / forwards:.1f} | "
                   f"{(d['busy_s'] - d['decode_s']) / busy:.0%} | {d['busy_s'] / r['wall_s']:.0%} |")
     lone = next((r for r in rows if r["server"] == "batching" and r["concurrency"] == 1), None)
     if lone:

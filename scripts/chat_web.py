@@ -216,7 +216,7 @@ def main(argv=None):
     origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
 
     threads = hand_cpu_threads_to_workers(device_type)  # this thread serves HTTP; the workers' threads compute
-    workers = load_workers(args, device_type, threads)  # before serving: a missing checkpoint stops here with its message
+    workers = load_workers(args, device_type, threads)  # before serving: a missing checkpoint stops here, saying so
     if args.batching:  # and a KV cache that cannot fit, with the setting to change
         check_kv_plans(workers, args.max_batch, args.max_context, args.kv_cache_gb, args.prefix_cache)
     app = create_app(

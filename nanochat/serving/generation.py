@@ -148,8 +148,9 @@ def _seed(params):
 async def generation_events(pool, request, prompt, params):
     """
     Runs one generation and yields ("worker", w), then ("delta", row, text) as text becomes ready (a row's text of
-    one delivery in one delta), ("finish", row, reason) per row, and finally ("done", rows) or ("error", message). Stops early (and frees the rows or the
-    worker) when the client disconnects; the caller's `finally` runs when the response is torn down.
+    one delivery in one delta), ("finish", row, reason) per row, and finally ("done", rows) or ("error", message).
+    Stops early (and frees the rows or the worker) when the client disconnects; the caller's `finally` runs when the
+    response is torn down.
     """
     start = _start_batched if isinstance(pool, BatchingPool) else _start_on_worker
     started = await start(pool, request, prompt, params)

@@ -358,7 +358,8 @@ class Scheduler:
     def _prefill_forward(self, pack):
         """One forward over the chunks of `pack` [(request, start, end)] -> the next-token logits after each chunk,
         (len(pack), vocab). A lone chunk runs as a batch-1 prefill of its slot (as it always did)."""
-        chunks = [(r.rows[0].slot, start, end - start, r.prompt[start - 1] if start else None) for r, start, end in pack]
+        chunks = [(r.rows[0].slot, start, end - start, r.prompt[start - 1] if start else None)
+                  for r, start, end in pack]
         ids = host_tensor([[t for r, start, end in pack for t in r.prompt[start:end]]], self.device, torch.long)
         if len(pack) == 1:
             slot, start, _, prev = chunks[0]

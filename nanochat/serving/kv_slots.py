@@ -10,7 +10,9 @@ later requests, and the memory budget both come from.
 
 The model sees the same cache API as the Engine's KVCache (nanochat/engine.py): `insert_kv(layer, k, v)` returns the
 keys/values to attend, `get_pos()` / `positions` give the rotary positions and `attn_mask` the positions to attend.
-A decode view gives every row its own position (B, 1) and mask (B, 1, 1, S+1): rows are at different lengths.
+A decode view gives every row its own position (B, 1) and mask (B, 1, 1, S+1): rows are at different lengths. Views
+that attend over their own layout have `attend(layer, q, k, v[, window])`, and prefill views `last(x)`: the positions
+whose logits the forward returns (the last one; a packed prefill's, each chunk's last).
 
 Why slots and not pages: on CPU (and with torch's SDPA kernels on GPU) attention needs each row's keys contiguous,
 so paged blocks would be gathered into a contiguous batch every step, a copy of the whole cache per step. A slot is

@@ -751,8 +751,8 @@ class RecordGPT(GPT):
         return x + gate * prev
 
     def embed_prev(self, prev_ids, dtype):
-        """(B, 1) previous token ids -> their embeddings as forward computes them, zeros where the id is -1 (no
-        previous token: adding zeros leaves the smeared token as it is, exactly)."""
+        """(B, 1) previous token ids (a packed prefill's: (1, chunks)) -> their embeddings as forward computes them,
+        zeros where the id is -1 (no previous token: adding zeros leaves the smeared token as it is, exactly)."""
         x = norm(self.transformer.wte(prev_ids.clamp(min=0)).to(dtype))
         return x * (prev_ids >= 0).unsqueeze(-1).to(dtype)
 

@@ -330,7 +330,7 @@ class Scheduler:
                 start = request.prefilled
                 end = min(start + self.prefill_chunk, len(request.prompt))
                 if (pack or budget < self.prefill_budget) and tokens + end - start > budget:
-                    break
+                    break  # (the step's first chunk runs whatever its size)
                 pack.append((request, start, end))
                 tokens += end - start
                 if self.batch_invariant:

@@ -232,6 +232,10 @@ class Block(nn.Module):
 class GPT(nn.Module):
     block_class = Block  # what the blocks are, and the rotary base: the record model (RecordGPT) changes both
     rope_base = 10000
+    # A token's arithmetic outside its matmuls and attention is elementwise or per token (norms, rotary, relu^2, the
+    # softcap's tanh) and gives the same bits wherever the token sits in a sequence: so serving may pack several
+    # prompts into one prefill forward and keep each prompt's bits where the BLAS does too (serving/invariance.py)
+    packed_prefill_invariant = True
 
     def __init__(self, config, attn="auto"):
         """Builds the modules only (no data-dependent ops), so it works under `with torch.device("meta")`.
@@ -618,6 +622,10 @@ class RecordBlock(Block):
 
 class RecordGPT(GPT):
     """nanochat 92d63d4's model (see the section above); built, loaded and prepared like GPT."""
+
+    # not packed_prefill_invariant: its gates' sigmoid (smear, value embeddings) is not, as torch's CPU kernel computes
+    # a tensor's last partial vector by another path, so a gate's bits depend on where its token falls in the pack
+    packed_prefill_invariant = False
 
     block_class = RecordBlock
     rope_base = 100000

@@ -41,11 +41,11 @@ from pathlib import Path
 
 import torch
 
-from nanochat.common import setup_default_logging
+from nanochat.common import autodetect_device_type, setup_default_logging
 from nanochat.engine import Engine, decode_compile_flag
 from nanochat.serving.app import create_app, server_options
 from nanochat.serving.schema import MAX_MAX_TOKENS, MAX_TEMPERATURE, MAX_TOP_K, MIN_MAX_TOKENS, MIN_TEMPERATURE, MIN_TOP_K
-from nanochat.serving.workers import Worker, check_kv_plans, hand_cpu_threads_to_workers
+from nanochat.serving.workers import Worker, check_kv_plans, prepare_cpu
 from nanochat.usage import run_main
 
 setup_default_logging()
@@ -92,10 +92,10 @@ def build_arg_parser():
         Flag("kv_cache_gb", None, "memory for the KV slots and the prefix cache, per replica; auto = 85% of the GPU's "
              "free memory after loading (25% of available RAM on CPU)", type=float),
         Flag("prefix_cache", True, "keep finished sequences' keys/values for later requests that start the same way"),
-        Flag("batch_invariant", "auto", "a request's logits the same bits whatever its neighbours: decode only at batch "
-             "sizes where the matmuls give a row the same bits (on the CPU measured, at least 16 rows) and with the "
-             "invariant attention; auto = on CPU (eager decode); 0 = decode at exactly the rows running (faster with "
-             "few users; tokens may then differ in rare near-ties)", choices=["auto", "1", "0"]),
+        Flag("batch_invariant", "auto", "a request's logits the same bits whatever its neighbours: decode and pack "
+             "prompts only at sizes measured to give a row the same bits (on CPU every size, in MKL's strict mode, which "
+             "the server then sets), with the invariant attention; auto = on CPU (eager decode); 0 = no such limits "
+             "(tokens may then differ in rare near-ties)", choices=["auto", "1", "0"]),
         Flag("decode_overlap", "auto", "launch each decode step before reading the previous one's tokens, so the GPU "
              "does not wait for the host between steps (the same tokens); auto = on CUDA", choices=["auto", "1", "0"]),
         description=__doc__,
@@ -190,8 +190,6 @@ def load_workers(args, device_type, threads=None):
 
 
 def main(argv=None):
-    from nanochat.common import autodetect_device_type
-
     parser = build_arg_parser()
     args = parser.parse_args(argv)
     errors = check_args(args)
@@ -215,7 +213,8 @@ def main(argv=None):
         parser.error("; ".join(errors))
     origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
 
-    threads = hand_cpu_threads_to_workers(device_type)  # this thread serves HTTP; the workers' threads compute
+    # before any matmul: MKL's strict mode for batch invariance; this thread serves HTTP, the workers' threads compute
+    threads = prepare_cpu(device_type, args.batching and args.batch_invariant != "0")
     workers = load_workers(args, device_type, threads)  # before serving: a missing checkpoint stops here, saying so
     if args.batching:  # and a KV cache that cannot fit, with the setting to change
         check_kv_plans(workers, args.max_batch, args.max_context, args.kv_cache_gb, args.prefix_cache)

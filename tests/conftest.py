@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from nanochat.serving.invariance import strict_blas
+
 REPO = Path(__file__).resolve().parents[1]
 # --compile=auto compiles on CPU too; in the suite's tiny runs compile time would dominate, so tests run eager
 # (tests/integration/test_compile.py compiles on purpose). Inherited by the scripts and torchrun ranks tests launch.
@@ -28,6 +30,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
     torch.set_num_threads(1)
+# In-process tests compute as the batching chat server does on CPU: MKL in its strict mode (the server sets it before
+# its first matmul, nanochat/serving/invariance.py), read by MKL at this first matmul. The variable is then dropped
+# again, so the scripts and ranks tests start decide for themselves, as they do outside the tests.
+_CBWR = os.environ.get("MKL_CBWR")
+if strict_blas("cpu"):
+    import torch
+
+    torch.ones(64, 64) @ torch.ones(64, 64)
+    if _CBWR is None:
+        del os.environ["MKL_CBWR"]
 TEST_DATA = REPO / "tests" / "assets" / "data"
 SHARED_DATA = REPO.parent / "shared" / "data"
 WIKITEXT = TEST_DATA / "pretrain" / "wikitext-2"

@@ -78,52 +78,13 @@ def decode_buckets(max_rows):
     Batch sizes a compiled decode step runs at (one graph each, on CUDA a captured CUDA graph): 4, 8, then multiples
     of 8 growing by about 1.5x (16, 24, 40, 64, 96, ...), the last one max_rows rounded up to a multiple of 8. Few
     shapes and at most ~1.5x padding. The pool has as many rows as the largest bucket. An eager step runs at the
-    sizes of decode_sizes instead.
+    sizes of invariance.decode_sizes instead.
     """
     top = max(8, -(-max_rows // 8) * 8) if max_rows > 4 else 4
     out = [4]
     while out[-1] < top:
         out.append(min(top, max(out[-1] + 8 if out[-1] >= 8 else 8, (out[-1] * 3 // 2 + 7) // 8 * 8)))
     return out
-
-
-def invariant_sizes(weights, max_rows):
-    """
-    The batch sizes up to max_rows at which a matmul with each of `weights` (Linear weights, out x in) gives every
-    row the same bits as at max_rows. A BLAS picks its kernel by the matrix sizes, and its kernels sum in different
-    orders: on the CPU of docs/benchmarks.md (torch's MKL, one or two threads) a row comes out one way at 2-10 rows
-    and another from 11 rows on (from 16 where the inner size is 1024); another machine differed at 5-7 and 9-11
-    rows only. So these sizes are measured here, on random rows, with the thread count and dtype the decode runs in
-    (~0.1 s at d4 and 64 rows). max_rows is always one of them.
-    """
-    sizes = set(range(1, max_rows + 1))
-    for w in {(tuple(w.shape), w.dtype, str(w.device)): w for w in weights}.values():
-        key = (tuple(w.shape), w.dtype, str(w.device), max_rows, torch.get_num_threads(), F.linear)
-        if key not in _INVARIANT:
-            gen = torch.Generator().manual_seed(0)
-            x = torch.randn(max_rows, w.size(1), generator=gen).to(device=w.device, dtype=w.dtype)
-            full = F.linear(x, w)
-            _INVARIANT[key] = {m for m in range(1, max_rows + 1) if torch.equal(F.linear(x[:m], w), full[:m])}
-        sizes &= _INVARIANT[key]
-    return sorted(sizes)
-
-
-# invariant_sizes' findings by weight shape, dtype, device, size and thread count: a property of this process's BLAS,
-# so measured once (generate_many builds a scheduler per call); keyed by F.linear too, which a test replaces
-_INVARIANT = {}
-
-
-def decode_sizes(model, rows, invariant):
-    """
-    The batch sizes an eager decode step may run at, up to the pool's `rows` (a step takes the smallest one that
-    holds its rows): every size when not batch-invariant (no filler rows), else the sizes at which every Linear of
-    `model` computes a row the same bits (invariant_sizes): a request's logits then do not depend on how many
-    neighbours it has. (A compiled step runs at the buckets, decode_buckets.)
-    """
-    if not invariant:
-        return list(range(1, rows + 1))
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    return invariant_sizes(weights, rows)
 
 
 MIN_PREFIX_CACHE_BLOCKS = 64  # below this the prefix cache is off (the budget went to the slots)

@@ -66,8 +66,9 @@ import torch
 
 from nanochat.engine import (GREEDY_BELOW, RowState, check_generation_args, host_tensor, prepare_thread_for_cuda_graphs,
                              sample_rows)
-from nanochat.serving.kv_slots import (ATTN_BLOCK, BLOCK, DecodeView, PrefixCache, SlotPool, decode_buckets, decode_sizes,
-                                       kv_bytes_per_token, plan_kv)
+from nanochat.serving.invariance import decode_sizes, packs_invariantly
+from nanochat.serving.kv_slots import (ATTN_BLOCK, BLOCK, DecodeView, PrefixCache, SlotPool, decode_buckets, kv_bytes_per_token,
+                                       plan_kv)
 
 logger = logging.getLogger("nanochat.serving")
 
@@ -219,6 +220,7 @@ class Scheduler:
         self.views = {b: DecodeView(self.pool, b, batch_invariant, trim=False, windows=self.windows)
                       for b in (self.buckets if self.compiled else [])}
         self._sizes = {}  # eager decode sizes by torch thread count (decode_sizes)
+        self._packing = {}  # whether prompts share prefill forwards under batch invariance, by thread count
         self._step_fn = None
         self._checked = set()
         # the requests; `inbox` is the only structure other threads touch (append / popleft are atomic)
@@ -323,7 +325,7 @@ class Scheduler:
         forward per chunk where a request's logits must not depend on its neighbours (batch_invariant), else the
         chunks of several requests packed into one forward (kv_slots.PackedPrefillView), a request at most one
         chunk per forward."""
-        budget = self.prefill_budget
+        budget, packs = self.prefill_budget, self._packs()
         while self.prefilling:
             pack, tokens = [], 0
             for request in self.prefilling:
@@ -333,7 +335,7 @@ class Scheduler:
                     break  # (the step's first chunk runs whatever its size)
                 pack.append((request, start, end))
                 tokens += end - start
-                if self.batch_invariant:
+                if not packs:
                     break
             if not pack:
                 return
@@ -526,6 +528,17 @@ class Scheduler:
                 self._sizes[threads] = decode_sizes(self.model, self.pool.rows, self.batch_invariant)
         return self._sizes[threads]
 
+    def _packs(self):
+        """Whether prompt chunks may share a prefill forward: always without batch invariance, else where it changes
+        no bit of a prompt's logits (invariance.packs_invariantly: measured once per thread count, as the sizes)."""
+        if not self.batch_invariant:
+            return True
+        threads = torch.get_num_threads()
+        if threads not in self._packing:
+            with self.autocast():
+                self._packing[threads] = packs_invariantly(self.model, self.pool.rows, self.prefill_budget)
+        return self._packing[threads]
+
     def _forward(self, view):
         if not self.compiled:
             return self.model(view.ids, kv_cache=view)[:, -1, :]
@@ -659,11 +672,13 @@ class Scheduler:
         step (CUDA graphs belong to the thread that records them): otherwise the first requests wait for both
         compiles (~35-40 s each at d20 on an H100, measured) and later ones for a graph at each new bucket. Each
         bucket runs twice, all of its rows fillers (they write only the scratch column): CUDA graph trees run a new
-        graph once before they record it. Returns the seconds it took; nothing to do when the step is eager.
+        graph once before they record it. An eager step measures its sizes and packing instead (batch invariance),
+        so the first request does not wait for that. Returns the seconds it took.
         """
-        if not self.compiled:
-            return 0.0
         t0 = time.perf_counter()
+        if not self.compiled:
+            self._decode_sizes(), self._packs()
+            return time.perf_counter() - t0
         with self.autocast():
             for _ in range(2):
                 for b in self.buckets:
@@ -696,7 +711,7 @@ class Scheduler:
         try:
             self.warm_s = self.warm_up()
         except Exception:  # the step compiles on first use instead, and reports its own errors then
-            logger.exception(f"scheduler {self.name}: warming up the compiled decode step failed")
+            logger.exception(f"scheduler {self.name}: warming up failed")
         finally:
             self.warmed.set()
         while not self._stop:
@@ -741,6 +756,7 @@ class Scheduler:
             "batch_invariant": self.batch_invariant,
             "decode_overlap": self.overlap,
             "decode_sizes": describe_sizes(self._decode_sizes()),  # the batch sizes a decode step runs at
+            "packed_prefills": self._packs(),  # prompts arriving together share prefill forwards
             "prefix_cache": self.prefix.stats() if self.prefix else None,
         }
 

@@ -16,6 +16,7 @@ from contextlib import nullcontext
 
 import torch
 
+from nanochat.serving.invariance import strict_blas
 from nanochat.serving.schema import RequestError
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,15 @@ class Worker:
             out.update(requests_served=s.requests_served, tokens_generated=s.tokens_generated, errors=s.errors,
                        batching=s.stats())
         return out
+
+
+def prepare_cpu(device_type, batch_invariant):
+    """chat_web's settings of its process before the model loads: MKL's strict mode where the batching server is to
+    be batch-invariant (invariance.strict_blas: every batch size then gives a row the same bits, so a step computes
+    only the rows running and prompts share prefill forwards), and the CPU threads (hand_cpu_threads_to_workers)."""
+    if batch_invariant:
+        strict_blas(device_type)
+    return hand_cpu_threads_to_workers(device_type)
 
 
 def hand_cpu_threads_to_workers(device_type):

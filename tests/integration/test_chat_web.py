@@ -21,6 +21,7 @@ from chat_fixtures import ScriptedModel, ServerThread, free_port, greedy_by_reco
 from nanochat.engine import Engine
 from nanochat.serving.app import create_app, server_options
 from nanochat.serving.generation import RowText
+from nanochat.serving.invariance import cpu_flags
 from nanochat.serving.schema import MAX_MESSAGE_CHARS, MAX_MESSAGES, MAX_TOTAL_CHARS
 from nanochat.serving.workers import Worker
 
@@ -115,7 +116,8 @@ def test_overlapped_decode_serves_the_models_own_replies(tok, model):
 
 def test_batch_invariance_off_decodes_at_the_rows_running(tok, model):
     """--batch_invariant=0: the scheduler decodes at exactly the rows it runs (no filler rows up to the sizes where
-    the BLAS keeps a row's bits), /stats says so, and concurrent greedy replies are still the model's own."""
+    the BLAS keeps a row's bits), /stats says so, and concurrent greedy replies are still the model's own. Under
+    MKL's strict mode (which chat_web sets for a batch-invariant server) the default decodes at every size too."""
     bodies = [{"model": "nanochat", "max_tokens": 10, "temperature": 0,
                "messages": [{"role": "user", "content": f"Tell me about the castle number {i}"}]} for i in range(3)]
     stats = {}
@@ -135,6 +137,9 @@ def test_batch_invariance_off_decodes_at_the_rows_running(tok, model):
             assert r.json()["choices"][0]["message"]["content"] == text
     assert stats[False]["batch_invariant"] is False and stats[False]["decode_sizes"] == "1-8"
     assert stats[None]["batch_invariant"] is True and stats[None]["decode_sizes"].endswith("8")  # CPU: on by default
+    assert stats[False]["packed_prefills"] is True
+    if torch.backends.mkl.is_available() and {"avx2", "avx512f"} & cpu_flags():  # MKL's strict mode (conftest.py)
+        assert stats[None]["decode_sizes"] == "1-8" and stats[None]["packed_prefills"] is True
 
 
 def test_health_stats_models_and_page(server):

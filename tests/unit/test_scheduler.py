@@ -138,7 +138,7 @@ def test_32_prompts_8_at_a_time_give_the_same_tokens_and_logits_as_alone(tok, d4
 def test_a_crowd_of_20_gives_the_logits_of_alone_bit_for_bit(tok, d4, threads):
     """Past the batch size where the BLAS changes kernels (here: from 16 rows on, a row's matmul sums in another
     order than at 4 or 8 rows), a request alone and in a crowd of 20 still gets the same logits bit for bit: the
-    decode step runs only at sizes measured to compute a row the same bits (kv_slots.decode_sizes). Before, a lone
+    decode step runs only at sizes measured to compute a row the same bits (invariance.decode_sizes). Before, a lone
     request decoded at 4 rows and a crowd at 24, and the bits differed on this machine."""
     engine = Engine(d4, tok)
     prompts = mixed_prompts(tok, 20, seed=5)
@@ -266,23 +266,72 @@ def test_a_failed_packed_prefill_fails_its_requests_and_the_scheduler_goes_on(to
     assert later.error is None and len(later.tokens[0]) == 3 and scheduler.errors == 3 and not scheduler.pending()
 
 
-def test_with_batch_invariance_prompts_prefill_alone(tok, d4, threads):
-    """The CPU default: a prompt's prefill never shares a forward, so its logits cannot depend on the others'."""
+def strict_blas_here():
+    """Whether this process's BLAS gives a row the same bits at every row count (MKL's strict mode, which conftest.py
+    sets as chat_web does): where it does not, batch invariance keeps prompts' prefills apart."""
+    from nanochat.serving.invariance import invariant_sizes
+
+    return invariant_sizes([torch.randn(256, 1024), torch.randn(1024, 256)], 64) == list(range(1, 65))
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_with_batch_invariance_prompts_share_prefills_bit_for_bit(tok, d4, threads):
+    """The CPU default (batch invariance) under MKL's strict mode: prompts arriving together share prefill forwards,
+    and each prompt's first-token logits and keys/values are its lone prefill's bit for bit (a lone scheduler
+    prefills it in its own forwards, the same chunks), its tokens too."""
+    if not strict_blas_here():
+        pytest.skip("this BLAS gives a row other bits at other row counts: prompts prefill alone (the next test)")
+    engine = Engine(d4, tok)
+    jobs = [Job(p, max_tokens=[3, 8][i % 2], temperature=0.0) for i, p in enumerate(mixed_prompts(tok, 10, seed=2))]
+    options = dict(max_batch=8, kv_budget_bytes=BUDGET, prefix_cache=False, prefill_chunk=64, prefill_budget=200)
+    crowd = Prefills(engine, **options)
+    assert crowd.batch_invariant and crowd.stats()["packed_prefills"] and crowd.stats()["decode_sizes"] == "1-8"
+    crowd_requests = run(crowd, jobs, arrivals=[0] * 7 + [2, 3, 5])
+    assert max(len(f) for f in crowd.forwards) >= 3
+    for i, job in enumerate(jobs):
+        solo = Prefills(engine, **options)
+        (solo_request,) = run(solo, [job])
+        assert all(len(f) == 1 for f in solo.forwards)
+        assert torch.equal(crowd.made[i][0], solo.made[0][0]), f"prompt {i}"
+        assert all(torch.equal(a, b) for a, b in zip(crowd.made[i][1], solo.made[0][1]))
+        assert crowd_requests[i].tokens == solo_request.tokens
+
+
+def test_with_batch_invariance_prompts_prefill_alone_where_a_pack_would_change_bits(tok, d4, threads, monkeypatch):
+    """Batch invariance keeps each prompt's prefill in forwards of its own where packing could change its bits: a
+    BLAS whose rows come out otherwise at some row counts (MKL's default mode on the CPU of docs/benchmarks.md), and
+    the record model (its gates' sigmoid depends on where a token sits in the pack) whatever the BLAS."""
+    real_linear = torch.nn.functional.linear
+
+    def blas(x, w, bias=None):  # rows of 2-10 and of 130-140 sum in another order
+        out = real_linear(x, w, bias)
+        return out + 1e-6 * out if x.dim() == 2 and (2 <= x.size(0) <= 10 or 130 <= x.size(0) <= 140) else out
+
+    monkeypatch.setattr(torch.nn.functional, "linear", blas)
+    jobs = [Job(p, max_tokens=3, temperature=0.0) for p in mixed_prompts(tok, 6, seed=2)]
     scheduler = Prefills(Engine(d4, tok), max_batch=8, kv_budget_bytes=BUDGET, prefill_chunk=64)
-    assert scheduler.batch_invariant
-    run(scheduler, [Job(p, max_tokens=3, temperature=0.0) for p in mixed_prompts(tok, 6, seed=2)])
+    assert scheduler.batch_invariant and not scheduler.stats()["packed_prefills"]
+    run(scheduler, jobs)
     assert all(len(f) == 1 for f in scheduler.forwards) and len(scheduler.forwards) >= 6
+    monkeypatch.setattr(torch.nn.functional, "linear", real_linear)
+    from test_record_model import NoToolTokenizer
+
+    record = Prefills(Engine(record_model(), NoToolTokenizer(), decode_compile="0"), max_batch=8,
+                      kv_budget_bytes=BUDGET, max_context=512, prefill_chunk=64)
+    assert record.batch_invariant and not record.stats()["packed_prefills"]
+    run(record, [Job([1 + i, 5, 9, 2], max_tokens=2, temperature=0.0) for i in range(4)])
+    assert all(len(f) == 1 for f in record.forwards)
 
 
 def test_decode_sizes_are_those_where_the_blas_gives_a_row_the_same_bits(monkeypatch):
     """invariant_sizes keeps a batch size only if every weight's matmul gives each row the bits it gets at the
     largest size: on this machine's BLAS as it is, and with a BLAS whose rows change at 5-7 rows (as one machine's
     did) and at 1 row."""
-    from nanochat.serving import kv_slots
+    from nanochat.serving import invariance
 
     torch.manual_seed(0)
     weights = [torch.randn(96, 64), torch.randn(64, 256), torch.randn(96, 64)]
-    sizes = kv_slots.invariant_sizes(weights, 24)
+    sizes = invariance.invariant_sizes(weights, 24)
     assert sizes[-1] == 24
     x = torch.randn(24, 64)
     full = torch.nn.functional.linear(x, weights[0])
@@ -294,9 +343,10 @@ def test_decode_sizes_are_those_where_the_blas_gives_a_row_the_same_bits(monkeyp
         out = real_linear(x, w)
         return out + 1e-6 * out if x.size(0) in (1, 5, 6, 7) else out
 
-    monkeypatch.setattr(kv_slots.F, "linear", blas)
-    assert kv_slots.invariant_sizes(weights, 24) == [m for m in sizes if m not in (1, 5, 6, 7)]
-    assert kv_slots.decode_sizes(torch.nn.Linear(64, 96, bias=False), 12, invariant=False) == list(range(1, 13))
+    monkeypatch.setattr(invariance.F, "linear", blas)
+    assert invariance.invariant_sizes(weights, 24) == [m for m in sizes if m not in (1, 5, 6, 7)]
+    assert invariance.invariant_sizes(weights, 24, sizes=[3, 5, 9]) == [m for m in (3, 9, 24) if m in sizes]
+    assert invariance.decode_sizes(torch.nn.Linear(64, 96, bias=False), 12, invariant=False) == list(range(1, 13))
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)

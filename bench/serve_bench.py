@@ -24,7 +24,8 @@ Measured per server and concurrency:
   prefill forward, the share of its busy time outside decode (prefills, admission), its busy share of the level;
 - multi-turn (--turns): conversations that resend their history each turn, the reply of turn N in the prompt of
   N+1; TTFT per turn on the batching server with and without its prefix cache (a third server, --prefix_cache=0,
-  with the same --max_batch except on a GPU, where its slots are for the conversations only).
+  with the same --max_batch except on a GPU, where its slots are for the conversations only), the median over
+  --conversation_rounds rounds of new conversations.
 Prints markdown tables for docs/benchmarks.md and the load average; --json_out keeps the raw numbers.
 """
 
@@ -87,6 +88,9 @@ FLAGS = Flags(
     "multi-turn",
     Flag("turns", 5, "turns per conversation (0: skip)"),
     Flag("conversations", "1,8", "conversations at once, a comma list"),
+    Flag("conversation_rounds", 3, "rounds of each level, new conversations each round and the servers alternating: "
+         "TTFT per turn is the median over the conversations of every round (one conversation is one sample a round, "
+         "and a lone sample on a shared CPU may be off by 2x)"),
     Flag("turn_tokens", 100, "tokens per user message"),
     Flag("turn_max_tokens", 64, "tokens per reply"),
     "output",
@@ -438,14 +442,18 @@ def main(argv=None):
                       f"p99 {row['ttft_p99_s'] * 1e3:7.1f} ms  ITL p50 {row['itl_p50_s'] * 1e3:6.1f} ms "
                       f"p99 {row['itl_p99_s'] * 1e3:6.1f} ms  ({row['requests']} requests, {row['wall_s']:.1f} s)", flush=True)
             first += c * per_client
+        rounds = max(1, args.conversation_rounds)
         for i, n in enumerate(convs):
-            names = ["batching", "batching, no prefix cache"]
-            for name in (names if i % 2 == 0 else names[::-1]):
-                ttfts = asyncio.run(conversations(servers[name].url, n, args.turns, turn_pool, args.turn_max_tokens,
-                                                  first=sum(convs[:i]) * args.turns))
-                per_turn = [pct([t[k] for t in ttfts], 50) for k in range(args.turns)]
-                turns.append({"server": name, "conversations": n, "ttft_p50_per_turn_s": per_turn})
-                print(f"{name:>26} {n} conversation(s): TTFT p50 per turn "
+            names, ttfts = ["batching", "batching, no prefix cache"], {}
+            for r in range(rounds):  # the same conversations on both servers in a round; who goes first alternates
+                first = (sum(convs[:i]) * rounds + r * n) * args.turns
+                for name in (names if (i + r) % 2 == 0 else names[::-1]):
+                    ttfts.setdefault(name, []).extend(asyncio.run(conversations(
+                        servers[name].url, n, args.turns, turn_pool, args.turn_max_tokens, first=first)))
+            for name in names:
+                per_turn = [pct([t[k] for t in ttfts[name]], 50) for k in range(args.turns)]
+                turns.append({"server": name, "conversations": n, "rounds": rounds, "ttft_p50_per_turn_s": per_turn})
+                print(f"{name:>26} {n} conversation(s) x {rounds} rounds: TTFT p50 per turn "
                       + " ".join(f"{t * 1e3:.1f}" for t in per_turn) + " ms", flush=True)
         cache = servers["batching"].stats().get("prefix_cache")
     finally:
@@ -512,7 +520,7 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work):
     if turns:
         print()
         print(f"Multi-turn: {args.turns} turns, user messages of {args.turn_tokens} tokens, replies of up to "
-              f"{args.turn_max_tokens}; TTFT p50 over the conversations.")
+              f"{args.turn_max_tokens}; TTFT p50 over the conversations of {max(1, args.conversation_rounds)} rounds.")
         print()
         print("| conversations at once | server | " + " | ".join(f"turn {k + 1} (ms)" for k in range(args.turns)) + " |")
         print("|---:|---|" + "---:|" * args.turns)

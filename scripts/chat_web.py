@@ -93,9 +93,9 @@ def build_arg_parser():
              "free memory after loading (25% of available RAM on CPU)", type=float),
         Flag("prefix_cache", True, "keep finished sequences' keys/values for later requests that start the same way"),
         Flag("batch_invariant", "auto", "a request's logits the same bits whatever its neighbours: decode and pack "
-             "prompts only at sizes measured to give a row the same bits (on CPU every size, in MKL's strict mode, which "
-             "the server then sets), with the invariant attention; auto = on CPU (eager decode); 0 = no such limits "
-             "(tokens may then differ in rare near-ties)", choices=["auto", "1", "0"]),
+             "prompts only at sizes measured to give a row the same bits (on CPU every size, in MKL's strict mode, "
+             "which the server then sets), with the invariant attention; auto = on CPU (eager decode); 0 = no such "
+             "limits (tokens may then differ in rare near-ties)", choices=["auto", "1", "0"]),
         Flag("decode_overlap", "auto", "launch each decode step before reading the previous one's tokens, so the GPU "
              "does not wait for the host between steps (the same tokens); auto = on CUDA", choices=["auto", "1", "0"]),
         description=__doc__,

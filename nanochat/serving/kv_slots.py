@@ -233,9 +233,11 @@ def blockwise_attention(q, k, v, mask, span):
     (B, 1, 1, C) allows; span a multiple of ATTN_BLOCK. A row's result is the same bits whatever the batch (its
     size, the other rows, their lengths, so the span): the scores are one matmul per (row, head) whose columns do
     not depend on how many there are, the max is exact in any order, and the sums over positions run block by block
-    in a fixed order, the blocks past the row's length adding exact zeros. (torch's CPU flash kernel does that too
-    with one thread, but with several it splits the keys differently by batch size; the math kernel scales the whole
-    cache every step.) Grouped-query attention: the query heads of one key head are the rows of one matmul.
+    in a fixed order, the blocks past the row's length adding exact zeros. (torch's CPU flash kernel does not: with
+    several threads it splits the keys differently by batch size, and even with one its blocks follow the span, and
+    a matmul over more columns, zeros or not, may sum in another order, under MKL's strict mode too; the math kernel
+    scales the whole cache every step.) Grouped-query attention: the query heads of one key head are the rows of one
+    matmul.
     """
     B, Hq, _, D = q.shape
     Hkv = k.size(1)
@@ -255,17 +257,6 @@ def _take(t, rows):
     """Rows of t along dim 0: a slice of consecutive rows is a view, anything else an index_select copy (the same
     values, and the same bits out of the attention kernel, measured in tests/unit/test_scheduler.py)."""
     return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
-
-
-def invariant_attention(q, k, v, mask, span, one_thread):
-    """Decode attention whose result for a row does not depend on the batch: torch's flash kernel with one CPU
-    thread (it then computes each row and head alone, measured bit for bit in tests/unit/test_scheduler.py, and it is the
-    fastest), else blockwise_attention. `one_thread` (torch.get_num_threads() == 1) is read by the caller outside
-    the compiled step: the call inside it would break the graph."""
-    if one_thread:
-        return F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask[..., :span],
-                                              enable_gqa=q.size(1) != k.size(1))
-    return blockwise_attention(q, k, v, mask, span)
 
 
 def shared_prompt_attention(q, keys, values, first, prompt_len, rows):
@@ -301,7 +292,7 @@ class DecodeView:
     attends columns <= pos[i] of its slot. The positions, their mask and the input ids live in tensors of fixed
     address (set before each step), so a compiled or graph-captured step finds its inputs where it left them.
     Attention reads the first `span` columns only (the longest row's, rounded up to ATTN_BLOCK; every column with
-    trim=False, as a compiled step needs one shape), with `invariant` through invariant_attention (a row's result
+    trim=False, as a compiled step needs one shape), with `invariant` through blockwise_attention (a row's result
     the same bits in any batch), else torch's SDPA. Inside the forward only tensors' sizes say the batch size, so a
     compiled step can take it as a symbolic size. Filler rows (set_step's None) sit at position 0, attend column 0
     and write the scratch column; with trim, the fillers after the last live row skip attention (their output is
@@ -324,7 +315,6 @@ class DecodeView:
         self.columns = torch.arange(pool.columns, device=device)
         self.span = pool.columns
         self.live = batch  # rows up to the last live one (set_step): attention runs on these
-        self.one_thread = torch.get_num_threads() == 1
         self.shared, self.runs = [], []  # set_step's shared-prompt groups, and the runs of the other rows
 
     def tensors(self):
@@ -373,7 +363,6 @@ class DecodeView:
                     span = -(-(max(pos[start:i]) + 1) // ATTN_BLOCK) * ATTN_BLOCK
                     self.runs.append((start, i, span))
                     start = None
-        self.one_thread = torch.get_num_threads() == 1  # here, not in the compiled step (a graph break there)
 
     def insert_kv(self, layer_idx, k, v):
         keys, values = self.pool.layers[layer_idx]
@@ -405,7 +394,7 @@ class DecodeView:
     def _attend(self, q, k, v, mask, span=None):
         span = span or self.span
         if self.invariant:
-            return invariant_attention(q, k, v, mask, span, self.one_thread)
+            return blockwise_attention(q, k, v, mask, span)
         return F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask[..., :span],
                                               enable_gqa=q.size(1) != k.size(1))
 

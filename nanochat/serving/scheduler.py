@@ -18,9 +18,9 @@ Every step, in order:
    cached prefix (a shared system prompt, the same conversation's earlier turn) is copied into its slot.
 3. Prompts are prefilled in chunks of at most `prefill_chunk` tokens, up to `prefill_budget` tokens a step (at
    least one chunk), so a long prompt or a crowd of new ones delays the sequences already streaming by a bounded
-   amount, while new requests get their first token soon. Without batch invariance (the default on CUDA) the chunks
-   of several requests are packed into one forward (one chunk each: every matmul runs once over all their tokens,
-   each chunk attends its own slot), else each chunk is a forward of its own. A prompt's last chunk gives its
+   amount, while new requests get their first token soon. The chunks of several requests are packed into one
+   forward (one chunk each: every matmul runs once over all their tokens, each chunk attends its own slot), unless
+   batch invariance forbids it (below): then each chunk is a forward of its own. A prompt's last chunk gives its
    first token(s); a request sampling n completions copies its prompt's keys/values into its other n - 1 slots.
 4. One decode step for every sequence that is generating, whatever request it belongs to. Each request keeps its own
    temperature, top_k, top_p, seed (a sampled token's uniform is a hash of the seed, the row and the position,
@@ -31,18 +31,19 @@ Every step, in order:
    the calculator replaced, has its N+1 discarded. The tokens are the same either way. A sequence that stops
    leaves at once; its keys/values go to the prefix cache and its slot is free for the next step.
 
-Same answers alone or in a crowd: a request's tokens do not depend on which requests share its steps. Its prefill
-runs alone (batch 1, chunks fixed by its own prompt and prefix hit: not packed), and the decode step is made
-batch-invariant (on CPU, the default): it runs only at batch sizes at which every matmul computes a row the same
-bits (kv_slots.decode_sizes, measured at the first step: a BLAS picks its kernel by the sizes, and on the CPU of
-docs/benchmarks.md rows come out one way below 16 rows and another from 16 on, so a step there computes at least 16
-rows), attention runs under a per-row mask, on CPU through kv_slots.invariant_attention (torch's CPU flash kernel
-splits the keys differently by batch size when it has several threads), and only for the rows up to the last live
-one. tests/unit/test_scheduler.py checks it token for token and logit for logit, for 32+ prompts arriving at
+Same answers alone or in a crowd: a request's tokens do not depend on which requests share its steps. With batch
+invariance (on CPU, the default) the decode step runs only at batch sizes at which every matmul computes a row the
+same bits (invariance.decode_sizes, measured before the first step: a BLAS picks its kernel by the sizes; under
+MKL's strict mode, which chat_web sets, every size qualifies; under MKL's default on the CPU of docs/benchmarks.md
+rows come out one way below 16 rows and another from 16 on, so a step there computes at least 16 rows), attention
+runs under a per-row mask, on CPU through kv_slots.blockwise_attention (torch's CPU flash kernel splits the keys
+differently by batch size and span), and only for the rows up to the last live one. A prompt's
+prefill runs in chunks fixed by its own prompt and prefix hit, packed with other prompts' chunks only where that
+changes none of its bits (invariance.packs_invariantly: the BLAS's rows at every size, and the model's say-so). tests/unit/test_scheduler.py checks it token for token and logit for logit, for 32+ prompts arriving at
 different steps. The rows of a request sampling n completions attend their common prompt once a step (eager on CPU:
 kv_slots.shared_prompt_attention), which reads the prompt's keys once instead of n times; their arithmetic then
 depends on their own request's rows, still never on the neighbours nor on the slots they got. Without batch
-invariance (the default on CUDA) an eager step runs at exactly its rows, and prompts are packed. A prefix-cache hit
+invariance (the default on CUDA) an eager step runs at exactly its rows, and prompts are always packed. A prefix-cache hit
 is the one thing that changes a request's arithmetic: its cached keys/values were computed in another chunking (or
 by decode steps), equal to recomputing them up to float rounding; --prefix_cache=0 turns it off where bit-for-bit
 reproducibility matters more than the time to first token.
@@ -67,8 +68,8 @@ import torch
 from nanochat.engine import (GREEDY_BELOW, RowState, check_generation_args, host_tensor, prepare_thread_for_cuda_graphs,
                              sample_rows)
 from nanochat.serving.invariance import decode_sizes, packs_invariantly
-from nanochat.serving.kv_slots import (ATTN_BLOCK, BLOCK, DecodeView, PrefixCache, SlotPool, decode_buckets, kv_bytes_per_token,
-                                       plan_kv)
+from nanochat.serving.kv_slots import (ATTN_BLOCK, BLOCK, DecodeView, PrefixCache, SlotPool, decode_buckets,
+                                       kv_bytes_per_token, plan_kv)
 
 logger = logging.getLogger("nanochat.serving")
 

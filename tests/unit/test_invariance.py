@@ -40,7 +40,7 @@ import torch
 from nanochat.serving.invariance import invariant_sizes
 torch.set_num_threads(2)
 g = torch.Generator().manual_seed(0)
-weights = [torch.randn(256, 1024, generator=g), torch.randn(1024, 256, generator=g), torch.randn(8192, 256, generator=g)]
+weights = [torch.randn(n, k, generator=g) for n, k in ((256, 1024), (1024, 256), (8192, 256))]
 print(os.environ.get("MKL_CBWR"), invariant_sizes(weights, 64) == list(range(1, 65)))
 """
 

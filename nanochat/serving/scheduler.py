@@ -37,14 +37,15 @@ same bits (invariance.decode_sizes, measured before the first step: a BLAS picks
 MKL's strict mode, which chat_web sets, every size qualifies; under MKL's default on the CPU of docs/benchmarks.md
 rows come out one way below 16 rows and another from 16 on, so a step there computes at least 16 rows), attention
 runs under a per-row mask, on CPU through kv_slots.blockwise_attention (torch's CPU flash kernel splits the keys
-differently by batch size and span), and only for the rows up to the last live one. A prompt's
-prefill runs in chunks fixed by its own prompt and prefix hit, packed with other prompts' chunks only where that
-changes none of its bits (invariance.packs_invariantly: the BLAS's rows at every size, and the model's say-so). tests/unit/test_scheduler.py checks it token for token and logit for logit, for 32+ prompts arriving at
-different steps. The rows of a request sampling n completions attend their common prompt once a step (eager on CPU:
+differently by batch size and span), and only for the rows up to the last live one. A prompt's prefill runs in
+chunks fixed by its own prompt and prefix hit, packed with other prompts' chunks only where that changes none of its
+bits (invariance.packs_invariantly: the BLAS's rows at every size, and the model's say-so).
+tests/unit/test_scheduler.py checks it token for token and logit for logit, for 32+ prompts arriving at different
+steps. The rows of a request sampling n completions attend their common prompt once a step (eager on CPU:
 kv_slots.shared_prompt_attention), which reads the prompt's keys once instead of n times; their arithmetic then
 depends on their own request's rows, still never on the neighbours nor on the slots they got. Without batch
-invariance (the default on CUDA) an eager step runs at exactly its rows, and prompts are always packed. A prefix-cache hit
-is the one thing that changes a request's arithmetic: its cached keys/values were computed in another chunking (or
+invariance (the default on CUDA) an eager step runs at exactly its rows, and prompts are always packed. A prefix-cache
+hit is the one thing that changes a request's arithmetic: its cached keys/values were computed in another chunking (or
 by decode steps), equal to recomputing them up to float rounding; --prefix_cache=0 turns it off where bit-for-bit
 reproducibility matters more than the time to first token.
 
@@ -322,10 +323,9 @@ class Scheduler:
             self.prefilling.append(request)
 
     def _prefill(self):
-        """Prompt chunks, in arrival order, up to prefill_budget tokens this step (the first chunk always): one
-        forward per chunk where a request's logits must not depend on its neighbours (batch_invariant), else the
-        chunks of several requests packed into one forward (kv_slots.PackedPrefillView), a request at most one
-        chunk per forward."""
+        """Prompt chunks, in arrival order, up to prefill_budget tokens this step (the first chunk always): the chunks
+        of several requests packed into one forward (kv_slots.PackedPrefillView), a request at most one chunk per
+        forward, or one forward per chunk where packing could change a request's bits (_packs)."""
         budget, packs = self.prefill_budget, self._packs()
         while self.prefilling:
             pack, tokens = [], 0
@@ -678,7 +678,8 @@ class Scheduler:
         """
         t0 = time.perf_counter()
         if not self.compiled:
-            self._decode_sizes(), self._packs()
+            self._decode_sizes()
+            self._packs()
             return time.perf_counter() - t0
         with self.autocast():
             for _ in range(2):

@@ -109,9 +109,9 @@ def create_app(
             pool = await asyncio.to_thread(BatchingPool, workers, max_queue=max_queue, max_batch=max_batch,
                                            max_context=max_context, kv_budget_bytes=budget, prefix_cache=prefix_cache,
                                            batch_invariant=batch_invariant, overlap=decode_overlap)
-            for w in workers:
-                logger.info(f"worker {w.gpu_id}: continuous batching, {w.scheduler.describe()}")
             await asyncio.to_thread(pool.wait_warm)  # not ready (nor listening) before the decode step is compiled
+            for w in workers:  # (after the warm-up: the sizes its thread measured)
+                logger.info(f"worker {w.gpu_id}: continuous batching, {w.scheduler.describe()}")
             for w in workers:
                 if w.scheduler.compiled:
                     logger.info(f"worker {w.gpu_id}: decode step compiled at every bucket in {w.scheduler.warm_s:.1f} s")

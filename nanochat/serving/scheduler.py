@@ -223,6 +223,7 @@ class Scheduler:
                       for b in (self.buckets if self.compiled else [])}
         self._sizes = {}  # eager decode sizes by torch thread count (decode_sizes)
         self._packing = {}  # whether prompts share prefill forwards under batch invariance, by thread count
+        self._step_threads = None  # the torch thread count the steps run at (their sizes are what stats reports)
         self._step_fn = None
         self._checked = set()
         # the requests; `inbox` is the only structure other threads touch (append / popleft are atomic)
@@ -284,6 +285,7 @@ class Scheduler:
     def step(self):
         """Run one scheduling step (admit, prefill, decode). Returns True while work remains."""
         t0 = time.perf_counter()
+        self._step_threads = torch.get_num_threads()
         while self.inbox:
             self.waiting.append(self.inbox.popleft())
         self._reap_cancelled()
@@ -518,27 +520,33 @@ class Scheduler:
                     r.length -= 1
                     r.drawn -= 1
 
-    def _decode_sizes(self):
+    def _decode_sizes(self, report=False):
         """The batch sizes this step may run at: the buckets when compiled, else decode_sizes (measured once per
         thread count: with batch invariance they are the BLAS's, which may change with the threads)."""
         if self.compiled:
             return self.buckets
-        threads = torch.get_num_threads()
-        if threads not in self._sizes:
-            with self.autocast():
-                self._sizes[threads] = decode_sizes(self.model, self.pool.rows, self.batch_invariant)
-        return self._sizes[threads]
+        return self._measured(self._sizes, lambda: decode_sizes(self.model, self.pool.rows, self.batch_invariant),
+                              report)
 
-    def _packs(self):
+    def _packs(self, report=False):
         """Whether prompt chunks may share a prefill forward: always without batch invariance, else where it changes
         no bit of a prompt's logits (invariance.packs_invariantly: measured once per thread count, as the sizes)."""
         if not self.batch_invariant:
             return True
+        return self._measured(self._packing, lambda: packs_invariantly(self.model, self.pool.rows, self.prefill_budget),
+                              report)
+
+    def _measured(self, found, measure, report):
+        """`found[threads]`, measured at this thread's torch thread count the first time. report (stats, describe:
+        called on other threads, chat_web's HTTP thread computing on one): the stepping thread's finding where it has
+        one, rather than a measurement of its own that would stall the event loop for ~1 s and report other sizes."""
         threads = torch.get_num_threads()
-        if threads not in self._packing:
+        if report and self._step_threads in found:
+            return found[self._step_threads]
+        if threads not in found:
             with self.autocast():
-                self._packing[threads] = packs_invariantly(self.model, self.pool.rows, self.prefill_budget)
-        return self._packing[threads]
+                found[threads] = measure()
+        return found[threads]
 
     def _forward(self, view):
         if not self.compiled:
@@ -678,6 +686,7 @@ class Scheduler:
         """
         t0 = time.perf_counter()
         if not self.compiled:
+            self._step_threads = torch.get_num_threads()
             self._decode_sizes()
             self._packs()
             return time.perf_counter() - t0
@@ -734,7 +743,8 @@ class Scheduler:
         cache = (f"prefix cache {self.prefix.num_blocks} blocks of {BLOCK} tokens" if self.prefix is not None
                  else "no prefix cache")
         return (f"{self.max_batch} sequences x {self.max_context} positions ({self.pool.nbytes() / 2**20:.0f} MiB), "
-                f"{cache}, decode {'compiled' if self.compiled else 'eager'} at {describe_sizes(self._decode_sizes())} rows")
+                f"{cache}, decode {'compiled' if self.compiled else 'eager'} at "
+                f"{describe_sizes(self._decode_sizes(report=True))} rows")
 
     def stats(self):
         rows = self.running_rows()
@@ -757,8 +767,8 @@ class Scheduler:
             "decode": "compiled" if self.compiled else "eager",
             "batch_invariant": self.batch_invariant,
             "decode_overlap": self.overlap,
-            "decode_sizes": describe_sizes(self._decode_sizes()),  # the batch sizes a decode step runs at
-            "packed_prefills": self._packs(),  # prompts arriving together share prefill forwards
+            "decode_sizes": describe_sizes(self._decode_sizes(report=True)),  # the batch sizes a decode step runs at
+            "packed_prefills": self._packs(report=True),  # prompts arriving together share prefill forwards
             "prefix_cache": self.prefix.stats() if self.prefix else None,
         }
 

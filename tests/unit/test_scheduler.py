@@ -298,6 +298,35 @@ def test_with_batch_invariance_prompts_share_prefills_bit_for_bit(tok, d4, threa
         assert crowd_requests[i].tokens == solo_request.tokens
 
 
+def test_stats_report_the_stepping_threads_measurements_without_measuring_again(tok, d4):
+    """/stats and the start-up log run on chat_web's HTTP thread, which computes on one torch thread: they report the
+    sizes and packing the scheduler's thread measured (at its own count) and measure nothing themselves (a
+    measurement there stalled the event loop ~1 s and described sizes no step runs at)."""
+    import threading
+
+    scheduler = Scheduler(Engine(d4, tok), max_batch=8, kv_budget_bytes=BUDGET, threads=2).start()
+    try:
+        assert scheduler.warmed.wait(60)
+        assert set(scheduler._sizes) == set(scheduler._packing) == {2}
+        seen = {}
+
+        def http_thread():
+            torch.set_num_threads(1)
+            seen["stats"], seen["describe"] = scheduler.stats(), scheduler.describe()
+
+        t = threading.Thread(target=http_thread)
+        t.start()
+        t.join()
+        assert set(scheduler._sizes) == set(scheduler._packing) == {2}  # nothing measured at one thread
+        from nanochat.serving.scheduler import describe_sizes
+
+        assert seen["stats"]["decode_sizes"] == describe_sizes(scheduler._sizes[2])
+        assert seen["stats"]["packed_prefills"] is scheduler._packing[2]
+        assert describe_sizes(scheduler._sizes[2]) in seen["describe"]
+    finally:
+        scheduler.stop()
+
+
 def test_with_batch_invariance_prompts_prefill_alone_where_a_pack_would_change_bits(tok, d4, threads, monkeypatch):
     """Batch invariance keeps each prompt's prefill in forwards of its own where packing could change its bits: a
     BLAS whose rows come out otherwise at some row counts (MKL's default mode on the CPU of docs/benchmarks.md), and

@@ -854,6 +854,12 @@ def test_cli_serves_a_checkpoint(base_dir):
         r = httpx.post(url + "/v1/chat/completions", json={"model": "nanochat", "messages": msgs("hi")}, headers={"Authorization": "Bearer k"}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5
         assert httpx.post(url + "/chat/completions", json={"messages": msgs("hi")}, timeout=30).status_code == 401
+        # the batch-invariant server set MKL's strict mode itself (subprocess_env carries no MKL_CBWR): every decode
+        # size keeps a row's bits, and prompts share prefill forwards
+        stats = httpx.get(url + "/stats", headers={"Authorization": "Bearer k"}, timeout=30).json()["workers"][0]
+        if torch.backends.mkl.is_available() and {"avx2", "avx512f"} & cpu_flags():
+            batching = stats["batching"]
+            assert batching["decode_sizes"] == f"1-{batching['kv_slots']}" and batching["packed_prefills"] is True
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -32,12 +32,19 @@ def strict_blas(device_type):
     """
     if torch.device(device_type).type != "cpu" or not torch.backends.mkl.is_available():
         return None
-    if not os.environ.get("MKL_CBWR"):
-        flags = cpu_flags()
-        branch = "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
-        if branch is not None:
-            os.environ["MKL_CBWR"] = f"{branch},STRICT"
+    branch = strict_branch()
+    if not os.environ.get("MKL_CBWR") and branch is not None:
+        os.environ["MKL_CBWR"] = f"{branch},STRICT"
     return os.environ.get("MKL_CBWR") or None
+
+
+def strict_branch():
+    """The MKL code branch with a strict mode that this machine can run (AVX512, AVX2), or None: no such CPU, or a
+    torch whose BLAS is not MKL (an ARM wheel's)."""
+    if not torch.backends.mkl.is_available():
+        return None
+    flags = cpu_flags()
+    return "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
 
 
 def cpu_flags():

@@ -21,7 +21,7 @@ from chat_fixtures import ScriptedModel, ServerThread, free_port, greedy_by_reco
 from nanochat.engine import Engine
 from nanochat.serving.app import create_app, server_options
 from nanochat.serving.generation import RowText
-from nanochat.serving.invariance import cpu_flags
+from nanochat.serving.invariance import strict_branch
 from nanochat.serving.schema import MAX_MESSAGE_CHARS, MAX_MESSAGES, MAX_TOTAL_CHARS
 from nanochat.serving.workers import Worker
 
@@ -138,7 +138,7 @@ def test_batch_invariance_off_decodes_at_the_rows_running(tok, model):
     assert stats[False]["batch_invariant"] is False and stats[False]["decode_sizes"] == "1-8"
     assert stats[None]["batch_invariant"] is True and stats[None]["decode_sizes"].endswith("8")  # CPU: on by default
     assert stats[False]["packed_prefills"] is True
-    if torch.backends.mkl.is_available() and {"avx2", "avx512f"} & cpu_flags():  # MKL's strict mode (conftest.py)
+    if strict_branch():  # MKL's strict mode (conftest.py)
         assert stats[None]["decode_sizes"] == "1-8" and stats[None]["packed_prefills"] is True
 
 
@@ -857,7 +857,7 @@ def test_cli_serves_a_checkpoint(base_dir):
         # the batch-invariant server set MKL's strict mode itself (subprocess_env carries no MKL_CBWR): every decode
         # size keeps a row's bits, and prompts share prefill forwards
         stats = httpx.get(url + "/stats", headers={"Authorization": "Bearer k"}, timeout=30).json()["workers"][0]
-        if torch.backends.mkl.is_available() and {"avx2", "avx512f"} & cpu_flags():
+        if strict_branch():
             batching = stats["batching"]
             assert batching["decode_sizes"] == f"1-{batching['kv_slots']}" and batching["packed_prefills"] is True
     finally:

@@ -49,7 +49,7 @@ def test_a_batch_invariant_servers_blas_gives_a_row_the_same_bits_at_every_row_c
     """chat_web's process before its model loads (workers.prepare_cpu): for a batch-invariant server it sets MKL's
     strict mode, after which every row count from 1 to 64 gives each row of d4's weight shapes the bits it gets at
     64 rows (two threads); a server that is not batch-invariant leaves MKL as it is."""
-    if not torch.backends.mkl.is_available() or not ({"avx2", "avx512f"} & invariance.cpu_flags()):
+    if not invariance.strict_branch():
         pytest.skip("no MKL with AVX2/AVX-512 here: the server decodes at the sizes it measures instead")
     env = subprocess_env()
     env.pop("MKL_CBWR", None)

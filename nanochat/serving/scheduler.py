@@ -380,8 +380,6 @@ class Scheduler:
             row.length = P
             room = self.max_context - P
             row.limit = room if request.max_tokens is None else min(request.max_tokens, room)
-        if self.prefix is not None:
-            self.prefix.save(request.prompt, first.slot)
         tokens = self._sample(logits.expand(request.num_samples, -1), [(request, r.index, 0) for r in request.rows])
         for row in request.rows:
             row.drawn = 1
@@ -389,6 +387,10 @@ class Scheduler:
         request.state = "decode"
         request.first_token_at = time.perf_counter()
         self._advance(request, list(zip(request.rows, tokens)))
+        # the prompt's blocks go to the prefix cache after its first token is out (its time to first token does not
+        # wait for the copy); a row that ended at that token saved them as it left (_release)
+        if self.prefix is not None and self.slots[first.slot] is first:
+            self.prefix.save(request.prompt, first.slot)
 
     @staticmethod
     def _sample(logits, draws):

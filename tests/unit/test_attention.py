@@ -226,6 +226,21 @@ def test_flex_block_masks_are_cached_per_window():
     assert dense.numel() == 1
 
 
+def test_a_chunks_mask_is_built_once_per_shape_and_attends_as_the_bool_mask():
+    # a prompt chunk after a cached prefix (the prefix cache's common case): every layer and every later forward of
+    # the same shape reuse one additive mask, which gives SDPA's output for the bool mask bit for bit
+    mask = A.chunk_mask(5, 12, torch.device("cpu"), torch.float32)
+    assert mask is A.chunk_mask(5, 12, torch.device("cpu"), torch.float32)
+    assert mask is not A.chunk_mask(5, 12, torch.device("cpu"), torch.float64)
+    bool_mask = A.causal_mask(5, 12, "cpu")
+    assert torch.equal(mask == 0, bool_mask) and torch.isneginf(mask[~bool_mask]).all()
+    q, k, v = qkv(4, 2, 5, 12, requires_grad=False)
+    for backend in ("sdpa", "sdpa_flash", "sdpa_math"):
+        with torch.nn.attention.sdpa_kernel([A._SDPB[n] for n in A.choose(backend, None).order], set_priority=True):
+            want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask, enable_gqa=True)
+        assert torch.equal(A.attention(q, k, v, A.choose(backend, None)), want), backend
+
+
 def test_fa3_gets_the_window_as_flash_attentions_window_size(monkeypatch):
     calls = []
 

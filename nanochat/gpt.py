@@ -419,7 +419,9 @@ class GPT(nn.Module):
         # scheduler's batch of sequences at different lengths (nanochat/serving/kv_slots.py)
         positions = getattr(kv_cache, "positions", None)
         pos = kv_cache.get_pos() if kv_cache is not None and positions is None else 0
-        if pos + T > self.cos.size(1):
+        # (positions: each below the cache's slot length, which plan_kv keeps within the table; a packed prefill's T is
+        # several prompts' chunks, longer than the table for a small sequence_len, yet no position in it is)
+        if positions is None and pos + T > self.cos.size(1):
             raise ValueError(
                 f"sequence of {pos + T} tokens exceeds the rotary table ({self.cos.size(1)} = 10 x sequence_len); "
                 "build the model with a larger sequence_len"
@@ -530,6 +532,20 @@ QK_SCALE = 1.2  # queries and keys after QK norm: sharper attention than unit ve
 VE_GATE_CHANNELS = 12  # the value-embedding gate reads this many channels of the block input
 SMEAR_CHANNELS = 24  # the smear gate reads this many channels of the embedding
 WINDOW_TILE = 128  # short windows are rounded up to FlashAttention's tile
+GATE_VECTOR = 64  # gate_sigmoid's row width: a multiple of every CPU vector loop's step (AVX-512: 2 x 16 floats)
+
+
+def gate_sigmoid(z, kv_cache):
+    """torch.sigmoid of a gate's logits z (..., k). Training (no kv_cache) and GPUs: as it is. Inference on CPU: each
+    row padded to GATE_VECTOR values, so every value goes through torch's vectorized sigmoid. The CPU kernel computes
+    a tensor's values in vectors of 32 and the rest (the tail) by a scalar path whose bits differ, so a token's gate
+    depended on how many rows shared its forward (a decode step of 34+ rows, a packed prefill): with whole vectors
+    per row a token's gate is the same alone, in a batch of any size and anywhere in a pack (the serving scheduler's
+    batch invariance, serving/invariance.py)."""
+    if kv_cache is None or z.device.type != "cpu":
+        return torch.sigmoid(z)
+    k = z.size(-1)
+    return torch.sigmoid(F.pad(z, (0, -k % GATE_VECTOR)))[..., :k]
 
 
 def config_from_dict(cfg):
@@ -595,7 +611,7 @@ class RecordAttention(CausalSelfAttention):
         k = self.c_k(x).view(B, T, -1, self.head_dim)
         v = self.c_v(x).view(B, T, -1, self.head_dim)
         if ve is not None:  # value residual: the token's value embedding, through a gate per kv head in (0, 3)
-            gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
+            gate = 3 * gate_sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]), kv_cache)
             v = v + gate.unsqueeze(-1) * ve.view(B, T, -1, self.head_dim)
         q, k = rotate(q, *cos_sin), rotate(k, *cos_sin)
         q, k = norm(q) * QK_SCALE, norm(k) * QK_SCALE
@@ -623,9 +639,8 @@ class RecordBlock(Block):
 class RecordGPT(GPT):
     """nanochat 92d63d4's model (see the section above); built, loaded and prepared like GPT."""
 
-    # not packed_prefill_invariant: its gates' sigmoid (smear, value embeddings) is not, as torch's CPU kernel computes
-    # a tensor's last partial vector by another path, so a gate's bits depend on where its token falls in the pack
-    packed_prefill_invariant = False
+    # its gates' sigmoid would make a token's bits depend on where it falls in a pack; gate_sigmoid keeps them whole
+    packed_prefill_invariant = True
 
     block_class = RecordBlock
     rope_base = 100000
@@ -742,20 +757,20 @@ class RecordGPT(GPT):
             # token takes its own previous token (prev_ids, one per chunk), not the last of the chunk before it
             prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
             prev[:, starts] = self.embed_prev(kv_cache.prev_ids, x.dtype)
-            return x + lam * torch.sigmoid(self.smear_gate(x[..., :SMEAR_CHANNELS])) * prev
+            return x + lam * gate_sigmoid(self.smear_gate(x[..., :SMEAR_CHANNELS]), kv_cache) * prev
         if kv_cache is not None and hasattr(kv_cache, "prev_ids"):
             prev = None if kv_cache.prev_ids is None else self.embed_prev(kv_cache.prev_ids, x.dtype)
         else:
             prev = None if kv_cache is None else kv_cache.exchange_prev_embedding(x[:, -1:])
         if x.size(1) > 1:
-            gate = lam * torch.sigmoid(self.smear_gate(x[:, 1:, :SMEAR_CHANNELS]))
+            gate = lam * gate_sigmoid(self.smear_gate(x[:, 1:, :SMEAR_CHANNELS]), kv_cache)
             first = x[:, :1]
             if prev is not None:  # a chunk after a cached prefix
-                first = first + lam * torch.sigmoid(self.smear_gate(first[..., :SMEAR_CHANNELS])) * prev
+                first = first + lam * gate_sigmoid(self.smear_gate(first[..., :SMEAR_CHANNELS]), kv_cache) * prev
             return torch.cat([first, x[:, 1:] + gate * x[:, :-1]], dim=1)
         if prev is None:  # the first token of a sequence has no previous one
             return x
-        gate = lam * torch.sigmoid(self.smear_gate(x[..., :SMEAR_CHANNELS]))
+        gate = lam * gate_sigmoid(self.smear_gate(x[..., :SMEAR_CHANNELS]), kv_cache)
         return x + gate * prev
 
     def embed_prev(self, prev_ids, dtype):

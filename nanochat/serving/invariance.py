@@ -14,7 +14,8 @@ may change with the number of rows beside it. Two answers, both measured here ra
   that CPU; other machines and BLAS libraries differ). A batch-invariant decode step runs only at those sizes.
 - `packs_invariantly`: whether prompts may share a prefill forward without changing a bit of any prompt's logits:
   every size measured invariant up to the prefill budget, and a model that says its per-token arithmetic is exact
-  wherever the token sits in the sequence (GPT: yes; RecordGPT: its gates' sigmoid is not, see nanochat/gpt.py).
+  wherever the token sits in the sequence (GPT: yes; RecordGPT: yes, its gates computed in whole vectors on CPU,
+  gpt.gate_sigmoid).
 """
 
 import os

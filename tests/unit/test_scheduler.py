@@ -275,16 +275,28 @@ def strict_blas_here():
     return invariant_sizes([torch.randn(256, 1024), torch.randn(1024, 256)], 64) == list(range(1, 65))
 
 
+@pytest.mark.parametrize("model", ["d4", "record"])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-def test_with_batch_invariance_prompts_share_prefills_bit_for_bit(tok, d4, threads):
+def test_with_batch_invariance_prompts_share_prefills_bit_for_bit(tok, d4, threads, model):
     """The CPU default (batch invariance) under MKL's strict mode: prompts arriving together share prefill forwards,
     and each prompt's first-token logits and keys/values are its lone prefill's bit for bit (a lone scheduler
-    prefills it in its own forwards, the same chunks), its tokens too."""
+    prefills it in its own forwards, the same chunks), its tokens too. The record model as well: its gates' sigmoid
+    (smear, value embeddings) computes each token in whole vectors (gpt.gate_sigmoid), wherever it sits in a pack."""
     if not strict_blas_here():
         pytest.skip("this BLAS gives a row other bits at other row counts: prompts prefill alone (the next test)")
-    engine = Engine(d4, tok)
-    jobs = [Job(p, max_tokens=[3, 8][i % 2], temperature=0.0) for i, p in enumerate(mixed_prompts(tok, 10, seed=2))]
+    if model == "d4":
+        engine = Engine(d4, tok)
+        prompts = mixed_prompts(tok, 10, seed=2)
+    else:
+        from test_record_model import NoToolTokenizer
+
+        engine = Engine(record_model(), NoToolTokenizer(), decode_compile="0")
+        g = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 150, 70, 200, 20, 130, 37, 40, 9, 90)]
+    jobs = [Job(p, max_tokens=[3, 8][i % 2], temperature=0.0) for i, p in enumerate(prompts)]
     options = dict(max_batch=8, kv_budget_bytes=BUDGET, prefix_cache=False, prefill_chunk=64, prefill_budget=200)
+    if model == "record":
+        options["max_context"] = 256
     crowd = Prefills(engine, **options)
     assert crowd.batch_invariant and crowd.stats()["packed_prefills"] and crowd.stats()["decode_sizes"] == "1-8"
     crowd_requests = run(crowd, jobs, arrivals=[0] * 7 + [2, 3, 5])
@@ -330,7 +342,7 @@ def test_stats_report_the_stepping_threads_measurements_without_measuring_again(
 def test_with_batch_invariance_prompts_prefill_alone_where_a_pack_would_change_bits(tok, d4, threads, monkeypatch):
     """Batch invariance keeps each prompt's prefill in forwards of its own where packing could change its bits: a
     BLAS whose rows come out otherwise at some row counts (MKL's default mode on the CPU of docs/benchmarks.md), and
-    the record model (its gates' sigmoid depends on where a token sits in the pack) whatever the BLAS."""
+    a model that does not declare its per-token arithmetic independent of its place (packed_prefill_invariant)."""
     real_linear = torch.nn.functional.linear
 
     def blas(x, w, bias=None):  # rows of 2-10 and of 130-140 sum in another order
@@ -346,7 +358,9 @@ def test_with_batch_invariance_prompts_prefill_alone_where_a_pack_would_change_b
     monkeypatch.setattr(torch.nn.functional, "linear", real_linear)
     from test_record_model import NoToolTokenizer
 
-    record = Prefills(Engine(record_model(), NoToolTokenizer(), decode_compile="0"), max_batch=8,
+    model = record_model()
+    model.packed_prefill_invariant = False
+    record = Prefills(Engine(model, NoToolTokenizer(), decode_compile="0"), max_batch=8,
                       kv_budget_bytes=BUDGET, max_context=512, prefill_chunk=64)
     assert record.batch_invariant and not record.stats()["packed_prefills"]
     run(record, [Job([1 + i, 5, 9, 2], max_tokens=2, temperature=0.0) for i in range(4)])
@@ -872,3 +886,28 @@ def test_the_record_model_batches_with_its_windows_and_smear(threads):
     assert second.prefix_hit >= BLOCK
     (plain,) = run(Scheduler(engine, prefix_cache=False, **options), [Job(turn2, max_tokens=20, temperature=0.0)])
     assert second.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_the_record_model_is_batch_invariant_in_decode_steps_of_many_rows(threads):
+    """Up to 44 rows in a decode step, each row's logits of every step are those it gets alone, bit for bit. Its
+    gates' sigmoid is where this broke: torch's CPU kernel computes the last partial vector of a tensor by a scalar
+    path (other bits), so with (rows, 1, 1) gates a row's gate changed once 32+ rows shared a step (gpt.gate_sigmoid)."""
+    from test_record_model import NoToolTokenizer
+
+    engine = Engine(record_model(), NoToolTokenizer(), decode_compile="0")
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 300, (int(n),), generator=g).tolist() for n in torch.randint(2, 40, (44,), generator=g)]
+    jobs = [Job(p, max_tokens=[4, 5][i % 2], temperature=0.0) for i, p in enumerate(prompts)]
+    options = dict(max_batch=48, max_context=64, kv_budget_bytes=BUDGET, prefix_cache=False)
+    crowd_scheduler = Recording(engine, **options)
+    crowd = run(crowd_scheduler, jobs)
+    assert crowd_scheduler.decoded_rows / crowd_scheduler.decode_steps > 34  # the steps held 34+ rows
+    # and the prompts prefilled in one packed forward longer than the model's rotary table (10 x sequence_len): its
+    # positions are each prompt's own, all within it (the table's check once refused such a pack)
+    assert crowd_scheduler.prefill_forwards == 1 and crowd_scheduler.prefill_tokens > engine.model.cos.size(1)
+    for i, job in enumerate(jobs):
+        solo_scheduler = Recording(engine, **options)
+        (solo,) = run(solo_scheduler, [job])
+        assert solo.tokens == crowd[i].tokens
+        assert all(torch.equal(v, crowd_scheduler.logits[(i, row, step)]) for (_, row, step), v in solo_scheduler.logits.items()), f"prompt {i}"

@@ -88,9 +88,9 @@ FLAGS = Flags(
     "multi-turn",
     Flag("turns", 5, "turns per conversation (0: skip)"),
     Flag("conversations", "1,8", "conversations at once, a comma list"),
-    Flag("conversation_rounds", 3, "rounds of each level, new conversations each round and the servers alternating: "
+    Flag("conversation_rounds", 7, "rounds of each level, new conversations each round and the servers alternating: "
          "TTFT per turn is the median over the conversations of every round (one conversation is one sample a round, "
-         "and a lone sample on a shared CPU may be off by 2x)"),
+         "a lone sample on a shared CPU may be off by 2x, and three rounds were still swayed by one slow sample)"),
     Flag("turn_tokens", 100, "tokens per user message"),
     Flag("turn_max_tokens", 64, "tokens per reply"),
     "output",

@@ -279,16 +279,17 @@ def chunk_mask(Tq, Tk, device, dtype):
     a cached prefix, the prefix cache's common case). Eager calls share it; a compiled graph builds its own (reading
     the dict while dynamo traces would guard on its keys, see _causal_block_mask). A few shapes are kept: the
     chunks of a server's requests vary, and building the mask per layer and call was ~7% of such a prefill (d4, CPU)."""
-    if torch.compiler.is_compiling():
+    def build():
         return torch.zeros((Tq, Tk), dtype=dtype, device=device).masked_fill(~causal_mask(Tq, Tk, device), float("-inf"))
+
+    if torch.compiler.is_compiling():
+        return build()
     key = (Tq, Tk, str(device), dtype)
-    mask = _CHUNK_MASKS.get(key)
-    if mask is None:
+    if key not in _CHUNK_MASKS:
         if len(_CHUNK_MASKS) >= 8:
             _CHUNK_MASKS.clear()
-        mask = torch.zeros((Tq, Tk), dtype=dtype, device=device).masked_fill(~causal_mask(Tq, Tk, device), float("-inf"))
-        _CHUNK_MASKS[key] = mask
-    return mask
+        _CHUNK_MASKS[key] = build()
+    return _CHUNK_MASKS[key]
 
 
 _BLOCK_MASKS = {}

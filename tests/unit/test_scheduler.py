@@ -785,6 +785,34 @@ def test_prefix_cache_reuses_a_conversations_earlier_turn(tok, d4, threads):
     assert stats["hit_rate"] == pytest.approx(second.prefix_hit / (len(turn1) + len(turn2)))
 
 
+def test_a_prompt_is_cached_from_its_first_token_on(tok, d4, threads):
+    """A prompt's whole blocks go to the prefix cache in the step that makes its first token (after that token is
+    out, so its time to first token does not wait for the copy): a request starting with the same tokens that
+    arrives while the first still decodes reuses them. A request that ends at its first token leaves its prompt
+    cached as well (as its row leaves)."""
+    engine = Engine(d4, tok)
+    system = max(mixed_prompts(tok, 12, seed=3), key=len)[:100]
+    scheduler = Scheduler(engine, max_batch=8, kv_budget_bytes=BUDGET)
+    seen = []  # how much of the prompt was cached when its first token reached the consumer
+
+    def on_event(kind, payload):
+        if kind == "tokens" and not seen:
+            seen.append(scheduler.prefix.cached_tokens(system))
+
+    first = scheduler.submit(system + tok.encode(" one"), on_event=on_event, max_tokens=50, temperature=0.0)
+    scheduler.step()
+    assert seen == [0]  # the token first, then the copy
+    assert first.state == "decode"  # its prompt prefilled and its first tokens out; it goes on decoding
+    second = scheduler.submit(system + tok.encode(" two"), max_tokens=3, temperature=0.0)
+    scheduler.step()
+    assert first.state == "decode" and second.prefix_hit == len(system) // BLOCK * BLOCK > 0
+    while scheduler.step():
+        pass
+    lone = mixed_prompts(tok, 1, seed=5)[0] + system
+    run(scheduler, [Job(lone, max_tokens=1, temperature=0.0)])
+    assert scheduler.prefix.cached_tokens(lone) == len(lone) // BLOCK * BLOCK
+
+
 def test_prefix_cache_shares_a_system_prompt_and_evicts_old_blocks(tok, d4, threads):
     engine = Engine(d4, tok)
     prompts = mixed_prompts(tok, 20, seed=8, shared_prefix=True)

@@ -19,6 +19,9 @@ so paged blocks would be gathered into a contiguous batch every step, a copy of 
 contiguous already; the cost is that every admitted sequence reserves slot_len positions (--max_context). The
 prefix cache is paged instead (blocks of BLOCK tokens, hashed by their whole prefix, as vLLM's): it is only copied
 when a request starts (matched blocks into its slot) and when a sequence is registered (its new blocks out of it).
+A finished sequence's slot stays parked with its keys/values until another request takes it, and a request that
+continues it (a conversation's next turn, arriving first) resumes in that slot: no copy, and to the token where the
+blocks stop at the last whole one (PrefixCache.resume).
 
 Each slot has at least slot_len + 1 columns: the last one is scratch, written by the filler rows of a decode batch
 (rows of the bucket that hold no decoding sequence) and never attended by a real row, so a filler cannot disturb a
@@ -461,6 +464,17 @@ class _Key:
         return self.parent is other.parent and self.tokens == other.tokens
 
 
+def _common_prefix(a, b, limit):
+    """How many leading tokens the lists a and b share, at most `limit` (compared a block at a time, in C)."""
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i + BLOCK <= n and a[i:i + BLOCK] == b[i:i + BLOCK]:
+        i += BLOCK
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 class PrefixCache:
     """
     Keys/values of token prefixes, in blocks of BLOCK tokens keyed by the whole prefix up to the block's end (a
@@ -477,8 +491,12 @@ class PrefixCache:
         # key -> (block id, the key itself: a walk goes on from it), least recently used first
         self.index = OrderedDict()
         self.free = list(range(num_blocks - 1, -1, -1))
+        # free slots that still hold a finished sequence's keys/values (park): a conversation's next turn usually
+        # arrives before its slot is taken, and then resumes in it (resume): no copy, and to the token (the blocks
+        # stop at the last whole one, up to BLOCK - 1 tokens short)
+        self.parked = {}  # slot -> the tokens whose keys/values its first columns hold
         # counters for /stats: prompt tokens looked up, and how many of them came from the cache
-        self.lookups = self.hits = self.lookup_tokens = self.hit_tokens = self.evictions = 0
+        self.lookups = self.hits = self.lookup_tokens = self.hit_tokens = self.evictions = self.resumed = 0
 
     def nbytes(self):
         return sum(t.numel() * t.element_size() for t in self.layers)
@@ -525,6 +543,39 @@ class PrefixCache:
         self.hit_tokens += n
         return n
 
+    def park(self, row, tokens):
+        """Slot `row` is free and its first len(tokens) columns hold `tokens`' keys/values (until unpark)."""
+        self.parked[row] = tokens
+
+    def unpark(self, row):
+        """Slot `row` is about to be written: what it held is gone (its whole blocks stay cached)."""
+        self.parked.pop(row, None)
+
+    def resume(self, tokens, limit):
+        """
+        (slot, n): the parked slot that holds the longest prefix of `tokens`, n of them (at most `limit`), where that
+        is at least what the cached blocks hold and at least a block; the slot is unparked and its keys/values stay where they are (the
+        caller takes it instead of a free slot and prefills from n). None: no such slot (then `load`). Counted as
+        a lookup and a hit, the blocks of the prefix touched as used, as `load` does.
+        """
+        best, held = None, 0
+        for slot, parked in self.parked.items():
+            n = _common_prefix(parked, tokens, limit)
+            if n > held:
+                best, held = slot, n
+        if best is None:
+            return None
+        blocks = self.match(tokens[:limit + BLOCK - 1])
+        if held < max(BLOCK, min(len(blocks) * BLOCK, limit)):  # (a few shared tokens do not earn a higher slot)
+            return None
+        del self.parked[best]
+        self.lookups += 1
+        self.lookup_tokens += len(tokens)
+        self.hits += 1
+        self.hit_tokens += held
+        self.resumed += 1
+        return best, held
+
     def save(self, tokens, row):
         """Register the whole blocks of `tokens`, whose keys/values are in slot `row`, evicting old blocks as needed."""
         n_blocks = len(tokens) // BLOCK
@@ -568,4 +619,5 @@ class PrefixCache:
             "hit_tokens": self.hit_tokens,
             "hit_rate": self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0,
             "evictions": self.evictions,
+            "resumed": self.resumed,
         }

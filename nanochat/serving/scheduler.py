@@ -314,13 +314,25 @@ class Scheduler:
             if self.running_rows() + n > self.max_batch or len(self.free_slots) < n:
                 return
             self.waiting.popleft()
-            request.rows = [Row(request, i, self.free_slots.pop()) for i in range(n)]
+            # keep >= 1 prompt token to prefill: its logits give the first token. A free slot that still holds this
+            # prompt's start (the conversation's previous turn) is taken as it is, else the lowest free slot
+            limit = len(request.prompt) - 1
+            resumed = self.prefix.resume(request.prompt, limit) if self.prefix is not None else None
+            if resumed is not None:
+                self.free_slots.remove(resumed[0])
+            slots = [resumed[0]] if resumed is not None else []
+            slots += [self.free_slots.pop() for _ in range(n - len(slots))]
+            request.rows = [Row(request, i, slot) for i, slot in enumerate(slots)]
             for row in request.rows:
                 self.slots[row.slot] = row
+                if self.prefix is not None:
+                    self.prefix.unpark(row.slot)
             request.state = "prefill"
             self.requests[request.id] = request
-            if self.prefix is not None:  # keep >= 1 prompt token to prefill: its logits give the first token
-                request.prefix_hit = self.prefix.load(request.prompt, request.rows[0].slot, len(request.prompt) - 1)
+            if resumed is not None:
+                request.prefix_hit = resumed[1]
+            elif self.prefix is not None:
+                request.prefix_hit = self.prefix.load(request.prompt, request.rows[0].slot, limit)
             request.prefilled = request.prefix_hit
             self.prefilling.append(request)
 
@@ -615,7 +627,9 @@ class Scheduler:
             # the tokens whose keys/values a completed step wrote: not the last one (never fed, or fed by a step
             # launched ahead and not read, overlap), so both ways cache the same
             fed = request.prompt + request.tokens[row.index][: row.length - len(request.prompt)]
-            self.prefix.save(fed[: len(request.prompt) + len(request.tokens[row.index]) - 1], row.slot)
+            fed = fed[: len(request.prompt) + len(request.tokens[row.index]) - 1]
+            self.prefix.save(fed, row.slot)
+            self.prefix.park(row.slot, fed)  # until the slot is taken: the next turn may resume in it
         self.slots[row.slot] = None
         self.free_slots.append(row.slot)
         self.free_slots.sort(reverse=True)
@@ -629,6 +643,8 @@ class Scheduler:
             if row.request.state != "decode":
                 continue
             dst = self.free_slots.pop()
+            if self.prefix is not None:
+                self.prefix.unpark(dst)
             for t in self.pool.tensors():
                 t[dst, :, : row.length] = t[slot, :, : row.length]
             self.slots[dst], self.slots[slot] = row, None

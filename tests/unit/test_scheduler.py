@@ -766,23 +766,66 @@ def test_prefix_cache_keys_chain_whole_prefixes_and_load_the_cached_bits():
 
 
 def test_prefix_cache_reuses_a_conversations_earlier_turn(tok, d4, threads):
-    """Turn 2 = turn 1's prompt + its reply + a new message: the cached blocks cover nearly all of it, only the rest
-    is prefilled, and the reply is the same as without the cache (at temperature 0: the cached keys/values equal the
-    recomputed ones up to float rounding). The hit counters add up."""
+    """Turn 2 = turn 1's prompt + its reply + a new message. Its slot still free, turn 2 resumes in it: every fed
+    token of turn 1 is reused in place (to the token, no copy); once another request has taken that slot, the cached
+    blocks cover turn 1 to its last whole block. Either way only the rest is prefilled, and the reply is the same as
+    without the cache (at temperature 0: the cached keys/values equal the recomputed ones up to float rounding). The
+    hit counters add up."""
     engine = Engine(d4, tok)
     turn1 = mixed_prompts(tok, 1, seed=7)[0] + tok.encode(" and the rest of the story")
+    (plain,) = (None,)
+    for other_between in (False, True):
+        scheduler = Scheduler(engine, max_batch=8, kv_budget_bytes=BUDGET)
+        (first,) = run(scheduler, [Job(turn1, max_tokens=20, temperature=0.0)])
+        slot = first.rows[0].slot
+        turn2 = turn1 + first.tokens[0] + tok.encode(" Then what happened next?")
+        fed = len(turn1) + len(first.tokens[0]) - 1  # the last generated token was never fed
+        assert fed % BLOCK and scheduler.prefix.parked[slot] == turn2[:fed]
+        looked = len(turn1) + len(turn2)
+        if other_between:  # a new prompt takes the lowest free slot: turn 1's
+            other = mixed_prompts(tok, 1, seed=8)[0]
+            (taken,) = run(scheduler, [Job(other, max_tokens=2, temperature=0.0)])
+            assert taken.rows[0].slot == slot and scheduler.prefix.parked[slot] == other + taken.tokens[0][:1]
+            looked += len(other)
+        (second,) = run(scheduler, [Job(turn2, max_tokens=20, temperature=0.0)])
+        stats = scheduler.stats()["prefix_cache"]
+        if other_between:
+            assert second.prefix_hit == fed // BLOCK * BLOCK >= len(turn1) - BLOCK and stats["resumed"] == 0
+        else:
+            assert second.prefix_hit == fed and second.rows[0].slot == slot and stats["resumed"] == 1
+        if plain is None:
+            (plain,) = run(Scheduler(engine, max_batch=8, kv_budget_bytes=BUDGET, prefix_cache=False),
+                           [Job(turn2, max_tokens=20, temperature=0.0)])
+        assert second.tokens == plain.tokens
+        assert stats["hits"] == 1 and stats["hit_tokens"] == second.prefix_hit
+        assert stats["prompt_tokens"] == looked
+        assert stats["hit_rate"] == pytest.approx(second.prefix_hit / looked)
+
+
+def test_a_parked_slot_is_forgotten_once_a_row_moves_into_it(tok, d4, threads):
+    """A finished sequence's slot is parked for its next turn only until something writes it: here a decoding row
+    moved into it (compaction, the lowest free slot). The next turn then loads the cached blocks into a slot of its
+    own instead of resuming over the other row's keys/values, and gets the tokens it gets without the cache."""
+    engine = Engine(d4, tok)
     scheduler = Scheduler(engine, max_batch=8, kv_budget_bytes=BUDGET)
-    (first,) = run(scheduler, [Job(turn1, max_tokens=20, temperature=0.0)])
-    turn2 = turn1 + first.tokens[0] + tok.encode(" Then what happened next?")
-    (second,) = run(scheduler, [Job(turn2, max_tokens=20, temperature=0.0)])
-    fed = len(turn1) + len(first.tokens[0]) - 1  # the last generated token was never fed
-    assert second.prefix_hit == fed // BLOCK * BLOCK and second.prefix_hit >= len(turn1) - BLOCK
-    (plain,) = run(Scheduler(engine, max_batch=8, kv_budget_bytes=BUDGET, prefix_cache=False), [Job(turn2, max_tokens=20, temperature=0.0)])
-    assert second.tokens == plain.tokens
-    stats = scheduler.stats()["prefix_cache"]
-    assert stats["hits"] == 1 and stats["hit_tokens"] == second.prefix_hit
-    assert stats["prompt_tokens"] == len(turn1) + len(turn2)
-    assert stats["hit_rate"] == pytest.approx(second.prefix_hit / (len(turn1) + len(turn2)))
+    turn1, other = mixed_prompts(tok, 2, seed=7)
+    a = scheduler.submit(turn1, max_tokens=6, temperature=0.0)
+    b = scheduler.submit(other, max_tokens=40, temperature=0.0)
+    while a.state != "done":
+        scheduler.step()
+    assert a.rows[0].slot == 0 and b.rows[0].slot == 1 and b.state == "decode"
+    fed = len(turn1) + len(a.tokens[0]) - 1
+    assert scheduler.prefix.parked[0] == (turn1 + a.tokens[0])[:fed]
+    scheduler._compact()  # b moves down into slot 0
+    assert b.rows[0].slot == 0 and 0 not in scheduler.prefix.parked
+    turn2 = turn1 + a.tokens[0] + tok.encode(" Then what happened next?")
+    second = scheduler.submit(turn2, max_tokens=12, temperature=0.0)
+    while scheduler.step():
+        pass
+    assert second.prefix_hit == fed // BLOCK * BLOCK and scheduler.prefix.stats()["resumed"] == 0
+    plain = generate_many(engine, [Job(turn2, max_tokens=12, temperature=0.0), Job(other, max_tokens=40, temperature=0.0)],
+                          prefix_cache=False, kv_budget_bytes=BUDGET)
+    assert [second.sequences(), b.sequences()] == plain
 
 
 def test_a_prompt_is_cached_from_its_first_token_on(tok, d4, threads):

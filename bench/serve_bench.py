@@ -246,6 +246,20 @@ def message_pool(tokenizer, sizes, seed):
     return out
 
 
+KEEPALIVE_S = 1.0  # a client reuses a connection idle at most this long: well under uvicorn's 5 s keep-alive timeout
+
+
+def client_limits(connections):
+    """httpx limits of the benchmark's clients: connections kept alive between a client's requests, as chat clients
+    and SDKs keep them (a new TCP connection per request added ~0.5-1 ms to every time to first token on this CPU).
+    A reused connection must not be one the server is closing: it closes one idle for 5 s (uvicorn's
+    timeout_keep_alive), and a POST sent on it just then fails (httpx.ReadError, not retried), so the clients drop
+    an idle connection after KEEPALIVE_S."""
+    import httpx
+
+    return httpx.Limits(max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=KEEPALIVE_S)
+
+
 async def chat(client, messages, max_tokens, sampling=None):
     """One streamed /v1/chat/completions, greedy unless `sampling` (temperature, top_k, seed) says otherwise:
     (ttft_s, [chunk gap s], completion tokens, text, latency_s)."""
@@ -285,10 +299,7 @@ async def load_level(url, concurrency, messages, requests_per_client, max_tokens
     with `sampling` (chat's) and the request's number as its seed."""
     import httpx
 
-    # a new connection per request: a kept-alive one may be closed by the server (uvicorn's keep-alive timeout) just
-    # as the next request goes out on it, and a POST is not retried (httpx.ReadError)
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=client_limits(concurrency + 8)) as client:
         busy = {}  # the server's token counter and the time when the first client runs out of requests
 
         async def one_client(c):
@@ -341,7 +352,7 @@ async def conversations(url, n, turns, messages, max_tokens, first=0):
     conversation."""
     import httpx
 
-    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=client_limits(n + 8)) as client:
         async def one(c):
             history, ttfts = [], []
             for t in range(turns):

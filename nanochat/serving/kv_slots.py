@@ -516,9 +516,12 @@ class PrefixCache:
     def match(self, tokens):
         """Block ids of the longest cached prefix of `tokens` (whole blocks), touched as used."""
         found = self._walk(tokens)
+        self._touch(found)
+        return [block for _, block in found]
+
+    def _touch(self, found):
         for key, _ in reversed(found):  # deepest first: the first block ends up most recently used
             self.index.move_to_end(key)
-        return [block for _, block in found]
 
     def cached_tokens(self, tokens):
         """How many leading tokens of `tokens` are cached (whole blocks), without touching anything."""
@@ -544,8 +547,9 @@ class PrefixCache:
         return n
 
     def park(self, row, tokens):
-        """Slot `row` is free and its first len(tokens) columns hold `tokens`' keys/values (until unpark)."""
-        self.parked[row] = tokens
+        """A sequence leaves slot `row`, its first len(tokens) columns holding `tokens`' keys/values: register their
+        whole blocks (save) and park the slot until it is written again (unpark)."""
+        self.parked[row] = (tokens, self.save(tokens, row))
 
     def unpark(self, row):
         """Slot `row` is about to be written: what it held is gone (its whole blocks stay cached)."""
@@ -553,22 +557,29 @@ class PrefixCache:
 
     def resume(self, tokens, limit):
         """
-        (slot, n): the parked slot that holds the longest prefix of `tokens`, n of them (at most `limit`), where that
-        is at least what the cached blocks hold and at least a block; the slot is unparked and its keys/values stay where they are (the
-        caller takes it instead of a free slot and prefills from n). None: no such slot (then `load`). Counted as
-        a lookup and a hit, the blocks of the prefix touched as used, as `load` does.
+        (slot, n): a parked slot that holds a prefix of `tokens` as long as the cached blocks' and longer by the
+        tokens after its last whole block, n of them (at most `limit`, at least a block); the slot is unparked and
+        its keys/values stay where they are (the caller takes it instead of a free slot and prefills from n). None:
+        there is none (then `load`). Counted as a lookup and a hit, the blocks touched as used, as `load` does. A
+        candidate is a slot whose last whole block is the prompt's deepest cached one (keys are canonical: one
+        identity check a slot, however long the shared prefix, e.g. a system prompt many conversations share).
         """
-        best, held = None, 0
-        for slot, parked in self.parked.items():
-            n = _common_prefix(parked, tokens, limit)
-            if n > held:
-                best, held = slot, n
-        if best is None:
+        if not self.parked:
             return None
-        blocks = self.match(tokens[:limit + BLOCK - 1])
-        if held < max(BLOCK, min(len(blocks) * BLOCK, limit)):  # (a few shared tokens do not earn a higher slot)
+        found = self._walk(tokens[:limit + BLOCK - 1])
+        if not found:
+            return None
+        deepest, m = found[-1][0], min(len(found) * BLOCK, limit)
+        best, held = None, 0
+        for slot, (parked, key) in self.parked.items():
+            if key is deepest:  # parked[:m] == tokens[:m]: the same chain of blocks
+                n = m + _common_prefix(parked[m:], tokens[m:], limit - m)
+                if n > held:
+                    best, held = slot, n
+        if best is None or held < BLOCK:
             return None
         del self.parked[best]
+        self._touch(found)
         self.lookups += 1
         self.lookup_tokens += len(tokens)
         self.hits += 1
@@ -577,7 +588,8 @@ class PrefixCache:
         return best, held
 
     def save(self, tokens, row):
-        """Register the whole blocks of `tokens`, whose keys/values are in slot `row`, evicting old blocks as needed."""
+        """Register the whole blocks of `tokens`, whose keys/values are in slot `row`, evicting old blocks as needed.
+        Returns the key of the deepest block of `tokens` cached now (None: none)."""
         n_blocks = len(tokens) // BLOCK
         new = []  # (block position in the sequence, block id)
         parent = None
@@ -599,7 +611,7 @@ class PrefixCache:
             parent = key
             new.append((b, block))
         if not new:
-            return
+            return parent
         src = host_tensor([b for b, _ in new], self.pool.device)
         dst = host_tensor([block for _, block in new], self.pool.device)
         H, D = self.pool.kv_heads, self.pool.head_dim
@@ -607,6 +619,7 @@ class PrefixCache:
             for i, t in enumerate(pair):  # keys, values
                 blocks = t[row, :, : n_blocks * BLOCK].view(H, n_blocks, BLOCK, D).transpose(0, 1)
                 store[i].index_copy_(0, dst, blocks.index_select(0, src))
+        return parent
 
     def stats(self):
         return {

@@ -628,8 +628,7 @@ class Scheduler:
             # launched ahead and not read, overlap), so both ways cache the same
             fed = request.prompt + request.tokens[row.index][: row.length - len(request.prompt)]
             fed = fed[: len(request.prompt) + len(request.tokens[row.index]) - 1]
-            self.prefix.save(fed, row.slot)
-            self.prefix.park(row.slot, fed)  # until the slot is taken: the next turn may resume in it
+            self.prefix.park(row.slot, fed)  # cached, and kept in the slot until it is taken: a next turn resumes there
         self.slots[row.slot] = None
         self.free_slots.append(row.slot)
         self.free_slots.sort(reverse=True)

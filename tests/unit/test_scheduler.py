@@ -765,6 +765,32 @@ def test_prefix_cache_keys_chain_whole_prefixes_and_load_the_cached_bits():
     assert cache.cached_tokens(a + b) == 0 and len(cache.index) == 1
 
 
+def test_resume_takes_the_parked_slot_that_continues_the_prompt():
+    """A parked slot is a candidate when its last whole block is the prompt's deepest cached one; it then counts
+    the tokens after that block which match too (to the token, at most `limit`). A slot that shares only earlier
+    blocks with the prompt (a common system prompt), or holds less than a block, is not taken; unpark forgets one."""
+    from nanochat.serving.kv_slots import PrefixCache, SlotPool
+
+    pool = SlotPool(2, 2, 8, rows=4, slot_len=128, dtype=torch.float32, device="cpu")
+    cache = PrefixCache(pool, num_blocks=64)
+    system = list(range(100, 100 + 2 * BLOCK))
+    a, b = system + [1] * (BLOCK + 5), system + [2] * (BLOCK + 3)  # three whole blocks and a tail each
+    cache.park(0, a)
+    cache.park(1, b)
+    assert cache.resume(a + [7, 8], limit=len(a) + 1) == (0, len(a)) and 0 not in cache.parked
+    assert cache.resume(b[:-1] + [9], limit=len(b)) == (1, len(b) - 1)  # the tail's last token differs
+    cache.park(1, b)
+    assert cache.resume(b + [9], limit=3 * BLOCK - 4) == (1, 3 * BLOCK - 4)  # the prompt's last tokens stay to prefill
+    cache.park(1, b)
+    assert cache.resume(system + [3] * BLOCK, limit=3 * BLOCK) is None  # only the system prompt in common
+    cache.unpark(1)
+    assert cache.resume(b + [9], limit=len(b)) is None
+    cache.park(2, [5] * (BLOCK - 1))
+    assert cache.resume([5] * BLOCK, limit=BLOCK - 1) is None
+    stats = cache.stats()
+    assert stats["resumed"] == stats["hits"] == 3 and stats["hit_tokens"] == len(a) + len(b) - 1 + 3 * BLOCK - 4
+
+
 def test_prefix_cache_reuses_a_conversations_earlier_turn(tok, d4, threads):
     """Turn 2 = turn 1's prompt + its reply + a new message. Its slot still free, turn 2 resumes in it: every fed
     token of turn 1 is reused in place (to the token, no copy); once another request has taken that slot, the cached
@@ -780,12 +806,12 @@ def test_prefix_cache_reuses_a_conversations_earlier_turn(tok, d4, threads):
         slot = first.rows[0].slot
         turn2 = turn1 + first.tokens[0] + tok.encode(" Then what happened next?")
         fed = len(turn1) + len(first.tokens[0]) - 1  # the last generated token was never fed
-        assert fed % BLOCK and scheduler.prefix.parked[slot] == turn2[:fed]
+        assert fed % BLOCK and scheduler.prefix.parked[slot][0] == turn2[:fed]
         looked = len(turn1) + len(turn2)
         if other_between:  # a new prompt takes the lowest free slot: turn 1's
             other = mixed_prompts(tok, 1, seed=8)[0]
             (taken,) = run(scheduler, [Job(other, max_tokens=2, temperature=0.0)])
-            assert taken.rows[0].slot == slot and scheduler.prefix.parked[slot] == other + taken.tokens[0][:1]
+            assert taken.rows[0].slot == slot and scheduler.prefix.parked[slot][0] == other + taken.tokens[0][:1]
             looked += len(other)
         (second,) = run(scheduler, [Job(turn2, max_tokens=20, temperature=0.0)])
         stats = scheduler.stats()["prefix_cache"]
@@ -815,7 +841,7 @@ def test_a_parked_slot_is_forgotten_once_a_row_moves_into_it(tok, d4, threads):
         scheduler.step()
     assert a.rows[0].slot == 0 and b.rows[0].slot == 1 and b.state == "decode"
     fed = len(turn1) + len(a.tokens[0]) - 1
-    assert scheduler.prefix.parked[0] == (turn1 + a.tokens[0])[:fed]
+    assert scheduler.prefix.parked[0][0] == (turn1 + a.tokens[0])[:fed]
     scheduler._compact()  # b moves down into slot 0
     assert b.rows[0].slot == 0 and 0 not in scheduler.prefix.parked
     turn2 = turn1 + a.tokens[0] + tok.encode(" Then what happened next?")

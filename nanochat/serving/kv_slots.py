@@ -494,7 +494,7 @@ class PrefixCache:
         # free slots that still hold a finished sequence's keys/values (park): a conversation's next turn usually
         # arrives before its slot is taken, and then resumes in it (resume): no copy, and to the token (the blocks
         # stop at the last whole one, up to BLOCK - 1 tokens short)
-        self.parked = {}  # slot -> the tokens whose keys/values its first columns hold
+        self.parked = {}  # slot -> (the tokens whose keys/values its first columns hold, their deepest cached key)
         # counters for /stats: prompt tokens looked up, and how many of them came from the cache
         self.lookups = self.hits = self.lookup_tokens = self.hit_tokens = self.evictions = self.resumed = 0
 

@@ -333,7 +333,8 @@ def create_app(
         if caches:  # over all replicas: the share of prompt tokens served from the prefix cache
             looked, hit = sum(c["prompt_tokens"] for c in caches), sum(c["hit_tokens"] for c in caches)
             out["prefix_cache"] = {"hit_rate": hit / looked if looked else 0.0, "hit_tokens": hit, "prompt_tokens": looked,
-                                   "hit_requests": sum(c["hits"] for c in caches), "lookups": sum(c["lookups"] for c in caches)}
+                                   "hit_requests": sum(c["hits"] for c in caches), "lookups": sum(c["lookups"] for c in caches),
+                                   "resumed": sum(c["resumed"] for c in caches)}
         return out
 
     return app

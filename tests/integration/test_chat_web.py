@@ -158,6 +158,32 @@ def test_health_stats_models_and_page(server):
     assert "__NANOCHAT_DEFAULTS__" not in page.text and '"max_tokens": 12' in page.text
 
 
+def test_a_conversations_next_turn_reuses_its_cached_prefix_and_stats_say_so(tok):
+    """Turn 2 of a chat re-sends turn 1 and its reply: the server prefills only what is new, in turn 1's slot (its
+    keys/values still there: every token of turn 1 and of the reply it fed), and /stats reports the prefix cache's
+    hits, hit rate and resumed requests over the replicas."""
+    reply = tok.encode(" the cat sat on the mat and looked at the door")
+    end = tok.encode_special("<|assistant_end|>")
+    scripted = ScriptedModel(tok.get_vocab_size(), reply + [end], end, max_positions=1000)
+    app = create_app([Worker(Engine(scripted, tok))], max_tokens=40)
+    first = [{"role": "user", "content": "tell me a story about a cat and a dog and a very long afternoon " * 3}]
+    with ServerThread(app, **server_options()) as s:
+        r1 = post_chat(s.base_url, {"model": "nanochat", "messages": first}, path="/v1/chat/completions", headers={})
+        text = r1.json()["choices"][0]["message"]["content"]
+        assert tok.encode(text) == reply
+        second = first + [{"role": "assistant", "content": text}, {"role": "user", "content": "and then?"}]
+        r2 = post_chat(s.base_url, {"model": "nanochat", "messages": second}, path="/v1/chat/completions", headers={})
+        assert r2.json()["choices"][0]["message"]["content"] == text
+        cache = httpx.get(s.base_url + "/stats").json()["prefix_cache"]
+    p1, p2 = served_prompt(tok, first), served_prompt(tok, second)
+    fed = len(p1) + len(reply)  # turn 1's prompt and reply; <|assistant_end|> was generated, never fed
+    assert p2[:fed] == p1 + reply and fed % 16  # (a hit of whole blocks would stop short of it)
+    assert cache["hit_requests"] == cache["resumed"] == 1 and cache["lookups"] == 2
+    assert cache["hit_tokens"] == fed and cache["prompt_tokens"] == len(p1) + len(p2)
+    assert cache["hit_rate"] == pytest.approx(fed / (len(p1) + len(p2)))
+    assert scripted.fed[-len(reply) - 1][0] == p2[fed:]  # turn 2's prefill: the new tokens only
+
+
 def test_sse_stream_format_and_content(server, model, tok):
     body = {"messages": [{"role": "user", "content": "Tell me about the castle"}], "temperature": 0, "max_tokens": 20}
     r = post_chat(server.base_url, body)

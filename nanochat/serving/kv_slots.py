@@ -464,6 +464,20 @@ class _Key:
         return self.parent is other.parent and self.tokens == other.tokens
 
 
+MAX_RUN_COPIES = 4  # a prefix-cache load copies up to this many runs of consecutive blocks one by one (load;
+# measured, d4 shapes, 42 blocks: one run 0.34 ms against 0.64 gathered, five runs the same, 42 runs 2.9 against 0.64)
+
+
+def _runs(blocks):
+    """Runs of consecutive ids in `blocks`: (position in blocks, first id, length)."""
+    runs, start = [], 0
+    for j in range(1, len(blocks) + 1):
+        if j == len(blocks) or blocks[j] != blocks[j - 1] + 1:
+            runs.append((start, blocks[start], j - start))
+            start = j
+    return runs
+
+
 def _common_prefix(a, b, limit):
     """How many leading tokens the lists a and b share, at most `limit` (compared a block at a time, in C)."""
     n = min(len(a), len(b), limit)
@@ -535,13 +549,21 @@ class PrefixCache:
         n = min(len(blocks) * BLOCK, limit)
         if n == 0:
             return 0
-        index = host_tensor(blocks, self.pool.device)
         H, D, end = self.pool.kv_heads, self.pool.head_dim, len(blocks) * BLOCK
+        # whole blocks (the columns from n to the last block's end, n = limit, are the prompt's next ones, which the
+        # prefill that follows writes anyway). A chain's blocks mostly have consecutive ids (a sequence's new blocks
+        # are taken from the free list together): a run of them is copied into the slot as it is, one pass; many
+        # runs (a cache fragmented by evictions) are gathered first, then copied, two passes but few calls
+        runs = _runs(blocks)
+        index = host_tensor(blocks, self.pool.device) if len(runs) > MAX_RUN_COPIES else None
         for store, pair in zip(self.layers, self.pool.layers):
-            for i, t in enumerate(pair):  # keys, values: whole blocks (one gather, one copy into the slot's view);
-                # the columns from n to the last block's end (n = limit) are the prompt's next ones, which the
-                # prefill that follows writes anyway
-                t[row, :, :end].view(H, len(blocks), BLOCK, D).copy_(store[i].index_select(0, index).transpose(0, 1))
+            for i, t in enumerate(pair):  # keys, values
+                slot = t[row, :, :end].view(H, len(blocks), BLOCK, D)
+                if index is not None:
+                    slot.copy_(store[i].index_select(0, index).transpose(0, 1))
+                    continue
+                for at, first, count in runs:
+                    slot[:, at:at + count].copy_(store[i][first:first + count].transpose(0, 1))
         self.hits += 1
         self.hit_tokens += n
         return n

@@ -765,6 +765,29 @@ def test_prefix_cache_keys_chain_whole_prefixes_and_load_the_cached_bits():
     assert cache.cached_tokens(a + b) == 0 and len(cache.index) == 1
 
 
+@pytest.mark.parametrize("max_run_copies", [0, 4])
+def test_prefix_cache_loads_blocks_in_runs_or_gathered_bit_for_bit(monkeypatch, max_run_copies):
+    """A chain whose blocks have ids in several runs (here 5-7, 20-21, 3) is loaded into a slot bit for bit, copied
+    run by run or (more runs than MAX_RUN_COPIES) gathered first."""
+    from nanochat.serving import kv_slots
+    from nanochat.serving.kv_slots import PrefixCache, SlotPool, _runs
+
+    monkeypatch.setattr(kv_slots, "MAX_RUN_COPIES", max_run_copies)
+    torch.manual_seed(0)
+    pool = SlotPool(2, 2, 8, rows=4, slot_len=128, dtype=torch.float32, device="cpu")
+    for t in pool.tensors():
+        t.normal_()
+    cache = PrefixCache(pool, num_blocks=64)
+    cache.free = [3, 21, 20, 7, 6, 5]  # taken from the end
+    tokens = list(range(1, 6 * BLOCK + 1))
+    cache.save(tokens, row=0)
+    blocks = cache.match(tokens)
+    assert blocks == [5, 6, 7, 20, 21, 3] and _runs(blocks) == [(0, 5, 3), (3, 20, 2), (5, 3, 1)]
+    assert cache.load(tokens + [0], row=2, limit=len(tokens)) == len(tokens)
+    for t in pool.tensors():
+        assert torch.equal(t[2, :, :len(tokens)], t[0, :, :len(tokens)])
+
+
 def test_resume_takes_the_parked_slot_that_continues_the_prompt():
     """A parked slot is a candidate when its last whole block is the prompt's deepest cached one; it then counts
     the tokens after that block which match too (to the token, at most `limit`). A slot that shares only earlier

@@ -478,12 +478,9 @@ def _runs(blocks):
     return runs
 
 
-def _common_prefix(a, b, limit):
-    """How many leading tokens the lists a and b share, at most `limit` (compared a block at a time, in C)."""
-    n = min(len(a), len(b), limit)
-    i = 0
-    while i + BLOCK <= n and a[i:i + BLOCK] == b[i:i + BLOCK]:
-        i += BLOCK
+def _matching(a, b, start, limit):
+    """The end of the run of equal tokens of the lists a and b from index `start` on, at most `limit`."""
+    i, n = start, min(len(a), len(b), limit)
     while i < n and a[i] == b[i]:
         i += 1
     return i
@@ -595,7 +592,7 @@ class PrefixCache:
         best, held = None, 0
         for slot, (parked, key) in self.parked.items():
             if key is deepest:  # parked[:m] == tokens[:m]: the same chain of blocks
-                n = m + _common_prefix(parked[m:], tokens[m:], limit - m)
+                n = _matching(parked, tokens, m, limit)  # the tokens after the last whole block, in place
                 if n > held:
                     best, held = slot, n
         if best is None or held < BLOCK:

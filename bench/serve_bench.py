@@ -319,8 +319,9 @@ async def load_level(url, concurrency, messages, requests_per_client, max_tokens
         results = [x for xs in await asyncio.gather(*[one_client(c) for c in range(concurrency)]) for x in xs]
         wall = time.perf_counter() - t0
     tokens = sum(r[3] for r in results)
+    chunks = sum(len(r[2]) + 1 for r in results if r[3])  # content chunks: one more than their gaps
     later = [r[1] for r in results if r[0] > 0]  # past each client's first request: no longer the start-up burst
-    return {"concurrency": concurrency, "requests": len(results), "tokens": tokens, "wall_s": wall,
+    return {"concurrency": concurrency, "requests": len(results), "tokens": tokens, "chunks": chunks, "wall_s": wall,
             "tok_s": tokens / wall, "busy_tok_s": (busy["tokens"] - tokens0) / (busy["at"] - t0),
             "busy_s": busy["at"] - t0, "ttft_p50_s": pct([r[1] for r in results], 50),
             "ttft_p99_s": pct([r[1] for r in results], 99), "ttft_p99_after_first_s": pct(later, 99),

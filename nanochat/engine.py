@@ -361,6 +361,16 @@ class TextStreamer:
         self.pending = []
         return text
 
+    def push_many(self, tokens):
+        """push() of several token ids: the same text, in one decode where they end on a whole character (at such a
+        point the bytes before it decode on their own, so one decode equals push's pieces joined), else token by
+        token."""
+        text = self.tokenizer.decode(self.pending + list(tokens))
+        if not text.endswith("\ufffd"):
+            self.pending = []
+            return text
+        return "".join([self.push(t) for t in tokens])
+
     def flush(self):
         """Whatever is held back (at the end of the stream, an unfinished character decodes as U+FFFD)."""
         text = self.tokenizer.decode(self.pending) if self.pending else ""

@@ -47,6 +47,18 @@ def sse(obj):
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def text_delta_event(envelope):
+    """f(index, text) -> sse({**envelope, "choices": [{"index": index, "delta": {"content": text}, "finish_reason":
+    None}]}), the same string, with only the text dumped each time: a stream's events are mostly text deltas, and
+    dumping the whole envelope for each was a tenth of the event loop's time per delivery at 256 streams."""
+    head, _, tail = sse({**envelope, "choices": ["\0"]}).rpartition('"\\u0000"')  # choices comes last
+
+    def event(index, text):
+        return f'{head}{{"index": {index}, "delta": {{"content": {json.dumps(text, ensure_ascii=False)}}}, "finish_reason": null}}{tail}'
+
+    return event
+
+
 class AdmittedStream(StreamingResponse):
     """A streaming response that gives its pool place back when it ends, however it ends (done, error, client gone,
     or never started because the client left before the headers went out)."""
@@ -209,7 +221,7 @@ def create_app(
         async def stream():
             gpu = None
             try:
-                async with aclosing(generation_events(pool, request, prompt, params)) as events:
+                async with aclosing(generation_events(pool, request, prompt, params, streaming=True)) as events:
                     async for event in events:
                         if event[0] == "worker":
                             gpu = event[1].gpu_id
@@ -279,16 +291,18 @@ def create_app(
         def chunk(choices, **extra):
             return sse({"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": choices, **extra})
 
+        text_delta = text_delta_event({"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model_name})
+
         async def stream():
             try:
-                async with aclosing(generation_events(pool, request, prompt, params)) as events:
+                async with aclosing(generation_events(pool, request, prompt, params, streaming=True)) as events:
                     async for event in events:
                         kind = event[0]
                         if kind == "worker":
                             # the first chunk of every choice carries the role, as OpenAI's does
                             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(n)])
                         elif kind == "delta":
-                            yield chunk([{"index": event[1], "delta": {"content": event[2]}, "finish_reason": None}])
+                            yield text_delta(event[1], event[2])
                         elif kind == "finish":
                             yield chunk([{"index": event[1], "delta": {}, "finish_reason": event[2]}])
                         elif kind == "error":

@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 
 from nanochat.engine import TextStreamer
 from nanochat.serving.scheduler import Request
@@ -18,6 +19,7 @@ from nanochat.serving.workers import DISCONNECT_POLL_S, BatchingPool
 logger = logging.getLogger("nanochat.serving")
 
 WAKE_EVERY_S = 0.02  # the generating thread wakes the event loop at most this often (see Bridge)
+CHUNKS_PER_S = 2000  # and a scheduler's streams ask the event loop for about this many chunks a second at most (Mailbox)
 
 class RowText:
     """One sampled row of a request: its text (streamed at UTF-8 character boundaries) and why it ended."""
@@ -40,6 +42,22 @@ class RowText:
         text = self.streamer.push(token)
         if text:
             self.text.append(text)
+        return text
+
+    def push_many(self, tokens):
+        """push() of one delivery's tokens, decoded together (TextStreamer.push_many): the same text and count."""
+        if self.finish_reason is not None:
+            return ""
+        stop = next((k for k, token in enumerate(tokens) if token in self.stop_ids), None)
+        if stop is not None:
+            tokens = tokens[:stop]
+        self.num_tokens += len(tokens) + (stop is not None)
+        text = self.streamer.push_many(tokens) if tokens else ""
+        if text:
+            self.text.append(text)
+        if stop is not None:
+            self.finish_reason = "stop"
+            text += self.flush()
         return text
 
     def flush(self):
@@ -66,7 +84,8 @@ class Bridge:
 
     def __init__(self, loop, mailbox=None):
         self.loop, self.mailbox = loop, mailbox
-        self.events = asyncio.Queue()
+        self.events = deque()  # delivered, not read yet (event loop only)
+        self.waiter = None  # what the reader awaits while `events` is empty
         self.pending, self.lock = [], threading.Lock()
         self.scheduled, self.last_wake = False, 0.0
 
@@ -77,11 +96,32 @@ class Bridge:
                 tokens.extend(payload)
                 continue
             if tokens:
-                self.events.put_nowait(("tokens", tokens))
+                self.events.append(("tokens", tokens))
                 tokens = []
-            self.events.put_nowait((kind, payload))
+            self.events.append((kind, payload))
         if tokens:
-            self.events.put_nowait(("tokens", tokens))
+            self.events.append(("tokens", tokens))
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def take(self):  # on the event loop
+        """Every event delivered since the last take, in order."""
+        events = list(self.events)
+        self.events.clear()
+        return events
+
+    async def wait(self, timeout):  # on the event loop
+        """Until an event is delivered (True) or `timeout` s pass (False)."""
+        if self.events:
+            return True
+        self.waiter = self.loop.create_future()
+        try:
+            await asyncio.wait_for(self.waiter, timeout)
+        except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
+            return bool(self.events)
+        finally:
+            self.waiter = None
+        return True
 
     def deliver(self):  # on the event loop
         with self.lock:
@@ -107,37 +147,50 @@ class Bridge:
 
 class Mailbox:
     """
-    The Bridges of every request a scheduler thread serves on one event loop, woken together: at most one wake-up
-    every WAKE_EVERY_S for all of them (at once for a "done"/"error"), instead of one per request. With 16 streams a
-    wake-up per request and step kept the event loop busy enough to slow the scheduler's steps by a fifth (the two
-    threads share the GIL).
+    The Bridges of every request a scheduler thread serves on one event loop, woken together: one wake-up for all of
+    them instead of one per request (with 16 streams a wake-up per request and step kept the event loop busy enough
+    to slow the scheduler's steps by a fifth: the two threads share the GIL). The pace: every WAKE_EVERY_S at most,
+    and with many streams every `streams / CHUNKS_PER_S` s, so that the event loop writes at most ~CHUNKS_PER_S
+    chunks a second however many streams there are. Each delivery is a chunk per stream (a JSON event and a socket
+    write, ~0.1-0.25 ms of the loop's Python on docs/benchmarks.md's CPU); at 256 streams and a GPU's ~20 ms steps,
+    a chunk per stream and step would be ~12,800 a second, more than one event loop writes, and the loop's time per
+    token would bound the server's tok/s (bench/host_bench.py). A "done"/"error" or a request's first token wakes the
+    loop at once, for the streams that have such an item only: the others' tokens keep their pace.
     """
 
     def __init__(self, loop):
         self.loop = loop
-        self.pending, self.lock = [], threading.Lock()
-        self.scheduled, self.last_wake = False, 0.0
+        self.pending, self.urgent, self.lock = {}, set(), threading.Lock()  # items by bridge, in arrival order
+        self.scheduled, self.last_wake, self.streams = False, 0.0, 0  # streams: those of the last paced delivery
+
+    def interval(self):
+        return max(WAKE_EVERY_S, self.streams / CHUNKS_PER_S)
 
     def post(self, bridge, item, urgent):  # on the scheduler's thread
         now = time.perf_counter()
         with self.lock:
-            self.pending.append((bridge, item))
-            if self.scheduled or (not urgent and now - self.last_wake < WAKE_EVERY_S):
+            self.pending.setdefault(bridge, []).append(item)
+            if urgent:
+                self.urgent.add(bridge)
+            if self.scheduled or (not urgent and now - self.last_wake < self.interval()):
                 return
-            self.scheduled, self.last_wake = True, now
+            self.scheduled = True
         try:
             self.loop.call_soon_threadsafe(self.deliver)
         except RuntimeError:
             pass
 
     def deliver(self):  # on the event loop
+        now = time.perf_counter()
         with self.lock:
-            items, self.pending = self.pending, []
             self.scheduled = False
-        by_bridge = {}
-        for bridge, item in items:
-            by_bridge.setdefault(bridge, []).append(item)
-        for bridge, its in by_bridge.items():
+            if now - self.last_wake >= self.interval():  # the paced wake-up: every stream
+                items, self.pending = self.pending, {}
+                self.streams, self.last_wake = len(items), now
+            else:  # an urgent one before the pace: the streams with an urgent item (all of theirs, in order)
+                items = {bridge: self.pending.pop(bridge) for bridge in self.urgent}
+            self.urgent = set()
+        for bridge, its in items.items():
             bridge.put(its)
 
 
@@ -145,12 +198,14 @@ def _seed(params):
     return params["seed"] if params["seed"] is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
 
 
-async def generation_events(pool, request, prompt, params):
+async def generation_events(pool, request, prompt, params, streaming=False):
     """
     Runs one generation and yields ("worker", w), then ("delta", row, text) as text becomes ready (a row's text of
     one delivery in one delta), ("finish", row, reason) per row, and finally ("done", rows) or ("error", message).
-    Stops early (and frees the rows or the worker) when the client disconnects; the caller's `finally` runs when the
-    response is torn down.
+    Stops early (and frees the rows or the worker) when the client disconnects: it checks every DISCONNECT_POLL_S
+    while it waits, and while text flows unless `streaming` (the response streams it: the server then tears the
+    response down as soon as the client leaves, and this generator's finally stops the generation). The caller's
+    `finally` runs when the response is torn down.
     """
     start = _start_batched if isinstance(pool, BatchingPool) else _start_on_worker
     started = await start(pool, request, prompt, params)
@@ -159,53 +214,55 @@ async def generation_events(pool, request, prompt, params):
     worker, bridge, stop = started
     engine = worker.engine
     rows = [RowText(engine.tokenizer, {engine.assistant_end, engine.bos}) for _ in range(params["n"])]
-    getter = None
+    checked = time.perf_counter()  # the client's last disconnect check
     try:
         yield ("worker", worker)
         while True:
-            if getter is None:
-                getter = asyncio.ensure_future(bridge.events.get())
-            done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
-            if not done:
-                if await request.is_disconnected():
+            events = bridge.take()
+            if not events:
+                if not await bridge.wait(DISCONNECT_POLL_S) and await request.is_disconnected():
                     return
                 continue
-            kind, payload = getter.result()
-            getter = None
-            if kind == "tokens":
-                if await request.is_disconnected():  # one check per delivery, not per token
+            # while text flows into a reply that is not streamed, a disconnect check every DISCONNECT_POLL_S (not
+            # one per delivery: starlette's check costs ~30 us of the event loop)
+            now = time.perf_counter()
+            if not streaming and now - checked >= DISCONNECT_POLL_S:
+                if await request.is_disconnected():
                     return
-                # one delta per row and delivery, not per token: the text arrives at the same moment either way,
-                # and each delta is a JSON event and a socket write here and a parse at the client (at 16 streams
-                # of a d4 on CPU ~2-3 tokens a delivery)
-                texts, finished = {}, []
-                for i, token in payload:
-                    was_running = rows[i].finish_reason is None
-                    delta = rows[i].push(token)
-                    if delta:
-                        texts[i] = texts.get(i, "") + delta
-                    if was_running and rows[i].finish_reason is not None:
-                        finished.append(i)
-                for i, text in texts.items():
-                    yield ("delta", i, text)
-                for i in finished:
-                    yield ("finish", i, rows[i].finish_reason)
-            elif kind == "done":
-                for i, row in enumerate(rows):
-                    if row.finish_reason is None:
-                        delta = row.finish()
+                checked = now
+            for kind, payload in events:
+                if kind == "tokens":
+                    # one delta per row and delivery, not per token: the text arrives at the same moment either
+                    # way, and each delta is a JSON event and a socket write here and a parse at the client
+                    by_row = {}
+                    for i, token in payload:
+                        by_row.setdefault(i, []).append(token)
+                    texts, finished = {}, []
+                    for i, tokens in by_row.items():
+                        was_running = rows[i].finish_reason is None
+                        delta = rows[i].push_many(tokens)
                         if delta:
-                            yield ("delta", i, delta)
-                        yield ("finish", i, row.finish_reason)
-                yield ("done", rows)
-                return
-            else:
-                yield ("error", payload)
-                return
+                            texts[i] = delta
+                        if was_running and rows[i].finish_reason is not None:
+                            finished.append(i)
+                    for i, text in texts.items():
+                        yield ("delta", i, text)
+                    for i in finished:
+                        yield ("finish", i, rows[i].finish_reason)
+                elif kind == "done":
+                    for i, row in enumerate(rows):
+                        if row.finish_reason is None:
+                            delta = row.finish()
+                            if delta:
+                                yield ("delta", i, delta)
+                            yield ("finish", i, row.finish_reason)
+                    yield ("done", rows)
+                    return
+                else:
+                    yield ("error", payload)
+                    return
     finally:
         stop()  # the scheduler drops the rows at its next step / the thread stops before its next forward
-        if getter is not None:
-            getter.cancel()
 
 
 async def _start_batched(pool, request, prompt, params):

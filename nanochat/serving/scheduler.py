@@ -615,7 +615,7 @@ class Scheduler:
             self._release(row)
         self.tokens_generated += len(out)
         self._emit(request, "tokens", out)
-        if all(reason is not None for reason in request.finish_reasons):
+        if None not in request.finish_reasons:
             self._finish(request, None)
 
     def _release(self, row):

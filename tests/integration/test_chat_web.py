@@ -249,6 +249,117 @@ def test_text_is_sent_only_at_utf8_boundaries(tok):
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_a_deliverys_tokens_decode_together_to_the_same_text_as_one_by_one(tok):
+    """RowText.push_many (a delivery's tokens of a row, one decode where they end on a whole character) gives the
+    text, count and finish reason that push() token by token gives, wherever the deliveries split the tokens: split
+    characters, a stop token inside a delivery, tokens after it."""
+    import random
+
+    text = "Grüße, 東京 😀 ok. Ünïcødé — “quotes” and 🚀🚀 rockets"
+    ids = tok.encode(text)
+    assert sum(tok.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids))) >= 3  # characters are split
+    end = tok.encode_special("<|assistant_end|>")
+    rng = random.Random(0)
+    for trial in range(200):
+        tokens = ids + ([end] + ids[:3] if trial % 2 else [])
+        one, many = RowText(tok, stops(tok)), RowText(tok, stops(tok))
+        pieces_one = [one.push(t) for t in tokens]
+        cuts = sorted(rng.sample(range(1, len(tokens)), rng.randrange(0, 8)))
+        pieces_many = [many.push_many(tokens[a:b]) for a, b in zip([0, *cuts], [*cuts, len(tokens)])]
+        tail_one, tail_many = one.finish(), many.finish()
+        assert "".join(pieces_many) + tail_many == "".join(pieces_one) + tail_one == text
+        assert all("\ufffd" not in p for p in pieces_many)
+        assert (many.num_tokens, many.finish_reason) == (one.num_tokens, one.finish_reason)
+        assert "".join(many.text) == "".join(one.text) == text
+
+
+def test_a_text_delta_event_is_the_same_bytes_as_dumping_it_whole():
+    from nanochat.serving.app import sse, text_delta_event
+
+    for model_name in ["nanochat", 'a "quoted"\\0 name\x00', "ünï"]:
+        envelope = {"id": "chatcmpl-7", "object": "chat.completion.chunk", "created": 1700000000, "model": model_name}
+        event = text_delta_event(envelope)
+        for text in ["hi", 'quote " backslash \\ newline \n tab \t nul \x00', "東京 😀", "", "\u2028"]:
+            for index in (0, 3):
+                whole = {**envelope, "choices": [{"index": index, "delta": {"content": text}, "finish_reason": None}]}
+                assert event(index, text) == sse(whole)
+
+
+class FakeLoop:
+    """The event loop's one method a Mailbox calls from the scheduler's thread: the test runs the callbacks."""
+
+    def __init__(self):
+        self.calls = []
+
+    def call_soon_threadsafe(self, fn):
+        self.calls.append(fn)
+
+    def run(self):
+        calls, self.calls = self.calls, []
+        for fn in calls:
+            fn()
+        return len(calls)
+
+
+class Inbox:
+    """Stands in for a Bridge: what a Mailbox delivers to it, delivery by delivery."""
+
+    def __init__(self):
+        self.deliveries = []
+
+    def put(self, items):
+        self.deliveries.append(items)
+
+
+def test_the_mailbox_paces_many_streams_and_delivers_urgent_items_alone(monkeypatch):
+    """The event loop writes a chunk per stream and delivery: with many streams the mailbox wakes it every
+    streams / CHUNKS_PER_S seconds (at 256 streams and a GPU's ~20 ms steps a wake-up per step would be ~12,800 chunks a
+    second), never more often than WAKE_EVERY_S; a request's first token or its end wakes it at once for that stream
+    only, with all of that stream's items in order, and leaves the other streams' tokens to the pace."""
+    import nanochat.serving.generation as generation
+
+    now = [100.0]
+    monkeypatch.setattr(generation.time, "perf_counter", lambda: now[0])
+    loop = FakeLoop()
+    mailbox = generation.Mailbox(loop)
+    wakes_at = {}
+    for streams in (256, 16):
+        inboxes = [Inbox() for _ in range(streams)]
+        pace = max(generation.WAKE_EVERY_S, streams / generation.CHUNKS_PER_S)
+        for box in inboxes:  # a step's tokens for every stream: the first paced wake-up delivers them all
+            mailbox.post(box, ("tokens", [(0, 0)]), False)
+        assert loop.run() == 1 and all(len(b.deliveries) == 1 for b in inboxes)
+        steps, wakes = 0, 0
+        start = now[0]
+        while now[0] < start + 1.0:  # one second of 5 ms steps, every stream a token each step
+            now[0] += 0.005
+            steps += 1
+            for box in inboxes:
+                mailbox.post(box, ("tokens", [(0, steps)]), False)
+            wakes += loop.run()
+        assert 1.0 / (pace + 0.005) - 1 <= wakes <= 1.0 / pace + 1, (streams, wakes, pace)  # (5 ms steps)
+        wakes_at[streams] = wakes
+        # an urgent item: its stream alone, all of its items in order; the others wait for the pace
+        now[0] += 0.001
+        before = len(inboxes[1].deliveries)
+        mailbox.post(inboxes[0], ("tokens", [(0, -1)]), False)
+        mailbox.post(inboxes[1], ("tokens", [(0, -2)]), False)
+        mailbox.post(inboxes[0], ("done", None), True)
+        assert loop.run() == 1
+        assert inboxes[0].deliveries[-1][-2:] == [("tokens", [(0, -1)]), ("done", None)]
+        assert len(inboxes[1].deliveries) == before
+        now[0] += pace
+        mailbox.post(inboxes[2], ("tokens", [(0, -3)]), False)
+        assert loop.run() == 1
+        assert inboxes[1].deliveries[-1][-1] == ("tokens", [(0, -2)]) and inboxes[2].deliveries[-1][-1] == ("tokens", [(0, -3)])
+        # every token arrived once, in order
+        for i, box in enumerate(inboxes):
+            got = [t for items in box.deliveries for kind, payload in items if kind == "tokens" for _, t in payload]
+            assert got == list(range(steps + 1)) + {0: [-1], 1: [-2], 2: [-3]}.get(i, [])
+        mailbox.streams, mailbox.last_wake = 0, 0.0
+    assert wakes_at[16] >= 38 and wakes_at[256] * 4 <= wakes_at[16]  # 16 streams every 20 ms; 256 far less often
+
+
 def test_the_generating_threads_get_the_cpu_threads_and_the_main_thread_one(tok, model):
     """chat_web on CPU: the thread that loads the model and serves HTTP computes on one torch thread from then on (no
     OpenMP pool of its own beside the scheduler's: with more pool threads than cores, libgomp stops spinning and every
@@ -715,6 +826,24 @@ def test_dropped_client_frees_the_worker(tok, batching):
         assert stats()["queued_requests"] == 0  # and every queue place came back (none leaked by a client that left)
         events = sse_events(post_chat(s.base_url, {"messages": msgs("x"), "max_tokens": 3}).text)
         assert events[-1] == '{"done": true}'
+
+
+@pytest.mark.slow  # waits for the server to notice a dropped client
+def test_a_client_that_leaves_before_its_unstreamed_reply_frees_its_row(tok):
+    """A reply that is not streamed writes nothing until the end, so nothing tears it down when its client leaves:
+    the generation checks for a disconnect while text flows (every DISCONNECT_POLL_S) and stops."""
+    word = tok.encode(" the")[0]
+    scripted = ScriptedModel(tok.get_vocab_size(), [], word, delay=0.01, max_positions=100_000)
+    app = create_app([Worker(Engine(scripted, tok))], max_batch=1)
+    body = {"model": "nanochat", "messages": msgs("go on forever"), "max_tokens": 4096, "stream": False}
+    with ServerThread(app) as s:
+        stats = lambda: httpx.get(s.base_url + "/stats").json()  # noqa: E731
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.base_url + "/v1/chat/completions", json=body, timeout=0.6)
+        assert wait_for(lambda: stats()["available_workers"] == 1, timeout=3.0), stats()
+        generated = stats()["workers"][0]["tokens_generated"]
+        time.sleep(0.3)
+        assert stats()["workers"][0]["tokens_generated"] == generated < 400  # generation really stopped
 
 
 class FlakyModel(torch.nn.Module):

@@ -19,7 +19,8 @@ Measured per server and concurrency:
 - tok/s with every client busy: the tokens the server generated (its /stats counter) from the level's start until
   the first client has received its last reply, over that time: the load of `concurrency` clients, without the drain;
 - TTFT: request sent -> first content chunk; ITL: gaps between content chunks (the server sends text every ~20 ms
-  at most, WAKE_EVERY_S, so one chunk may hold several tokens: ITL p50 is then the chunking, p99 the stalls);
+  at most, WAKE_EVERY_S, and with many streams less often: every streams / CHUNKS_PER_S s, so one chunk may hold
+  several tokens: ITL p50 is then the chunking, p99 the stalls);
 - the batching server's scheduler per level (/stats): decode steps, their mean rows and time, prompt chunks per
   prefill forward, the share of its busy time outside decode (prefills, admission), its busy share of the level;
 - multi-turn (--turns): conversations that resend their history each turn, the reply of turn N in the prompt of

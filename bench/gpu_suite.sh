@@ -10,7 +10,8 @@
 #                                    # multi-turn prefix-cache TTFT; --cpu: the same at d4 on this CPU
 #   bash bench/gpu_suite.sh decode   # issue 30: where a decode step's time goes, d20 in process, no HTTP: the Engine's
 #                                    # graphed step and the serving Scheduler's at batch 1/64/256 (the batching server
-#                                    # streamed a lone request at ~3 ms a token where the Engine's step took 1.4 ms)
+#                                    # streamed a lone request at ~3 ms a token where the Engine's step took 1.4 ms),
+#                                    # then the host's side: the server's CPU per token with a free model (host_bench)
 #   bash bench/gpu_suite.sh pipeline # short real base_train (data, eval, checkpoint), Engine decode, chat_web + the
 #                                    # openai client, then the largest device batch for d26/d32/d40
 #   bash bench/gpu_suite.sh speed    # issue 20 in <= 9 minutes: d20 training per attention backend that loads,
@@ -128,6 +129,11 @@ decode)
     fi
     step decode_paths 420 "$PY" -m bench.infer_bench $DEC --repeats=2 --paths=engine,scheduler,scheduler_serial --skip_server \
         --tokenizer=repo_docs --json_out="$OUT/decode_paths.json"
+    # and the other side of a step: the server's CPU per streamed token with a model that costs nothing (the event
+    # loop's and the scheduler's Python share one GIL: what this host allows 256 streams whatever the GPU does)
+    HOST="--concurrency=16,64,256"
+    ((CPU)) && HOST="--concurrency=16,64 --requests=128"
+    step serve_host 90 "$PY" -m bench.host_bench $HOST --json_out="$OUT/serve_host.json"
     ;;
 pipeline)
     : "${NANOCHAT_BASE_DIR:?pipeline needs NANOCHAT_BASE_DIR with tokenizer/ and base_data/}"

@@ -194,10 +194,21 @@ def _tokenizer_args(args):
     return SERVE_FLAGS.parse_args([f"--vocab_size={args.vocab_size}", "--tokenizer=wikitext"])
 
 
+def cpu_name():
+    """The CPU's model name (the host of a GPU machine is what this measures), from /proc/cpuinfo where there is one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"
+
+
 def report(args, rows):
     print(f"\nHost ceiling of chat_web's batching server (bench/host_bench.py): a free model ({args.layers} layers, "
           f"vocab {args.vocab_size}), --max_batch={args.max_batch}, prompts of {args.prompt_tokens} tokens, replies "
-          f"of {args.max_tokens}, greedy; {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f}\n")
+          f"of {args.max_tokens}, greedy; {cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}\n")
     print("| streams | tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | tokens a chunk | event loop us/token | "
           "scheduler thread us/token | tokens per server CPU-second |")
     print("|---:|---:|---|---|---:|---:|---:|---:|")
@@ -208,7 +219,7 @@ def report(args, rows):
               f"{r['event_loop_us_per_token']:.0f} | {r['other_us_per_token']:.0f} | {1e6 / per_token:,.0f} |")
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump({"levels": rows, "cores": os.cpu_count()}, f, indent=2)
+            json.dump({"levels": rows, "cpu": cpu_name(), "cores": os.cpu_count()}, f, indent=2)
 
 
 if __name__ == "__main__":

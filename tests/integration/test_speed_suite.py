@@ -64,18 +64,24 @@ def test_serve_part_fits_nine_minutes_and_serve_bench_takes_its_flags(tmp_path):
         assert args.concurrency == ("1,16,64,256" if not extra else "1,4,16")
         assert "dry run: nothing ran" in r.stdout and list(tmp_path.iterdir()) == []
 
-def test_decode_part_fits_nine_minutes_and_infer_bench_takes_its_flags(tmp_path):
+def test_decode_part_fits_nine_minutes_and_its_benches_take_their_flags(tmp_path):
     """`bash bench/gpu_suite.sh decode`: the Engine's and the serving Scheduler's decode step in one infer_bench run
-    at d20 (--cpu: d2), every flag one infer_bench accepts, within the slot."""
+    at d20 (--cpu: d2), then the server's host ceiling (host_bench: 16/64/256 streams of a model that costs nothing),
+    every flag one the bench accepts, within the slot."""
+    from bench.host_bench import FLAGS as HOST_FLAGS
     from bench.infer_bench import FLAGS
 
     for extra, depths in (([], "20"), (["--cpu"], "2")):
-        r, (step,) = dry_run(tmp_path, "decode", *extra)
-        name, limit, command = step[0], int(step[1]), step[2].split()
-        assert name == "decode_paths" and command[:3] == ["python3", "-m", "bench.infer_bench"]
-        assert limit <= (540 if not extra else 1080)
+        r, (decode, host) = dry_run(tmp_path, "decode", *extra)
+        assert [decode[0], host[0]] == ["decode_paths", "serve_host"]
+        assert int(decode[1]) + int(host[1]) <= (540 if not extra else 1080)
+        command = decode[2].split()
+        assert command[:3] == ["python3", "-m", "bench.infer_bench"]
         args = FLAGS.parse_args(command[3:])
         assert args.depths == depths and args.paths == "engine,scheduler,scheduler_serial" and args.skip_server
+        command = host[2].split()
+        assert command[:3] == ["python3", "-m", "bench.host_bench"]
+        assert HOST_FLAGS.parse_args(command[3:]).concurrency == ("16,64,256" if not extra else "16,64")
         assert "dry run: nothing ran" in r.stdout and list(tmp_path.iterdir()) == []
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.serve_bench import REPO, free_port, get_tokenizer, lengths, load_level, message_pool
+from bench.serve_bench import REPO, free_port, get_tokenizer, lengths, load_level, message_pool, wait_ready
 from nanochat.configurator import Flag, Flags
 
 FLAGS = Flags(
@@ -119,22 +119,6 @@ def thread_cpu(pid):
     return out
 
 
-def wait_ready(url, proc, timeout=120):
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode})")
-        try:
-            if httpx.get(url + "/health", timeout=2).json().get("ready"):
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.3)
-    raise SystemExit(f"the server was not ready after {timeout} s")
-
-
 def main(argv=None):
     args = FLAGS.parse_args(argv)
     if args.serve:
@@ -155,7 +139,7 @@ def main(argv=None):
     max_tokens = lengths(args.max_tokens, 4096, seed=2)
     rows = []
     try:
-        wait_ready(url, proc)
+        wait_ready(url, proc, 120, "the host_bench server", log.name)
         asyncio.run(load_level(url, 4, pool, 2, max_tokens, first=len(pool) - 8))  # first requests, allocations
         first = 0
         for c in levels:
@@ -164,8 +148,9 @@ def main(argv=None):
             row = asyncio.run(load_level(url, c, pool, per_client, max_tokens, first))
             cpu1, client1 = thread_cpu(proc.pid), time.process_time()
             first += c * per_client
-            loop_s = cpu1.get(proc.pid, 0) - cpu0.get(proc.pid, 0)
-            other_s = sum(cpu1.values()) - sum(cpu0.values()) - loop_s
+            used = {tid: t - cpu0.get(tid, 0.0) for tid, t in cpu1.items()}  # (a thread gone since: not counted)
+            loop_s = used.pop(proc.pid, 0.0)
+            other_s = sum(used.values())
             tokens = row["tokens"]
             row.update(event_loop_cpu_s=loop_s, other_cpu_s=other_s, client_cpu_s=client1 - client0,
                        event_loop_us_per_token=loop_s / tokens * 1e6, other_us_per_token=other_s / tokens * 1e6,

@@ -171,6 +171,24 @@ def free_port():
         return s.getsockname()[1]
 
 
+def wait_ready(url, proc, timeout, name, log):
+    """Until the chat server of subprocess `proc` at `url` says ready on /health; SystemExit (naming `log`) if it
+    exits or is not ready within `timeout` s."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{name} exited ({proc.returncode}); see {log}")
+        try:
+            if httpx.get(url + "/health", timeout=2).json().get("ready"):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{name} not ready after {timeout:.0f} s; see {log}")
+
+
 class Server:
     """scripts.chat_web in a subprocess on a free port; its log goes to a file."""
 
@@ -185,19 +203,7 @@ class Server:
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
 
     def wait_ready(self, timeout):
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server {self.name} exited ({self.proc.returncode}); see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).json().get("ready"):
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.5)
-        raise SystemExit(f"server {self.name} not ready after {timeout:.0f} s; see {self.log.name}")
+        wait_ready(self.url, self.proc, timeout, f"server {self.name}", self.log.name)
 
     def stats(self):
         import httpx

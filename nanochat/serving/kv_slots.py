@@ -464,16 +464,18 @@ class _Key:
         return self.parent is other.parent and self.tokens == other.tokens
 
 
-MAX_RUN_COPIES = 4  # a prefix-cache load copies up to this many runs of consecutive blocks one by one (load;
+MAX_RUN_COPIES = 4  # a prefix-cache load or save copies up to this many runs of consecutive blocks one by one (load;
 # measured, d4 shapes, 42 blocks: one run 0.34 ms against 0.64 gathered, five runs the same, 42 runs 2.9 against 0.64)
 
 
-def _runs(blocks):
-    """Runs of consecutive ids in `blocks`: (position in blocks, first id, length)."""
+def _runs(blocks, positions=None):
+    """Runs of consecutive ids in `blocks` at consecutive positions (`positions`, default each id's index in
+    `blocks`): (the run's first position, first id, length)."""
+    positions = range(len(blocks)) if positions is None else positions
     runs, start = [], 0
     for j in range(1, len(blocks) + 1):
-        if j == len(blocks) or blocks[j] != blocks[j - 1] + 1:
-            runs.append((start, blocks[start], j - start))
+        if j == len(blocks) or blocks[j] != blocks[j - 1] + 1 or positions[j] != positions[j - 1] + 1:
+            runs.append((positions[start], blocks[start], j - start))
             start = j
     return runs
 
@@ -499,6 +501,12 @@ class PrefixCache:
         self.pool, self.num_blocks = pool, num_blocks
         shape = (2, num_blocks, pool.kv_heads, BLOCK, pool.head_dim)
         self.layers = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.num_layers)]
+        # the same memory as pairs of views made once (a save or load makes none per tensor): each pool tensor's
+        # slots in blocks (rows, heads, blocks, BLOCK, dim), and the store it is saved to (num_blocks, heads, BLOCK,
+        # dim), keys then values of each layer
+        self._slot_blocks = [t.view(pool.rows, pool.kv_heads, pool.columns // BLOCK, BLOCK, pool.head_dim)
+                             for t in pool.tensors()]
+        self._stores = [store[i] for store in self.layers for i in range(2)]
         # key -> (block id, the key itself: a walk goes on from it), least recently used first
         self.index = OrderedDict()
         self.free = list(range(num_blocks - 1, -1, -1))
@@ -546,21 +554,18 @@ class PrefixCache:
         n = min(len(blocks) * BLOCK, limit)
         if n == 0:
             return 0
-        H, D, end = self.pool.kv_heads, self.pool.head_dim, len(blocks) * BLOCK
         # whole blocks (the columns from n to the last block's end, n = limit, are the prompt's next ones, which the
         # prefill that follows writes anyway). A chain's blocks mostly have consecutive ids (a sequence's new blocks
         # are taken from the free list together): a run of them is copied into the slot as it is, one pass; many
         # runs (a cache fragmented by evictions) are gathered first, then copied, two passes but few calls
         runs = _runs(blocks)
         index = host_tensor(blocks, self.pool.device) if len(runs) > MAX_RUN_COPIES else None
-        for store, pair in zip(self.layers, self.pool.layers):
-            for i, t in enumerate(pair):  # keys, values
-                slot = t[row, :, :end].view(H, len(blocks), BLOCK, D)
-                if index is not None:
-                    slot.copy_(store[i].index_select(0, index).transpose(0, 1))
-                    continue
-                for at, first, count in runs:
-                    slot[:, at:at + count].copy_(store[i][first:first + count].transpose(0, 1))
+        for store, slot in zip(self._stores, self._slot_blocks):
+            if index is not None:
+                slot[row, :, :len(blocks)].copy_(store.index_select(0, index).transpose(0, 1))
+                continue
+            for at, first, count in runs:
+                slot[row, :, at:at + count].copy_(store[first:first + count].transpose(0, 1))
         self.hits += 1
         self.hit_tokens += n
         return n
@@ -631,13 +636,19 @@ class PrefixCache:
             new.append((b, block))
         if not new:
             return parent
-        src = host_tensor([b for b, _ in new], self.pool.device)
-        dst = host_tensor([block for _, block in new], self.pool.device)
-        H, D = self.pool.kv_heads, self.pool.head_dim
-        for store, pair in zip(self.layers, self.pool.layers):
-            for i, t in enumerate(pair):  # keys, values
-                blocks = t[row, :, : n_blocks * BLOCK].view(H, n_blocks, BLOCK, D).transpose(0, 1)
-                store[i].index_copy_(0, dst, blocks.index_select(0, src))
+        # the new blocks are the sequence's last ones, and their ids mostly consecutive (taken from the free list
+        # together): each run is one copy straight out of the slot; many runs (ids freed by evictions) one gather
+        # and one scatter per tensor
+        runs = _runs([block for _, block in new], [b for b, _ in new])
+        if len(runs) > MAX_RUN_COPIES:
+            src = host_tensor([b for b, _ in new], self.pool.device)
+            dst = host_tensor([block for _, block in new], self.pool.device)
+            for store, slot in zip(self._stores, self._slot_blocks):
+                store.index_copy_(0, dst, slot[row].index_select(1, src).transpose(0, 1))
+            return parent
+        for store, slot in zip(self._stores, self._slot_blocks):
+            for at, first, count in runs:
+                store[first:first + count].copy_(slot[row, :, at:at + count].transpose(0, 1))
         return parent
 
     def stats(self):

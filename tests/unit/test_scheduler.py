@@ -766,9 +766,10 @@ def test_prefix_cache_keys_chain_whole_prefixes_and_load_the_cached_bits():
 
 
 @pytest.mark.parametrize("max_run_copies", [0, 4])
-def test_prefix_cache_loads_blocks_in_runs_or_gathered_bit_for_bit(monkeypatch, max_run_copies):
-    """A chain whose blocks have ids in several runs (here 5-7, 20-21, 3) is loaded into a slot bit for bit, copied
-    run by run or (more runs than MAX_RUN_COPIES) gathered first."""
+def test_prefix_cache_saves_and_loads_blocks_in_runs_or_gathered_bit_for_bit(monkeypatch, max_run_copies):
+    """A chain whose blocks get ids in several runs (here 5-7, 20-21, 3) is saved from a slot (each block's keys and
+    values where its id says) and loaded into another slot bit for bit, copied run by run or (more runs than
+    MAX_RUN_COPIES) gathered and scattered."""
     from nanochat.serving import kv_slots
     from nanochat.serving.kv_slots import PrefixCache, SlotPool, _runs
 
@@ -783,6 +784,11 @@ def test_prefix_cache_loads_blocks_in_runs_or_gathered_bit_for_bit(monkeypatch, 
     cache.save(tokens, row=0)
     blocks = cache.match(tokens)
     assert blocks == [5, 6, 7, 20, 21, 3] and _runs(blocks) == [(0, 5, 3), (3, 20, 2), (5, 3, 1)]
+    assert _runs([5, 6, 7, 8], [2, 3, 5, 6]) == [(2, 5, 2), (5, 7, 2)]  # a run needs consecutive positions too
+    for layer, store in enumerate(cache.layers):
+        for i in range(2):  # keys, values
+            for b, block in enumerate(blocks):
+                assert torch.equal(store[i][block], pool.layers[layer][i][0, :, b * BLOCK:(b + 1) * BLOCK])
     assert cache.load(tokens + [0], row=2, limit=len(tokens)) == len(tokens)
     for t in pool.tensors():
         assert torch.equal(t[2, :, :len(tokens)], t[0, :, :len(tokens)])

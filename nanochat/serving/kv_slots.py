@@ -236,23 +236,24 @@ def blockwise_attention(q, k, v, mask, span):
     (B, 1, 1, C) allows; span a multiple of ATTN_BLOCK. A row's result is the same bits whatever the batch (its
     size, the other rows, their lengths, so the span): the scores are one matmul per (row, head) whose columns do
     not depend on how many there are, the max is exact in any order, and the sums over positions run block by block
-    in a fixed order, the blocks past the row's length adding exact zeros. (torch's CPU flash kernel does not: with
-    several threads it splits the keys differently by batch size, and even with one its blocks follow the span, and
-    a matmul over more columns, zeros or not, may sum in another order, under MKL's strict mode too; the math kernel
-    scales the whole cache every step.) Grouped-query attention: the query heads of one key head are the rows of one
-    matmul.
+    in a fixed order, the blocks past the row's length adding exact zeros: the weighted values accumulate block after
+    block in one batched matmul each (baddbmm), and the weights are each block's sum, summed over the blocks by a
+    cumsum (it accumulates in double, rounded once). (torch's CPU flash kernel does not: with several threads it
+    splits the keys differently by batch size, and even with one its blocks follow the span, and a matmul over more
+    columns, zeros or not, may sum in another order, under MKL's strict mode too; the math kernel scales the whole
+    cache every step.) Grouped-query attention: the query heads of one key head are the rows of one matmul.
     """
     B, Hq, _, D = q.shape
     Hkv = k.size(1)
     G = Hq // Hkv
     scores = torch.matmul((q * D ** -0.5).view(B, Hkv, G, D), k[:, :, :span].transpose(-1, -2))  # (B, Hkv, G, span)
     scores = scores.masked_fill(~mask[:, :, :, :span], float("-inf"))
-    p = torch.exp(scores - scores.amax(-1, keepdim=True))
-    out = weight = 0
-    for j in range(0, span, ATTN_BLOCK):  # slices of the slot are matmul operands as they are: nothing is copied
-        block = p[..., j:j + ATTN_BLOCK]
-        out = out + torch.matmul(block, v[:, :, j:j + ATTN_BLOCK])
-        weight = weight + block.sum(-1, keepdim=True)
+    p = torch.exp(scores - scores.amax(-1, keepdim=True)).view(B * Hkv, G, span)
+    v = v.flatten(0, 1)  # (B * Hkv, C, D): a view of the slots (its blocks below are matmul operands as they are)
+    out = torch.bmm(p[..., :ATTN_BLOCK], v[:, :ATTN_BLOCK])
+    for j in range(ATTN_BLOCK, span, ATTN_BLOCK):
+        out.baddbmm_(p[..., j:j + ATTN_BLOCK], v[:, j:j + ATTN_BLOCK])
+    weight = p.view(B * Hkv, G, span // ATTN_BLOCK, ATTN_BLOCK).sum(-1).cumsum(-1)[..., -1:]
     return (out / weight).reshape(B, Hq, 1, D).to(q.dtype)
 
 

@@ -26,7 +26,11 @@ Measured per server and concurrency:
 - multi-turn (--turns): conversations that resend their history each turn, the reply of turn N in the prompt of
   N+1; TTFT per turn on the batching server with and without its prefix cache (a third server, --prefix_cache=0,
   with the same --max_batch except on a GPU, where its slots are for the conversations only), the median over
-  --conversation_rounds rounds of new conversations.
+  --conversation_rounds rounds of new conversations;
+- on CPU (--first_round_floor), the first round of each level without HTTP: the level's first prompts submitted at
+  once to a scheduler set up as the batching server's (chat_web's CPU settings, the same flags; its own process, after
+  the servers have stopped), the time until the last of them has its first token, median of 3: what the first round's
+  TTFT p99 cannot go below on this machine, whatever the server around the scheduler does.
 Prints markdown tables for docs/benchmarks.md and the load average; --json_out keeps the raw numbers.
 """
 
@@ -86,6 +90,9 @@ FLAGS = Flags(
          choices=["auto", "1", "0"]),
     Flag("decode_overlap", "auto", "the batching servers' --decode_overlap", choices=["auto", "1", "0"]),
     Flag("threads", 0, "torch threads of both servers (OMP_NUM_THREADS; 0: torch's default)"),
+    Flag("first_round_floor", True, "on CPU, also time each level's first round without HTTP: its prompts submitted at "
+         "once to a scheduler set up as the batching server's, in a process of its own (the compute floor of that "
+         "round's time to first token)"),
     "multi-turn",
     Flag("turns", 5, "turns per conversation (0: skip)"),
     Flag("conversations", "1,8", "conversations at once, a comma list"),
@@ -97,6 +104,8 @@ FLAGS = Flags(
     "output",
     Flag("startup_timeout", 300.0, "seconds to wait for a server's /health"),
     Flag("json_out", "", "also write the raw numbers here"),
+    Flag("floor", False, "internal: time the first rounds in this process (the model of $NANOCHAT_BASE_DIR) and print "
+         "them as JSON"),
     Flag("work_dir", "", "keep the random-init model (and the server logs) here, and reuse a model found there "
          "(empty: a new temporary directory)"),
     description=__doc__,
@@ -373,12 +382,84 @@ async def conversations(url, n, turns, messages, max_tokens, first=0):
         return await asyncio.gather(*[one(c) for c in range(n)])
 
 
+def level_plan(args, levels):
+    """(concurrency, requests per client, the number of its first message) of each level, in order."""
+    plan, first = [], 0
+    for c in levels:
+        per_client = max(args.requests_per_client, -(-args.min_requests // c))
+        plan.append((c, per_client, first))
+        first += c * per_client
+    return plan
+
+
+def first_round_floor(args, tokenizer, plan, messages):
+    """
+    Internal (--floor, a process of its own, CPU): per level of more than one client, its first round (client k's
+    first message, number first + k * per_client) rendered as chat_web renders it and submitted at once to a
+    scheduler thread set up as chat_web's batching server (MKL's strict mode and its threads, the same --max_batch,
+    --max_context, --kv_cache_gb and --batch_invariant); the time from the submissions to the last first token,
+    median of 3 (the prefix cache off, so that a repeat is not a cache hit: the round's prompts share no whole block,
+    so it would not hit there either). {concurrency: {"s": seconds, "prompt_tokens": the round's}}.
+    """
+
+    from nanochat.checkpoint_manager import load_model
+    from nanochat.engine import Engine
+    from nanochat.serving.workers import BatchingPool, Worker, prepare_cpu
+
+    invariant = {"auto": None, "1": True, "0": False}[str(args.batch_invariant)]
+    threads = prepare_cpu("cpu", invariant is not False)
+    model, _, _ = load_model(args.source or "sft", torch.device("cpu"), phase="eval",
+                             model_tag=args.model_tag or "serve_bench")
+    budget = int(args.kv_cache_gb * 1024**3) if args.kv_cache_gb else None
+    pool = BatchingPool([Worker(Engine(model, tokenizer), threads=threads)], max_batch=args.max_batch,
+                        max_context=args.max_context, kv_budget_bytes=budget, prefix_cache=False,
+                        batch_invariant=invariant)
+    pool.wait_warm()
+    scheduler = pool.workers[0].scheduler
+    floors = {}
+    try:
+        for c, per_client, first in plan:
+            if c < 2 or c > scheduler.max_batch:
+                continue
+            prompts = [tokenizer.render_for_completion({"messages": [
+                {"role": "user", "content": messages[(first + k * per_client) % len(messages)]}]}, strict=False) for k in range(c)]
+            times = []
+            for _ in range(3):
+                firsts = {}
+
+                def recorder(k):
+                    def on_event(kind, payload):
+                        if kind == "tokens" and k not in firsts:
+                            firsts[k] = time.perf_counter()
+                    return on_event
+
+                t0 = time.perf_counter()
+                requests = [scheduler.submit(prompt, max_tokens=1, temperature=0.0, on_event=recorder(k))
+                            for k, prompt in enumerate(prompts)]
+                for r in requests:
+                    r.finished.wait(600)
+                if len(firsts) < c:
+                    raise RuntimeError(f"{c - len(firsts)} of the first round's {c} requests got no token")
+                times.append(max(firsts.values()) - t0)
+            floors[c] = {"s": sorted(times)[1], "prompt_tokens": sum(map(len, prompts))}
+    finally:
+        pool.close()
+    return floors
+
+
 # -----------------------------------------------------------------------------
 
 
 def main(argv=None):
     args = FLAGS.parse_args(argv)
     levels = [int(x) for x in str(args.concurrency).split(",")]
+    if args.floor:  # the parent's subprocess, its NANOCHAT_BASE_DIR the model's
+        from nanochat.tokenizer import get_tokenizer as saved_tokenizer
+
+        tokenizer = saved_tokenizer()
+        messages = message_pool(tokenizer, lengths(args.prompt_tokens, 2048, seed=0), seed=0)
+        print(json.dumps(first_round_floor(args, tokenizer, level_plan(args, levels), messages)))
+        return
     sampling = {"temperature": args.temperature, **({"top_k": args.top_k} if args.top_k else {})} \
         if args.temperature > 0 else None
     convs = [int(x) for x in str(args.conversations).split(",")] if args.turns else []
@@ -444,10 +525,8 @@ def main(argv=None):
             await asyncio.gather(*[load_level(s.url, 2, warm_msgs, 3, [t_lo, t_hi]) for s in servers.values()])
 
         asyncio.run(warm_up())
-        first = 0
-        for i, c in enumerate(levels):
+        for i, (c, per_client, first) in enumerate(level_plan(args, levels)):
             names = ["batching"] + (["one per worker"] if args.baseline and (not args.baseline_up_to or c <= args.baseline_up_to) else [])
-            per_client = max(args.requests_per_client, -(-args.min_requests // c))
             for name in (names if i % 2 == 0 else names[::-1]):  # alternate which server goes first
                 before = scheduler_counters(servers[name].stats())
                 row = asyncio.run(load_level(servers[name].url, c, pool, per_client, max_tokens, first, sampling))
@@ -460,7 +539,6 @@ def main(argv=None):
                       f"TTFT p50 {row['ttft_p50_s'] * 1e3:7.1f} ms "
                       f"p99 {row['ttft_p99_s'] * 1e3:7.1f} ms  ITL p50 {row['itl_p50_s'] * 1e3:6.1f} ms "
                       f"p99 {row['itl_p99_s'] * 1e3:6.1f} ms  ({row['requests']} requests, {row['wall_s']:.1f} s)", flush=True)
-            first += c * per_client
         rounds = max(1, args.conversation_rounds)
         for i, n in enumerate(convs):
             names, ttfts = ["batching", "batching, no prefix cache"], {}
@@ -479,7 +557,27 @@ def main(argv=None):
         for s in servers.values():
             s.close()
     load_after = os.getloadavg()
-    report(args, model_desc, rows, turns, cache, load_before, load_after, work)
+    floors = first_round_floors(args, argv, env)
+    report(args, model_desc, rows, turns, cache, load_before, load_after, work, floors)
+
+
+def first_round_floors(args, argv, env):
+    """The first rounds' compute floor on CPU (first_round_floor, in a subprocess: MKL's strict mode is set before a
+    process's first matmul, and this one has trained the model), {concurrency: {"s", "prompt_tokens"}}; {} elsewhere or when off."""
+    from nanochat.common import autodetect_device_type
+
+    if not args.first_round_floor or (args.device_type or autodetect_device_type()) != "cpu":
+        return {}
+    argv = list(sys.argv[1:] if argv is None else argv)
+    proc = subprocess.run([sys.executable, "-m", "bench.serve_bench", *argv, "--floor=1"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the first-round floor failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    floors = {int(c): f for c, f in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    for c, f in floors.items():
+        print(f"first round of {c} clients ({f['prompt_tokens']} prompt tokens) without HTTP: the last first token "
+              f"after {f['s'] * 1e3:.1f} ms", flush=True)
+    return floors
 
 
 def describe_sampling(args):
@@ -488,7 +586,7 @@ def describe_sampling(args):
     return f"temperature {args.temperature}, top_k {args.top_k or 'off'}, a seed per request"
 
 
-def report(args, model_desc, rows, turns, cache, load_before, load_after, work):
+def report(args, model_desc, rows, turns, cache, load_before, load_after, work, floors=None):
     device = args.device_type or "auto"
     if torch.cuda.is_available() and device in ("cuda", "auto"):
         hw = torch.cuda.get_device_name(0)
@@ -534,8 +632,12 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work):
     if lone:
         for r in rows:
             if r["server"] == "batching" and r["concurrency"] > 1:
+                floor = (floors or {}).get(r["concurrency"])
                 print(f"\nbatching, {r['concurrency']} clients: TTFT p99 {r['ttft_p99_s'] / lone['ttft_p50_s']:.1f}x a lone "
-                      f"request's ({r['ttft_p99_after_first_s'] / lone['ttft_p50_s']:.1f}x after the first round)")
+                      f"request's ({r['ttft_p99_after_first_s'] / lone['ttft_p50_s']:.1f}x after the first round)"
+                      + (f"; its first round's prompts ({floor['prompt_tokens']} tokens) submitted at once without "
+                         f"HTTP: the last first token after {floor['s'] * 1e3:.0f} ms, "
+                         f"{floor['s'] / lone['ttft_p50_s']:.1f}x" if floor else ""))
     if turns:
         print()
         print(f"Multi-turn: {args.turns} turns, user messages of {args.turn_tokens} tokens, replies of up to "
@@ -555,7 +657,7 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work):
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump({"model": model_desc, "hardware": hw, "levels": rows, "multi_turn": turns, "prefix_cache": cache,
-                       "loadavg": [load_before, load_after]}, f, indent=2)
+                       "first_round_floor_s": floors or {}, "loadavg": [load_before, load_after]}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -230,18 +230,24 @@ class PackedPrefillView:
         return torch.cat(out, dim=2)
 
 
+# devices whose cumsum adds in order: torch's CPU kernel is a sequential scan (accumulating in double, each output
+# rounded once), so appended zeros leave its last output's bits alone; a GPU's parallel scan may group by the length
+SEQUENTIAL_SCAN_DEVICES = ("cpu",)
+
+
 def blockwise_attention(q, k, v, mask, span):
     """
     One decode token per row, q (B, Hq, 1, D), over the first `span` columns of k, v (B, Hkv, C, D) where `mask`
     (B, 1, 1, C) allows; span a multiple of ATTN_BLOCK. A row's result is the same bits whatever the batch (its
     size, the other rows, their lengths, so the span): the scores are one matmul per (row, head) whose columns do
     not depend on how many there are, the max is exact in any order, and the sums over positions run block by block
-    in a fixed order, the blocks past the row's length adding exact zeros: the weighted values accumulate block after
-    block in one batched matmul each (baddbmm), and the weights are each block's sum, summed over the blocks by a
-    cumsum (it accumulates in double, rounded once). (torch's CPU flash kernel does not: with several threads it
-    splits the keys differently by batch size, and even with one its blocks follow the span, and a matmul over more
-    columns, zeros or not, may sum in another order, under MKL's strict mode too; the math kernel scales the whole
-    cache every step.) Grouped-query attention: the query heads of one key head are the rows of one matmul.
+    in a fixed order, the blocks past the row's length adding exact zeros: the weighted values accumulate block
+    after block (one in-place batched matmul each, baddbmm), and the blocks' weights are summed in order (where
+    SEQUENTIAL_SCAN_DEVICES says cumsum scans in order, by one cumsum, else one add a block). (torch's CPU flash
+    kernel does not: with several threads it splits the keys differently by batch size, and even with one its
+    blocks follow the span, and a matmul over more columns, zeros or not, may sum in another order, under MKL's
+    strict mode too; the math kernel scales the whole cache every step.) Grouped-query attention: the query heads of
+    one key head are the rows of one matmul.
     """
     B, Hq, _, D = q.shape
     Hkv = k.size(1)
@@ -253,7 +259,13 @@ def blockwise_attention(q, k, v, mask, span):
     out = torch.bmm(p[..., :ATTN_BLOCK], v[:, :ATTN_BLOCK])
     for j in range(ATTN_BLOCK, span, ATTN_BLOCK):
         out.baddbmm_(p[..., j:j + ATTN_BLOCK], v[:, j:j + ATTN_BLOCK])
-    weight = p.view(B * Hkv, G, span // ATTN_BLOCK, ATTN_BLOCK).sum(-1).cumsum(-1)[..., -1:]
+    sums = p.view(B * Hkv, G, span // ATTN_BLOCK, ATTN_BLOCK).sum(-1)  # each block's weight
+    if p.device.type in SEQUENTIAL_SCAN_DEVICES:
+        weight = sums.cumsum(-1)[..., -1:]
+    else:
+        weight = sums[..., :1]
+        for j in range(1, sums.size(-1)):
+            weight = weight + sums[..., j:j + 1]
     return (out / weight).reshape(B, Hq, 1, D).to(q.dtype)
 
 

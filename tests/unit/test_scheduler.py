@@ -393,13 +393,18 @@ def test_decode_sizes_are_those_where_the_blas_gives_a_row_the_same_bits(monkeyp
     assert invariance.decode_sizes(torch.nn.Linear(64, 96, bias=False), 12, invariant=False) == list(range(1, 13))
 
 
+@pytest.mark.parametrize("scan", ["cumsum", "adds"])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-def test_decode_attention_gives_a_row_the_same_bits_in_any_batch(threads):
+def test_decode_attention_gives_a_row_the_same_bits_in_any_batch(threads, scan, monkeypatch):
     """The decode step's attention on CPU under batch invariance (blockwise_attention): a row's output alone equals
     its output in batches of other rows with other lengths (so other spans), bit for bit; and it is attention (close
-    to SDPA's math kernel). torch's flash kernel with one thread passed this under MKL's default mode, not under its
-    strict one (a span of 576 columns splits its keys otherwise), so it is no longer used there."""
+    to SDPA's math kernel). Both ways of summing the blocks' weights: the CPU's cumsum, and the adds a GPU gets.
+    torch's flash kernel with one thread passed this under MKL's default mode, not under its strict one (a span of
+    576 columns splits its keys otherwise), so it is no longer used there."""
+    from nanochat.serving import kv_slots
     from nanochat.serving.kv_slots import blockwise_attention
+
+    monkeypatch.setattr(kv_slots, "SEQUENTIAL_SCAN_DEVICES", ("cpu",) if scan == "cumsum" else ())
 
     torch.manual_seed(0)
     rows, C = 24, 576

@@ -397,9 +397,10 @@ def first_round_floor(args, tokenizer, plan, messages):
     Internal (--floor, a process of its own, CPU): per level of more than one client, its first round (client k's
     first message, number first + k * per_client) rendered as chat_web renders it and submitted at once to a
     scheduler thread set up as chat_web's batching server (MKL's strict mode and its threads, the same --max_batch,
-    --max_context, --kv_cache_gb and --batch_invariant); the time from the submissions to the last first token,
-    median of 3 (the prefix cache off, so that a repeat is not a cache hit: the round's prompts share no whole block,
-    so it would not hit there either). {concurrency: {"s": seconds, "prompt_tokens": the round's}}.
+    --max_context, --kv_cache_gb and --batch_invariant; beyond --max_batch the rest queue, as in the server); the
+    time from the submissions to the last first token, median of 3 (the prefix cache off, so that a repeat is not a
+    cache hit: the round's prompts share no whole block, so it would not hit there either).
+    {concurrency: {"s": seconds, "prompt_tokens": the round's}}.
     """
 
     from nanochat.checkpoint_manager import load_model
@@ -419,7 +420,7 @@ def first_round_floor(args, tokenizer, plan, messages):
     floors = {}
     try:
         for c, per_client, first in plan:
-            if c < 2 or c > scheduler.max_batch:
+            if c < 2:  # a lone client has no round to batch
                 continue
             prompts = [tokenizer.render_for_completion({"messages": [
                 {"role": "user", "content": messages[(first + k * per_client) % len(messages)]}]}, strict=False) for k in range(c)]

@@ -31,3 +31,16 @@ def test_first_round_floor_times_each_levels_first_prompts_submitted_at_once(tmp
                   for k in range(c)]
         assert floors[c]["prompt_tokens"] == sum(map(len, rounds))
         assert 0 < floors[c]["s"] < 60
+
+
+def test_a_failed_floor_is_said_and_the_report_goes_on(tmp_path, capfd):
+    """The floor runs after the levels: if it fails (here no model where it looks), serve_bench says so with the
+    error and reports the levels without it, rather than losing them."""
+    from bench import serve_bench
+
+    flags = ["--concurrency=1,3", "--depth=2"]
+    args = serve_bench.FLAGS.parse_args(flags)
+    (tmp_path / "empty").mkdir()
+    assert serve_bench.first_round_floors(args, flags, dict(os.environ, NANOCHAT_BASE_DIR=str(tmp_path / "empty"))) == {}
+    err = capfd.readouterr().err
+    assert "the first-round floor failed" in err and "Traceback" in err

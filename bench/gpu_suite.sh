@@ -99,17 +99,17 @@ serve)
     # one request per worker, batching without the prefix cache), the compiled decode step warms up (two compiles:
     # the batch size becomes symbolic after the second bucket, later buckets are recorded as CUDA graphs), then
     # 1/16/64/256 closed-loop clients (the baseline at 1 and 16: at 256 it would serialise 512 replies), then 1 and
-    # 16 five-turn conversations with and without the prefix cache (one round: a GPU is steady). The servers share
-    # the GPU, so the batching one gets 48 GiB of KV (256 slots of 1536 positions at d20 bf16: 41 GiB, the rest the
-    # prefix cache).
+    # 16 five-turn conversations with and without the prefix cache (each level once and one round of conversations:
+    # a GPU is steady, and the slot has no room for repeats). The servers share the GPU, so the batching one gets
+    # 48 GiB of KV (256 slots of 1536 positions at d20 bf16: 41 GiB, the rest the prefix cache).
     if ((CPU)); then
         SERVE="--depth=4 --sequence_len=1024 --device_type=cpu --threads=1 --train_steps=60 --concurrency=1,4,16 --requests_per_client=2
-            --conversations=1 --turns=3 --conversation_rounds=1"
+            --level_repeats=1 --conversations=1 --turns=3 --conversation_rounds=1"
     else
         TOKENIZER=repo_docs
         [[ -f "${NANOCHAT_BASE_DIR:-/nonexistent}/tokenizer/tokenizer.pkl" ]] && TOKENIZER=base_dir
         SERVE="--depth=20 --sequence_len=2048 --device_type=cuda --tokenizer=$TOKENIZER --concurrency=1,16,64,256
-            --baseline_up_to=16 --requests_per_client=2 --max_batch=256 --prompt_tokens=32-1024
+            --baseline_up_to=16 --level_repeats=1 --requests_per_client=2 --max_batch=256 --prompt_tokens=32-1024
             --max_tokens=64-256 --conversations=1,16 --conversation_rounds=1 --turn_tokens=150 --turn_max_tokens=128
             --startup_timeout=240 --max_context=1536 --kv_cache_gb=48"
         ((DRY_RUN)) || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/env.log"

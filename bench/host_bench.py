@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from bench.serve_bench import REPO, free_port, get_tokenizer, lengths, load_level, message_pool, wait_ready
+from bench.serve_bench import (REPO, free_port, get_tokenizer, lengths, load_level, message_pool, quiet_http_logs,
+                               wait_ready)
 from nanochat.configurator import Flag, Flags
 
 FLAGS = Flags(
@@ -123,6 +124,7 @@ def main(argv=None):
     args = FLAGS.parse_args(argv)
     if args.serve:
         return serve(args)
+    quiet_http_logs()
     levels = [int(x) for x in str(args.concurrency).split(",")]
     tokenizer = get_tokenizer(_tokenizer_args(args))
     work = Path(tempfile.mkdtemp(prefix="host_bench_"))

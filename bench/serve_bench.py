@@ -13,6 +13,11 @@ end, send the next (--requests_per_client each), prompts of mixed lengths (--pro
 --temperature, --top_k, each request its own seed), --max_tokens.
 
 Measured per server and concurrency:
+- repeats (--level_repeats): a level that has the baseline runs that many times, new messages each time, the two
+  servers back to back within a repeat (who goes first alternates), and its speed-up is the median of the repeats'
+  ratios (with their range): a CPU shared with other machines may change speed by tens of percent from one minute to
+  the next, and a ratio of two levels a minute apart moves with it; tok/s are the repeats' medians, latencies
+  pooled over them;
 - aggregate output tok/s: completion tokens (the usage the server reports) / wall time of the level. The level
   ends with a drain: clients whose replies were shorter finish first, and the last ones run with fewer neighbours
   (with 4 requests of 16-80 tokens per client, ~20% of the client-time); so also
@@ -36,6 +41,7 @@ Prints markdown tables for docs/benchmarks.md and the load average; --json_out k
 
 import asyncio
 import json
+import logging
 import os
 import random
 import socket
@@ -81,6 +87,8 @@ FLAGS = Flags(
     Flag("top_k", 50, "their top_k when sampling (0: off)"),
     Flag("baseline", True, "also measure the one-request-per-worker server (--batching=0)"),
     Flag("baseline_up_to", 0, "measure the baseline only up to this concurrency (0: every level)"),
+    Flag("level_repeats", 3, "repeats of each level that has the baseline (new messages each time, the two servers "
+         "back to back within a repeat): its speed-up is the median of the repeats' ratios (1: run it once)"),
     Flag("max_batch", 64, "the batching server's --max_batch"),
     Flag("max_context", None, "the batching servers' --max_context (auto: the model's sequence_len)", type=int),
     Flag("kv_cache_gb", None, "the batching servers' --kv_cache_gb (auto: their default share of the free memory; "
@@ -336,13 +344,18 @@ async def load_level(url, concurrency, messages, requests_per_client, max_tokens
         wall = time.perf_counter() - t0
     tokens = sum(r[3] for r in results)
     chunks = sum(len(r[2]) + 1 for r in results if r[3])  # content chunks: one more than their gaps
+    ttfts = [r[1] for r in results]
     later = [r[1] for r in results if r[0] > 0]  # past each client's first request: no longer the start-up burst
+    itls, latencies = [g for r in results for g in r[2]], [r[5] for r in results]
     return {"concurrency": concurrency, "requests": len(results), "tokens": tokens, "chunks": chunks, "wall_s": wall,
             "tok_s": tokens / wall, "busy_tok_s": (busy["tokens"] - tokens0) / (busy["at"] - t0),
-            "busy_s": busy["at"] - t0, "ttft_p50_s": pct([r[1] for r in results], 50),
-            "ttft_p99_s": pct([r[1] for r in results], 99), "ttft_p99_after_first_s": pct(later, 99),
-            "itl_p50_s": pct([g for r in results for g in r[2]], 50), "itl_p99_s": pct([g for r in results for g in r[2]], 99),
-            "latency_p50_s": pct([r[5] for r in results], 50)}
+            "busy_s": busy["at"] - t0, **latency_percentiles(ttfts, later, itls, latencies),
+            "ttfts": ttfts, "later_ttfts": later, "itls": itls, "latencies": latencies}
+
+
+def latency_percentiles(ttfts, later, itls, latencies):
+    return {"ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99), "ttft_p99_after_first_s": pct(later, 99),
+            "itl_p50_s": pct(itls, 50), "itl_p99_s": pct(itls, 99), "latency_p50_s": pct(latencies, 50)}
 
 
 SCHEDULER_COUNTERS = ("steps", "decode_steps", "decoded_rows", "busy_s", "decode_s", "prefill_forwards",
@@ -383,20 +396,71 @@ async def conversations(url, n, turns, messages, max_tokens, first=0):
 
 
 def level_plan(args, levels):
-    """(concurrency, requests per client, the number of its first message) of each level, in order."""
+    """(concurrency, requests per client, the number of each repeat's first message) of each level, in order: a
+    level that has the baseline runs --level_repeats times, the others once; each repeat its own messages (a prompt
+    seen before would be a prefix-cache hit only the batching server gets)."""
     plan, first = [], 0
     for c in levels:
         per_client = max(args.requests_per_client, -(-args.min_requests // c))
-        plan.append((c, per_client, first))
-        first += c * per_client
+        repeats = max(1, args.level_repeats) if has_baseline(args, c) else 1
+        plan.append((c, per_client, [first + k * c * per_client for k in range(repeats)]))
+        first += repeats * c * per_client
     return plan
+
+
+def has_baseline(args, concurrency):
+    return args.baseline and (not args.baseline_up_to or concurrency <= args.baseline_up_to)
+
+
+def merge_repeats(repeats):
+    """One server's rows of one level, a row per repeat -> one row: tok/s the repeats' medians (and each), the latency
+    percentiles over every repeat's requests, counts and times summed (the scheduler's counters too)."""
+    if len(repeats) == 1:
+        return repeats[0]
+    row = {"concurrency": repeats[0]["concurrency"], "server": repeats[0]["server"], "repeats": len(repeats)}
+    for k in ("tok_s", "busy_tok_s"):
+        row[k] = median([r[k] for r in repeats])
+        row[k + "_repeats"] = [r[k] for r in repeats]
+    for k in ("requests", "tokens", "chunks", "wall_s", "busy_s"):
+        row[k] = sum(r[k] for r in repeats)
+    row.update(latency_percentiles(*(sum((r[k] for r in repeats), []) for k in ("ttfts", "later_ttfts", "itls",
+                                                                               "latencies"))))
+    if all(r.get("scheduler") for r in repeats):
+        row["scheduler"] = {k: sum(r["scheduler"][k] for r in repeats) for k in repeats[0]["scheduler"]}
+    return row
+
+
+def median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def describe_speedup(ratios):
+    """A level's speed-up: its one ratio, or the median of its repeats' with their range."""
+    if not ratios:
+        return ""
+    if len(ratios) == 1:
+        return f"{ratios[0]:.2f}x"
+    return f"{median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)"
+
+
+def speedups(rows, key):
+    """{concurrency: [the batching server's `key` over the baseline's in each repeat of the level]}."""
+    base = {(r["concurrency"], r.get("repeat", 0)): r[key] for r in rows if r["server"] == "one per worker"}
+    out = {}
+    for r in rows:
+        pair = (r["concurrency"], r.get("repeat", 0))
+        if r["server"] == "batching" and pair in base:
+            out.setdefault(r["concurrency"], []).append(r[key] / base[pair])
+    return out
 
 
 def first_round_floor(args, tokenizer, plan, messages):
     """
     Internal (--floor, a process of its own, CPU): per level of more than one client, its first round (client k's
-    first message, number first + k * per_client) rendered as chat_web renders it and submitted at once to a
-    scheduler thread set up as chat_web's batching server (MKL's strict mode and its threads, the same --max_batch,
+    first message, number first + k * per_client, in the level's first repeat) rendered as chat_web renders it and
+    submitted at once to a scheduler thread set up as chat_web's batching server (MKL's strict mode and its threads, the same --max_batch,
     --max_context, --kv_cache_gb and --batch_invariant; beyond --max_batch the rest queue, as in the server); the
     time from the submissions to the last first token, median of 3 (the prefix cache off, so that a repeat is not a
     cache hit: the round's prompts share no whole block, so it would not hit there either).
@@ -418,7 +482,7 @@ def first_round_floor(args, tokenizer, plan, messages):
     scheduler = pool.workers[0].scheduler
     floors = {}
     try:
-        for c, per_client, first in plan:
+        for c, per_client, (first, *_) in plan:  # the level's first round
             if c < 2:  # a lone client has no round to batch
                 continue
             first_messages = [messages[(first + k * per_client) % len(messages)] for k in range(c)]
@@ -451,8 +515,14 @@ def first_round_floor(args, tokenizer, plan, messages):
 # -----------------------------------------------------------------------------
 
 
+def quiet_http_logs():
+    """httpx logs every request at INFO, and nanochat's logging shows INFO: a line per request would bury the report."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def main(argv=None):
     args = FLAGS.parse_args(argv)
+    quiet_http_logs()
     levels = [int(x) for x in str(args.concurrency).split(",")]
     if args.floor:  # the parent's subprocess, its NANOCHAT_BASE_DIR the model's
         from nanochat.tokenizer import get_tokenizer as saved_tokenizer
@@ -526,20 +596,22 @@ def main(argv=None):
             await asyncio.gather(*[load_level(s.url, 2, warm_msgs, 3, [t_lo, t_hi]) for s in servers.values()])
 
         asyncio.run(warm_up())
-        for i, (c, per_client, first) in enumerate(level_plan(args, levels)):
-            names = ["batching"] + (["one per worker"] if args.baseline and (not args.baseline_up_to or c <= args.baseline_up_to) else [])
-            for name in (names if i % 2 == 0 else names[::-1]):  # alternate which server goes first
-                before = scheduler_counters(servers[name].stats())
-                row = asyncio.run(load_level(servers[name].url, c, pool, per_client, max_tokens, first, sampling))
-                after = scheduler_counters(servers[name].stats())
-                row["server"] = name
-                if after:  # where the batching server's time went in this level
-                    row["scheduler"] = {k: after[k] - before.get(k, 0) for k in after}
-                rows.append(row)
-                print(f"{name:>16} c={c:<4} {row['tok_s']:8.1f} tok/s ({row['busy_tok_s']:.1f} all busy)  "
-                      f"TTFT p50 {row['ttft_p50_s'] * 1e3:7.1f} ms "
-                      f"p99 {row['ttft_p99_s'] * 1e3:7.1f} ms  ITL p50 {row['itl_p50_s'] * 1e3:6.1f} ms "
-                      f"p99 {row['itl_p99_s'] * 1e3:6.1f} ms  ({row['requests']} requests, {row['wall_s']:.1f} s)", flush=True)
+        for i, (c, per_client, firsts) in enumerate(level_plan(args, levels)):
+            names = ["batching"] + (["one per worker"] if has_baseline(args, c) else [])
+            for k, first in enumerate(firsts):
+                for name in (names if (i + k) % 2 == 0 else names[::-1]):  # alternate which server goes first
+                    before = scheduler_counters(servers[name].stats())
+                    row = asyncio.run(load_level(servers[name].url, c, pool, per_client, max_tokens, first, sampling))
+                    after = scheduler_counters(servers[name].stats())
+                    row["server"], row["repeat"] = name, k
+                    if after:  # where the batching server's time went in this level
+                        row["scheduler"] = {k: after[k] - before.get(k, 0) for k in after}
+                    rows.append(row)
+                    print(f"{name:>16} c={c:<4} {row['tok_s']:8.1f} tok/s ({row['busy_tok_s']:.1f} all busy)  "
+                          f"TTFT p50 {row['ttft_p50_s'] * 1e3:7.1f} ms "
+                          f"p99 {row['ttft_p99_s'] * 1e3:7.1f} ms  ITL p50 {row['itl_p50_s'] * 1e3:6.1f} ms "
+                          f"p99 {row['itl_p99_s'] * 1e3:6.1f} ms  ({row['requests']} requests, {row['wall_s']:.1f} s"
+                          + (f", repeat {k + 1} of {len(firsts)})" if len(firsts) > 1 else ")"), flush=True)
         rounds = max(1, args.conversation_rounds)
         for i, n in enumerate(convs):
             names, ttfts = ["batching", "batching, no prefix cache"], {}
@@ -605,18 +677,28 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work, 
           f"server --batch_invariant={args.batch_invariant} --decode_overlap={args.decode_overlap}. "
           f"Load average {load_before[0]:.1f} before, {load_after[0]:.1f} after. Server logs: {work}")
     print()
+    repeats = 1 + max((r.get("repeat", 0) for r in rows), default=0)
+    if repeats > 1:
+        print(f"Each level with the baseline ran {repeats} times, the two servers back to back each time: its tok/s "
+              f"are the medians, its speed-up the median of the {repeats} ratios (their range in brackets), its "
+              f"latencies over all its requests.")
+        print()
     print("| concurrency | server | aggregate tok/s | speed-up | tok/s, every client busy | speed-up | TTFT p50 / "
           "p99 (ms) | TTFT p99 after the first round (ms) | ITL p50 / p99 (ms) |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-    base = {r["concurrency"]: r for r in rows if r["server"] == "one per worker"}
-    for r in sorted(rows, key=lambda r: (r["concurrency"], r["server"])):
-        ups = [f"{r[k] / base[r['concurrency']][k]:.2f}x" if r["server"] == "batching" and r["concurrency"] in base
-               else "" for k in ("tok_s", "busy_tok_s")]
-        print(f"| {r['concurrency']} | {r['server']} | {r['tok_s']:,.1f} | {ups[0]} | {r['busy_tok_s']:,.1f} | {ups[1]} | "
-              f"{r['ttft_p50_s'] * 1e3:.0f} / "
+    per_level = {}
+    for r in rows:
+        per_level.setdefault((r["concurrency"], r["server"]), []).append(r)
+    merged = [merge_repeats(rs) for _, rs in sorted(per_level.items())]
+    ups = {k: speedups(rows, k) for k in ("tok_s", "busy_tok_s")}
+    for r in merged:
+        cells = [describe_speedup(ups[k].get(r["concurrency"])) if r["server"] == "batching" else ""
+                 for k in ("tok_s", "busy_tok_s")]
+        print(f"| {r['concurrency']} | {r['server']} | {r['tok_s']:,.1f} | {cells[0]} | {r['busy_tok_s']:,.1f} | "
+              f"{cells[1]} | {r['ttft_p50_s'] * 1e3:.0f} / "
               f"{r['ttft_p99_s'] * 1e3:.0f} | {r['ttft_p99_after_first_s'] * 1e3:.0f} | {r['itl_p50_s'] * 1e3:.1f} / "
               f"{r['itl_p99_s'] * 1e3:.1f} |")
-    sched = [r for r in sorted(rows, key=lambda r: r["concurrency"]) if r.get("scheduler")]
+    sched = [r for r in merged if r.get("scheduler")]
     if sched:
         print("\nThe batching server's scheduler per level (its /stats): decode steps and the mean rows they ran, "
               "their mean time, prompt chunks per prefill forward (packed where not batch-invariant), the share of "
@@ -632,9 +714,9 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work, 
                   f"{d['decode_s'] / steps * 1e3:.2f} | {d['prefill_forwards']} | "
                   f"{d['prefill_chunks'] / forwards:.1f} | "
                   f"{(d['busy_s'] - d['decode_s']) / busy:.0%} | {d['busy_s'] / r['wall_s']:.0%} |")
-    lone = next((r for r in rows if r["server"] == "batching" and r["concurrency"] == 1), None)
+    lone = next((r for r in merged if r["server"] == "batching" and r["concurrency"] == 1), None)
     if lone:
-        for r in rows:
+        for r in merged:
             if r["server"] == "batching" and r["concurrency"] > 1:
                 floor = (floors or {}).get(r["concurrency"])
                 print(f"\nbatching, {r['concurrency']} clients: TTFT p99 {r['ttft_p99_s'] / lone['ttft_p50_s']:.1f}x a lone "
@@ -660,7 +742,8 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work, 
               f"({cache['hit_tokens']} of {cache['prompt_tokens']} prompt tokens)")
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump({"model": model_desc, "hardware": hw, "levels": rows, "multi_turn": turns, "prefix_cache": cache,
+            json.dump({"model": model_desc, "hardware": hw, "levels": rows,  # a row per server, level and repeat
+                       "merged": merged, "speedups": ups, "multi_turn": turns, "prefix_cache": cache,
                        "first_round_floor": floors or {}, "loadavg": [load_before, load_after]}, f, indent=2)
 
 

@@ -17,8 +17,10 @@ def test_first_round_floor_times_each_levels_first_prompts_submitted_at_once(tmp
     flags = ["--depth=2", "--train_steps=0", "--vocab_size=1024", "--sequence_len=256", "--concurrency=1,3,5",
              "--max_batch=8", "--prompt_tokens=8-32", "--max_tokens=4-8"]
     args = serve_bench.FLAGS.parse_args(flags)
-    # request r of client k at a level sends message first + k * per_client + r (load_level): the floor times r = 0
-    assert serve_bench.level_plan(args, [1, 3, 5]) == [(1, 12, 0), (3, 4, 12), (5, 4, 24)]
+    # request r of client k in a repeat of a level sends message first + k * per_client + r (load_level), each
+    # repeat its own messages (--level_repeats=3 by default): the floor times r = 0 of the first repeat
+    assert serve_bench.level_plan(args, [1, 3, 5]) == [(1, 12, [0, 12, 24]), (3, 4, [36, 48, 60]),
+                                                       (5, 4, [72, 92, 112])]
     base = tmp_path / "base"
     base.mkdir()
     serve_bench.write_random_checkpoint(args, base)
@@ -26,7 +28,7 @@ def test_first_round_floor_times_each_levels_first_prompts_submitted_at_once(tmp
     assert sorted(floors) == [3, 5]  # a lone client has no round to batch
     tokenizer = serve_bench.get_tokenizer(args)  # the same WikiText tokenizer (trained deterministically)
     messages = serve_bench.message_pool(tokenizer, serve_bench.lengths(args.prompt_tokens, 2048, seed=0), seed=0)
-    for c, per_client, first in [(3, 4, 12), (5, 4, 24)]:
+    for c, per_client, first in [(3, 4, 36), (5, 4, 72)]:
         rounds = [tokenizer.render_for_completion({"messages": [{"role": "user", "content": messages[first + k * per_client]}]})
                   for k in range(c)]
         assert floors[c]["prompt_tokens"] == sum(map(len, rounds))

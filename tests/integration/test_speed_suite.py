@@ -62,6 +62,7 @@ def test_serve_part_fits_nine_minutes_and_serve_bench_takes_its_flags(tmp_path):
         assert limit <= 480 if not extra else limit <= 960  # --cpu doubles the limits
         args = FLAGS.parse_args(command[3:])
         assert args.concurrency == ("1,16,64,256" if not extra else "1,4,16")
+        assert args.level_repeats == 1  # each level once: the slot has no room for repeats
         assert "dry run: nothing ran" in r.stdout and list(tmp_path.iterdir()) == []
 
 def test_decode_part_fits_nine_minutes_and_its_benches_take_their_flags(tmp_path):

@@ -36,6 +36,11 @@ Measured per server and concurrency:
   once to a scheduler set up as the batching server's (chat_web's CPU settings, the same flags; its own process, after
   the servers have stopped), the time until the last of them has its first token, median of 3: what the first round's
   TTFT p99 cannot go below on this machine, whatever the server around the scheduler does.
+- on CPU (--in_process_ceiling), each level that has the baseline and more than one client without HTTP: its first
+  repeat's requests computed in process as each server computes them (the Engine one request after another under
+  MKL's default mode; a scheduler set up as the batching server's, the clients' next requests submitted as their
+  last ones end), in processes of their own, two of each alternating: the speed-up the arithmetic alone gives, next
+  to the one measured over HTTP.
 Prints markdown tables for docs/benchmarks.md and the load average; --json_out keeps the raw numbers.
 """
 
@@ -101,6 +106,9 @@ FLAGS = Flags(
     Flag("first_round_floor", True, "on CPU, also time each level's first round without HTTP: its prompts submitted at "
          "once to a scheduler set up as the batching server's, in a process of its own (the compute floor of that "
          "round's time to first token)"),
+    Flag("in_process_ceiling", True, "on CPU, also compute each level that has the baseline and more than one client "
+         "in process, without HTTP, as each server computes it (two processes of each, alternating): the speed-up the "
+         "arithmetic alone gives on this machine"),
     "multi-turn",
     Flag("turns", 5, "turns per conversation (0: skip)"),
     Flag("conversations", "1,8", "conversations at once, a comma list"),
@@ -114,6 +122,8 @@ FLAGS = Flags(
     Flag("json_out", "", "also write the raw numbers here"),
     Flag("floor", False, "internal: time the first rounds in this process (the model of $NANOCHAT_BASE_DIR) and print "
          "them as JSON"),
+    Flag("ceiling", "", "internal: compute the levels in this process as `engine` or `scheduler` does (the model of "
+         "$NANOCHAT_BASE_DIR) and print their tok/s as JSON", choices=["", "engine", "scheduler"]),
     Flag("work_dir", "", "keep the random-init model (and the server logs) here, and reuse a model found there "
          "(empty: a new temporary directory)"),
     description=__doc__,
@@ -531,6 +541,14 @@ def main(argv=None):
         messages = message_pool(tokenizer, lengths(args.prompt_tokens, 2048, seed=0), seed=0)
         print(json.dumps(first_round_floor(args, tokenizer, level_plan(args, levels), messages)))
         return
+    if args.ceiling:  # the parent's subprocess, as --floor
+        from nanochat.tokenizer import get_tokenizer as saved_tokenizer
+
+        tokenizer = saved_tokenizer()
+        messages = message_pool(tokenizer, lengths(args.prompt_tokens, 2048, seed=0), seed=0)
+        print(json.dumps(in_process_load(args, tokenizer, level_plan(args, levels), messages,
+                                         lengths(args.max_tokens, 2048, seed=2), args.ceiling)))
+        return
     sampling = {"temperature": args.temperature, **({"top_k": args.top_k} if args.top_k else {})} \
         if args.temperature > 0 else None
     convs = [int(x) for x in str(args.conversations).split(",")] if args.turns else []
@@ -631,7 +649,8 @@ def main(argv=None):
             s.close()
     load_after = os.getloadavg()
     floors = first_round_floors(args, argv, env)
-    report(args, model_desc, rows, turns, cache, load_before, load_after, work, floors)
+    ceilings = in_process_ceilings(args, argv, env)
+    report(args, model_desc, rows, turns, cache, load_before, load_after, work, floors, ceilings)
 
 
 def first_round_floors(args, argv, env):
@@ -656,13 +675,109 @@ def first_round_floors(args, argv, env):
     return floors
 
 
+def in_process_load(args, tokenizer, plan, messages, max_tokens, path):
+    """
+    Internal (--ceiling, a process of its own, CPU): each level that has the baseline and more than one client, its
+    first repeat's requests (load_level's messages and reply lengths) computed in this process without HTTP, as
+    `path` computes them: `engine`, one request after another through Engine.generate (the one-request server's
+    arithmetic, MKL's default mode); `scheduler`, closed-loop clients on a scheduler thread set up as chat_web's
+    batching server (MKL's strict mode and its threads, the same --max_batch, --max_context, --kv_cache_gb,
+    --batch_invariant, its prefix cache), each client's next request submitted when its last one ends. Greedy (or
+    the load's sampling). {concurrency: {"tok_s", "tokens"}}: the tokens generated (a stop token counted, as both
+    paths count it), and over the wall time.
+    """
+    import queue
+
+    from nanochat.checkpoint_manager import load_model
+    from nanochat.engine import Engine
+    from nanochat.serving.workers import BatchingPool, Worker, prepare_cpu
+
+    invariant = {"auto": None, "1": True, "0": False}[str(args.batch_invariant)]
+    threads = prepare_cpu("cpu", invariant is not False) if path == "scheduler" else None
+    model, _, _ = load_model(args.source or "sft", torch.device("cpu"), phase="eval",
+                             model_tag=args.model_tag or "serve_bench")
+    engine = Engine(model, tokenizer)
+    pool = None
+    if path == "scheduler":
+        budget = int(args.kv_cache_gb * 1024**3) if args.kv_cache_gb else None
+        pool = BatchingPool([Worker(engine, threads=threads)], max_batch=args.max_batch, max_context=args.max_context,
+                            kv_budget_bytes=budget, batch_invariant=invariant)
+        pool.wait_warm()
+    sampling = {"temperature": args.temperature, "top_k": args.top_k or None} if args.temperature > 0 else \
+        {"temperature": 0.0}
+    out = {}
+    try:
+        for c, per_client, (first, *_) in plan:
+            if c < 2 or not has_baseline(args, c):
+                continue
+            numbers = [[first + k * per_client + r for r in range(per_client)] for k in range(c)]
+            prompts = {i: tokenizer.render_for_completion(
+                {"messages": [{"role": "user", "content": messages[i % len(messages)]}]}, strict=False)
+                for i in sum(numbers, [])}
+            tokens, t0 = 0, time.perf_counter()
+            if pool is None:
+                for i in sum(numbers, []):  # the one-request server's order does not change its arithmetic
+                    tokens += sum(1 for _ in engine.generate(prompts[i], max_tokens=max_tokens[i % len(max_tokens)],
+                                                             seed=i, **sampling))
+            else:
+                ended = queue.Queue()
+                scheduler = pool.workers[0].scheduler
+
+                def submit(k):
+                    i = numbers[k].pop(0)
+                    return scheduler.submit(prompts[i], max_tokens=max_tokens[i % len(max_tokens)], seed=i,
+                                            on_event=lambda kind, _: kind in ("done", "error") and ended.put(k),
+                                            **sampling)
+
+                live = {k: submit(k) for k in range(c)}
+                while live:
+                    k = ended.get(timeout=600)
+                    request = live.pop(k)
+                    if request.error:
+                        raise RuntimeError(f"a request failed in process: {request.error}")
+                    tokens += sum(len(t) for t in request.tokens)
+                    if numbers[k]:
+                        live[k] = submit(k)
+            out[c] = {"tok_s": tokens / (time.perf_counter() - t0), "tokens": tokens}
+    finally:
+        if pool is not None:
+            pool.close()
+    return out
+
+
+def in_process_ceilings(args, argv, env):
+    """The levels in process on CPU (in_process_load): engine, scheduler, engine, scheduler, each a subprocess (MKL's
+    mode is a process's, set before its first matmul). {concurrency: {"engine": [tok/s], "scheduler": [tok/s],
+    "engine_tokens": [...], "scheduler_tokens": [...]}}; {} elsewhere, when off, or when one failed (said on stderr;
+    the report goes on without it)."""
+    from nanochat.common import autodetect_device_type
+
+    if not args.in_process_ceiling or (args.device_type or autodetect_device_type()) != "cpu":
+        return {}
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out = {}
+    for path in ("engine", "scheduler") * 2:
+        proc = subprocess.run([sys.executable, "-m", "bench.serve_bench", *argv, f"--ceiling={path}"], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            print(f"the in-process ceiling failed ({path}, exit {proc.returncode}); the report follows without it:\n"
+                  f"{proc.stderr[-4000:]}", file=sys.stderr, flush=True)
+            return {}
+        for c, level in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+            out.setdefault(int(c), {}).setdefault(path, []).append(level["tok_s"])
+            out[int(c)].setdefault(path + "_tokens", []).append(level["tokens"])
+            print(f"{c} clients in process without HTTP, as the {path} computes them: {level['tok_s']:.1f} tok/s",
+                  flush=True)
+    return out
+
+
 def describe_sampling(args):
     if args.temperature <= 0:
         return "greedy"
     return f"temperature {args.temperature}, top_k {args.top_k or 'off'}, a seed per request"
 
 
-def report(args, model_desc, rows, turns, cache, load_before, load_after, work, floors=None):
+def report(args, model_desc, rows, turns, cache, load_before, load_after, work, floors=None, ceilings=None):
     device = args.device_type or "auto"
     if torch.cuda.is_available() and device in ("cuda", "auto"):
         hw = torch.cuda.get_device_name(0)
@@ -724,6 +839,13 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work, 
                       + (f"; its first round's prompts ({floor['prompt_tokens']} tokens) submitted at once without "
                          f"HTTP: the last first token after {floor['s'] * 1e3:.0f} ms, "
                          f"{floor['s'] / lone['ttft_p50_s']:.1f}x" if floor else ""))
+    for c, paths in sorted((ceilings or {}).items()):
+        ratios = [b / a for a, b in zip(paths["engine"], paths["scheduler"])]
+        over_http = ups["tok_s"].get(c)
+        print(f"\n{c} clients in process, without HTTP: the scheduler "
+              + ", ".join(f"{x:,.0f}" for x in paths["scheduler"]) + " tok/s, the Engine one request at a time "
+              + ", ".join(f"{x:,.0f}" for x in paths["engine"]) + f" tok/s: {describe_speedup(ratios)} (pass by pass)"
+              + (f", against {describe_speedup(over_http)} over HTTP" if over_http else ""))
     if turns:
         print()
         print(f"Multi-turn: {args.turns} turns, user messages of {args.turn_tokens} tokens, replies of up to "
@@ -744,7 +866,8 @@ def report(args, model_desc, rows, turns, cache, load_before, load_after, work, 
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump({"model": model_desc, "hardware": hw, "levels": rows,  # a row per server, level and repeat
                        "merged": merged, "speedups": ups, "multi_turn": turns, "prefix_cache": cache,
-                       "first_round_floor": floors or {}, "loadavg": [load_before, load_after]}, f, indent=2)
+                       "first_round_floor": floors or {}, "in_process": ceilings or {},
+                       "loadavg": [load_before, load_after]}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -46,3 +46,27 @@ def test_a_failed_floor_is_said_and_the_report_goes_on(tmp_path, capfd):
     assert serve_bench.first_round_floors(args, flags, dict(os.environ, NANOCHAT_BASE_DIR=str(tmp_path / "empty"))) == {}
     err = capfd.readouterr().err
     assert "the first-round floor failed" in err and "Traceback" in err
+
+
+def test_in_process_ceiling_computes_each_levels_first_repeat_on_both_paths(tmp_path):
+    """The in-process ceiling (CPU): each level with the baseline and more than one client, its first repeat's
+    requests computed without HTTP as the Engine computes them one at a time and as the batching server's scheduler
+    computes them for closed-loop clients, each path in processes of its own, twice. Both paths must generate every
+    request of the level: a random-init model rarely says <|assistant_end|>, so a path's tokens are the level's
+    max_tokens summed (the same sum on both paths, in both passes)."""
+    from bench import serve_bench
+
+    flags = ["--depth=2", "--train_steps=0", "--vocab_size=1024", "--sequence_len=256", "--concurrency=1,3,5",
+             "--baseline_up_to=3", "--max_batch=8", "--prompt_tokens=8-32", "--max_tokens=4-8"]
+    args = serve_bench.FLAGS.parse_args(flags)
+    base = tmp_path / "base"
+    base.mkdir()
+    serve_bench.write_random_checkpoint(args, base)
+    ceilings = serve_bench.in_process_ceilings(args, flags, dict(os.environ, NANOCHAT_BASE_DIR=str(base)))
+    assert sorted(ceilings) == [3]  # a lone client is not batched; 5 clients have no baseline here
+    (c, per_client, firsts), = [p for p in serve_bench.level_plan(args, [1, 3, 5]) if p[0] == 3]
+    max_tokens = serve_bench.lengths(args.max_tokens, 2048, seed=2)
+    most = sum(max_tokens[(firsts[0] + k) % len(max_tokens)] for k in range(c * per_client))
+    level = ceilings[3]
+    assert len(level["engine"]) == len(level["scheduler"]) == 2 and min(level["engine"] + level["scheduler"]) > 0
+    assert set(level["engine_tokens"]) == set(level["scheduler_tokens"]) == {most}

@@ -78,3 +78,14 @@ def test_report_prints_the_median_speedup_with_its_range(tmp_path, capsys):
     assert "| 400.0 | 2.00x (2.00-4.00x) |" in line
     saved = json.loads((tmp_path / "out.json").read_text())
     assert len(saved["levels"]) == 6 and saved["speedups"]["tok_s"] == {"2": [2.0, 4.0, 2.0]}
+
+
+def test_report_puts_the_in_process_ratio_beside_the_one_over_http(tmp_path, capsys):
+    args = serve_bench.FLAGS.parse_args(["--turns=0"])
+    ceilings = {2: {"engine": [100.0, 200.0], "scheduler": [400.0, 500.0], "engine_tokens": [9, 9],
+                    "scheduler_tokens": [9, 9]}}
+    serve_bench.report(args, "a test model", three_repeats(), [], None, (0.0,) * 3, (0.0,) * 3, tmp_path,
+                       ceilings=ceilings)
+    line = next(x for x in capsys.readouterr().out.splitlines() if "in process" in x)
+    # pass by pass: 400/100 and 500/200, their median 3.25x; over HTTP the repeats' median, 2.00x
+    assert "3.25x (2.50-4.00x) (pass by pass), against 2.00x (2.00-4.00x) over HTTP" in line

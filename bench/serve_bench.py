@@ -470,10 +470,10 @@ def first_round_floor(args, tokenizer, plan, messages):
     """
     Internal (--floor, a process of its own, CPU): per level of more than one client, its first round (client k's
     first message, number first + k * per_client, in the level's first repeat) rendered as chat_web renders it and
-    submitted at once to a scheduler thread set up as chat_web's batching server (MKL's strict mode and its threads, the same --max_batch,
-    --max_context, --kv_cache_gb and --batch_invariant; beyond --max_batch the rest queue, as in the server); the
-    time from the submissions to the last first token, median of 3 (the prefix cache off, so that a repeat is not a
-    cache hit: the round's prompts share no whole block, so it would not hit there either).
+    submitted at once to a scheduler thread set up as chat_web's batching server (MKL's strict mode and its threads,
+    the same --max_batch, --max_context, --kv_cache_gb and --batch_invariant; beyond --max_batch the rest queue, as
+    in the server); the time from the submissions to the last first token, median of 3 (the prefix cache off, so
+    that a repeat is not a cache hit: the round's prompts share no whole block, so it would not hit there either).
     {concurrency: {"s": seconds, "prompt_tokens": the round's}}.
     """
     from nanochat.checkpoint_manager import load_model
@@ -616,12 +616,12 @@ def main(argv=None):
         asyncio.run(warm_up())
         for i, (c, per_client, firsts) in enumerate(level_plan(args, levels)):
             names = ["batching"] + (["one per worker"] if has_baseline(args, c) else [])
-            for k, first in enumerate(firsts):
-                for name in (names if (i + k) % 2 == 0 else names[::-1]):  # alternate which server goes first
+            for rep, first in enumerate(firsts):
+                for name in (names if (i + rep) % 2 == 0 else names[::-1]):  # alternate which server goes first
                     before = scheduler_counters(servers[name].stats())
                     row = asyncio.run(load_level(servers[name].url, c, pool, per_client, max_tokens, first, sampling))
                     after = scheduler_counters(servers[name].stats())
-                    row["server"], row["repeat"] = name, k
+                    row["server"], row["repeat"] = name, rep
                     if after:  # where the batching server's time went in this level
                         row["scheduler"] = {k: after[k] - before.get(k, 0) for k in after}
                     rows.append(row)
@@ -629,7 +629,7 @@ def main(argv=None):
                           f"TTFT p50 {row['ttft_p50_s'] * 1e3:7.1f} ms "
                           f"p99 {row['ttft_p99_s'] * 1e3:7.1f} ms  ITL p50 {row['itl_p50_s'] * 1e3:6.1f} ms "
                           f"p99 {row['itl_p99_s'] * 1e3:6.1f} ms  ({row['requests']} requests, {row['wall_s']:.1f} s"
-                          + (f", repeat {k + 1} of {len(firsts)})" if len(firsts) > 1 else ")"), flush=True)
+                          + (f", repeat {rep + 1} of {len(firsts)})" if len(firsts) > 1 else ")"), flush=True)
         rounds = max(1, args.conversation_rounds)
         for i, n in enumerate(convs):
             names, ttfts = ["batching", "batching, no prefix cache"], {}
@@ -723,11 +723,14 @@ def in_process_load(args, tokenizer, plan, messages, max_tokens, path):
                 ended = queue.Queue()
                 scheduler = pool.workers[0].scheduler
 
-                def submit(k):
+                def submit(k):  # client k's next request; its end puts k in `ended`
+                    def on_event(kind, _):
+                        if kind in ("done", "error"):
+                            ended.put(k)
+
                     i = numbers[k].pop(0)
                     return scheduler.submit(prompts[i], max_tokens=max_tokens[i % len(max_tokens)], seed=i,
-                                            on_event=lambda kind, _: kind in ("done", "error") and ended.put(k),
-                                            **sampling)
+                                            on_event=on_event, **sampling)
 
                 live = {k: submit(k) for k in range(c)}
                 while live:

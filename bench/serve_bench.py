@@ -50,6 +50,7 @@ import logging
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -429,7 +430,7 @@ def merge_repeats(repeats):
         return repeats[0]
     row = {"concurrency": repeats[0]["concurrency"], "server": repeats[0]["server"], "repeats": len(repeats)}
     for k in ("tok_s", "busy_tok_s"):
-        row[k] = median([r[k] for r in repeats])
+        row[k] = statistics.median(r[k] for r in repeats)
         row[k + "_repeats"] = [r[k] for r in repeats]
     for k in ("requests", "tokens", "chunks", "wall_s", "busy_s"):
         row[k] = sum(r[k] for r in repeats)
@@ -440,19 +441,13 @@ def merge_repeats(repeats):
     return row
 
 
-def median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-
-
 def describe_speedup(ratios):
     """A level's speed-up: its one ratio, or the median of its repeats' with their range."""
     if not ratios:
         return ""
     if len(ratios) == 1:
         return f"{ratios[0]:.2f}x"
-    return f"{median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)"
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)"
 
 
 def speedups(rows, key):
@@ -466,6 +461,25 @@ def speedups(rows, key):
     return out
 
 
+def cpu_batching_pool(args, engine_of, prefix_cache):
+    """In an internal subprocess (CPU): a BatchingPool set up as chat_web's batching server (MKL's strict mode unless
+    --batch_invariant=0, its threads, the same --max_batch, --max_context, --kv_cache_gb, --batch_invariant), over
+    the engine `engine_of(model)` of the model of $NANOCHAT_BASE_DIR; warm."""
+    from nanochat.checkpoint_manager import load_model
+    from nanochat.serving.workers import BatchingPool, Worker, prepare_cpu
+
+    invariant = {"auto": None, "1": True, "0": False}[str(args.batch_invariant)]
+    threads = prepare_cpu("cpu", invariant is not False)  # before the model's first matmul
+    model, _, _ = load_model(args.source or "sft", torch.device("cpu"), phase="eval",
+                             model_tag=args.model_tag or "serve_bench")
+    budget = int(args.kv_cache_gb * 1024**3) if args.kv_cache_gb else None
+    pool = BatchingPool([Worker(engine_of(model), threads=threads)], max_batch=args.max_batch,
+                        max_context=args.max_context, kv_budget_bytes=budget, prefix_cache=prefix_cache,
+                        batch_invariant=invariant)
+    pool.wait_warm()
+    return pool
+
+
 def first_round_floor(args, tokenizer, plan, messages):
     """
     Internal (--floor, a process of its own, CPU): per level of more than one client, its first round (client k's
@@ -476,19 +490,9 @@ def first_round_floor(args, tokenizer, plan, messages):
     that a repeat is not a cache hit: the round's prompts share no whole block, so it would not hit there either).
     {concurrency: {"s": seconds, "prompt_tokens": the round's}}.
     """
-    from nanochat.checkpoint_manager import load_model
     from nanochat.engine import Engine
-    from nanochat.serving.workers import BatchingPool, Worker, prepare_cpu
 
-    invariant = {"auto": None, "1": True, "0": False}[str(args.batch_invariant)]
-    threads = prepare_cpu("cpu", invariant is not False)
-    model, _, _ = load_model(args.source or "sft", torch.device("cpu"), phase="eval",
-                             model_tag=args.model_tag or "serve_bench")
-    budget = int(args.kv_cache_gb * 1024**3) if args.kv_cache_gb else None
-    pool = BatchingPool([Worker(Engine(model, tokenizer), threads=threads)], max_batch=args.max_batch,
-                        max_context=args.max_context, kv_budget_bytes=budget, prefix_cache=False,
-                        batch_invariant=invariant)
-    pool.wait_warm()
+    pool = cpu_batching_pool(args, lambda model: Engine(model, tokenizer), prefix_cache=False)
     scheduler = pool.workers[0].scheduler
     floors = {}
     try:
@@ -534,20 +538,15 @@ def main(argv=None):
     args = FLAGS.parse_args(argv)
     quiet_http_logs()
     levels = [int(x) for x in str(args.concurrency).split(",")]
-    if args.floor:  # the parent's subprocess, its NANOCHAT_BASE_DIR the model's
+    if args.floor or args.ceiling:  # the parent's subprocess (run_internal), its NANOCHAT_BASE_DIR the model's
         from nanochat.tokenizer import get_tokenizer as saved_tokenizer
 
         tokenizer = saved_tokenizer()
         messages = message_pool(tokenizer, lengths(args.prompt_tokens, 2048, seed=0), seed=0)
-        print(json.dumps(first_round_floor(args, tokenizer, level_plan(args, levels), messages)))
-        return
-    if args.ceiling:  # the parent's subprocess, as --floor
-        from nanochat.tokenizer import get_tokenizer as saved_tokenizer
-
-        tokenizer = saved_tokenizer()
-        messages = message_pool(tokenizer, lengths(args.prompt_tokens, 2048, seed=0), seed=0)
-        print(json.dumps(in_process_load(args, tokenizer, level_plan(args, levels), messages,
-                                         lengths(args.max_tokens, 2048, seed=2), args.ceiling)))
+        plan = level_plan(args, levels)
+        print(json.dumps(first_round_floor(args, tokenizer, plan, messages) if args.floor else
+                         in_process_load(args, tokenizer, plan, messages, lengths(args.max_tokens, 2048, seed=2),
+                                         args.ceiling)))
         return
     sampling = {"temperature": args.temperature, **({"top_k": args.top_k} if args.top_k else {})} \
         if args.temperature > 0 else None
@@ -653,22 +652,32 @@ def main(argv=None):
     report(args, model_desc, rows, turns, cache, load_before, load_after, work, floors, ceilings)
 
 
+def run_internal(argv, env, flag, what):
+    """`python -m bench.serve_bench <argv> <flag>` in a subprocess (a process of its own: MKL's mode is set before a
+    process's first matmul, and this one has trained the model) -> the JSON it prints last; None if it failed (said
+    on stderr with its error: the report goes on without it)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    proc = subprocess.run([sys.executable, "-m", "bench.serve_bench", *argv, flag], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        print(f"{what} failed (exit {proc.returncode}); the report follows without it:\n{proc.stderr[-4000:]}",
+              file=sys.stderr, flush=True)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def first_round_floors(args, argv, env):
-    """The first rounds' compute floor on CPU (first_round_floor, in a subprocess: MKL's strict mode is set before a
-    process's first matmul, and this one has trained the model): {concurrency: {"s", "prompt_tokens"}}; {} elsewhere,
-    when off, or when it failed (said, with its error: the levels measured so far are still reported)."""
+    """The first rounds' compute floor on CPU (first_round_floor, in a subprocess: run_internal): {concurrency:
+    {"s", "prompt_tokens"}}; {} elsewhere, when off, or when it failed (said, with its error: the levels measured so
+    far are still reported)."""
     from nanochat.common import autodetect_device_type
 
     if not args.first_round_floor or (args.device_type or autodetect_device_type()) != "cpu":
         return {}
-    argv = list(sys.argv[1:] if argv is None else argv)
-    proc = subprocess.run([sys.executable, "-m", "bench.serve_bench", *argv, "--floor=1"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        print(f"the first-round floor failed (exit {proc.returncode}); the report follows without it:\n"
-              f"{proc.stderr[-4000:]}", file=sys.stderr, flush=True)
+    found = run_internal(argv, env, "--floor=1", "the first-round floor")
+    if found is None:
         return {}
-    floors = {int(c): f for c, f in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    floors = {int(c): f for c, f in found.items()}
     for c, f in floors.items():
         print(f"first round of {c} clients ({f['prompt_tokens']} prompt tokens) without HTTP: the last first token "
               f"after {f['s'] * 1e3:.1f} ms", flush=True)
@@ -690,19 +699,14 @@ def in_process_load(args, tokenizer, plan, messages, max_tokens, path):
 
     from nanochat.checkpoint_manager import load_model
     from nanochat.engine import Engine
-    from nanochat.serving.workers import BatchingPool, Worker, prepare_cpu
 
-    invariant = {"auto": None, "1": True, "0": False}[str(args.batch_invariant)]
-    threads = prepare_cpu("cpu", invariant is not False) if path == "scheduler" else None
-    model, _, _ = load_model(args.source or "sft", torch.device("cpu"), phase="eval",
-                             model_tag=args.model_tag or "serve_bench")
-    engine = Engine(model, tokenizer)
-    pool = None
+    pool = engine = None
     if path == "scheduler":
-        budget = int(args.kv_cache_gb * 1024**3) if args.kv_cache_gb else None
-        pool = BatchingPool([Worker(engine, threads=threads)], max_batch=args.max_batch, max_context=args.max_context,
-                            kv_budget_bytes=budget, batch_invariant=invariant)
-        pool.wait_warm()
+        pool = cpu_batching_pool(args, lambda model: Engine(model, tokenizer), prefix_cache=True)
+    else:  # MKL left in its default mode, as the one-request server leaves it
+        model, _, _ = load_model(args.source or "sft", torch.device("cpu"), phase="eval",
+                                 model_tag=args.model_tag or "serve_bench")
+        engine = Engine(model, tokenizer)
     sampling = {"temperature": args.temperature, "top_k": args.top_k or None} if args.temperature > 0 else \
         {"temperature": 0.0}
     out = {}
@@ -757,16 +761,12 @@ def in_process_ceilings(args, argv, env):
 
     if not args.in_process_ceiling or (args.device_type or autodetect_device_type()) != "cpu":
         return {}
-    argv = list(sys.argv[1:] if argv is None else argv)
     out = {}
     for path in ("engine", "scheduler") * 2:
-        proc = subprocess.run([sys.executable, "-m", "bench.serve_bench", *argv, f"--ceiling={path}"], cwd=REPO,
-                              env=env, capture_output=True, text=True, timeout=1800)
-        if proc.returncode != 0:
-            print(f"the in-process ceiling failed ({path}, exit {proc.returncode}); the report follows without it:\n"
-                  f"{proc.stderr[-4000:]}", file=sys.stderr, flush=True)
+        found = run_internal(argv, env, f"--ceiling={path}", f"the in-process ceiling ({path})")
+        if found is None:
             return {}
-        for c, level in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        for c, level in found.items():
             out.setdefault(int(c), {}).setdefault(path, []).append(level["tok_s"])
             out[int(c)].setdefault(path + "_tokens", []).append(level["tokens"])
             print(f"{c} clients in process without HTTP, as the {path} computes them: {level['tok_s']:.1f} tok/s",
